@@ -1,0 +1,122 @@
+// kmoe-train -i DECK [--dry-run] [--section.key=value ...]
+//   1. MPI, 2. Kokkos, 3. deck, 4. process grid, 5. data + model, 6. train, 7. finalize.
+// Exit codes: 0 done, 1 bad input or runtime error, 3 non-finite loss or gradient norm.
+#include <mpi.h>
+
+#include <Kokkos_Core.hpp>
+#include <cstdio>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "io/deck.hpp"
+#include "io/token_data.hpp"
+#include "modules/model/model_size.hpp"
+#include "parallel/process_grid.hpp"
+#include "train/trainer.hpp"
+
+namespace {
+
+struct Args {
+  std::string deck;
+  bool dry_run = false, help = false;
+  std::vector<std::string> overrides;
+};
+
+const char* kUsage =
+    "usage: kmoe-train -i DECK [--dry-run] [--section.key=value ...]\n"
+    "  -i, --input DECK   input deck (INI); keys may be overridden on the command line\n"
+    "  --dry-run          resolve the deck, print sizes, check the grid and data, exit\n"
+    "  -h, --help         this text and every deck key\n";
+
+Args parse_args(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i < argc; ++i) {
+    const std::string s = argv[i];
+    if (s == "-i" || s == "--input") {
+      KMOE_REQUIRE(i + 1 < argc, s << " needs a deck file\n" << kUsage);
+      a.deck = argv[++i];
+    } else if (s.rfind("--input=", 0) == 0) {
+      a.deck = s.substr(8);
+    } else if (s == "--dry-run") {
+      a.dry_run = true;
+    } else if (s == "-h" || s == "--help") {
+      a.help = true;
+    } else if (s.rfind("--", 0) == 0 && s.find('.') != std::string::npos) {
+      a.overrides.push_back(s);
+    } else {
+      KMOE_FAIL("unknown argument '" << s << "'\n" << kUsage);
+    }
+  }
+  if (!a.help) KMOE_REQUIRE(!a.deck.empty(), "no input deck\n" << kUsage);
+  return a;
+}
+
+void print_dry_run(const kmoe::Config& cfg, const kmoe::ProcessGrid& grid) {
+  using namespace kmoe;
+  const ModelSize s = model_size(cfg.model, cfg.train.micro_batch, cfg.train.seq_len);
+  TokenDataset train(cfg.data.paths, cfg.data.dtype, cfg.train.seq_len, cfg.model.vocab_size,
+                     "data.paths");
+  KMOE_REQUIRE(train.num_instances() >= cfg.train.global_batch,
+               "data.paths: " << train.num_instances() << " instances, fewer than one "
+                              << "train.global_batch (" << cfg.train.global_batch << ")");
+  std::int64_t val = 0;
+  if (!cfg.data.val_paths.empty())
+    val = TokenDataset(cfg.data.val_paths, cfg.data.dtype, cfg.train.seq_len,
+                       cfg.model.vocab_size, "data.val_paths")
+              .num_instances();
+  if (!grid.is_root()) return;
+  const double mib = 1024.0 * 1024.0;
+  std::printf("dry run: grid pp %d x dp %d x ep %d = %d ranks\n", grid.pp, grid.dp, grid.ep,
+              grid.world.size());
+  std::printf("  parameters: total %lld, active %lld (embedding %lld)\n",
+              (long long)s.total_params, (long long)s.active_params,
+              (long long)s.embedding_params);
+  std::printf("  model FLOPs per token: %.4g (forward + backward)\n", s.flops_per_token);
+  std::printf("  memory per rank (estimate): %.1f MiB state + %.1f MiB activations = %.1f MiB\n",
+              s.state_bytes / mib, s.activation_bytes / mib,
+              (s.state_bytes + s.activation_bytes) / mib);
+  std::printf("  data: %lld training instances of %d tokens (%d steps use %lld), %lld validation\n",
+              (long long)train.num_instances(), cfg.train.seq_len, cfg.train.max_steps,
+              (long long)cfg.train.max_steps * cfg.train.global_batch, (long long)val);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  MPI_Init(&argc, &argv);
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  int code = 0;
+  {
+    Kokkos::ScopeGuard kokkos(argc, argv);
+    try {
+      const Args args = parse_args(argc, argv);
+      if (args.help) {
+        if (rank == 0) std::cout << kUsage << "\n" << kmoe::deck_help();
+      } else {
+        const kmoe::Config cfg = kmoe::read_deck(args.deck, args.overrides);
+        kmoe::ProcessGrid grid(cfg.parallel, MPI_COMM_WORLD);
+        if (args.dry_run) {
+          print_dry_run(cfg, grid);
+        } else {
+          if (grid.is_root()) std::cout << cfg.resolved_text << std::endl;
+          kmoe::Trainer trainer(cfg, grid);
+          trainer.run();
+        }
+      }
+    } catch (const kmoe::NonFiniteError& e) {
+      std::cerr << "kmoe-train: error: " << e.what() << std::endl;
+      code = 3;
+    } catch (const std::exception& e) {
+      std::cerr << "kmoe-train: error: " << e.what() << std::endl;
+      code = 1;
+    }
+  }
+  // A rank that failed alone must not leave the others waiting in a collective.
+  int world = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  if (code != 0 && world > 1) MPI_Abort(MPI_COMM_WORLD, code);
+  MPI_Finalize();
+  return code;
+}

@@ -1,0 +1,98 @@
+// The resolved input deck as typed structs, one per deck section (RUNTIME.md section 5).
+// io/deck.cpp declares every key (type, default, help) and fills these; nothing else parses.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace kmoe {
+
+struct ModelCfg {
+  int vocab_size = 0;
+  int d_model = 0;
+  int n_layers = 0;
+  int n_heads = 0;
+  int n_kv_heads = 0;  // resolved: n_heads when not given
+  int ffn_hidden = 0;
+  double norm_eps = 1e-6;
+  double rope_theta = 500000.0;
+  bool qk_norm = true;
+  std::string block_norm = "reordered";  // reordered | pre
+  bool tie_embeddings = false;
+  double init_std = 0.02;
+  double output_z_coef = 0.0;
+
+  int head_dim() const { return d_model / n_heads; }
+};
+
+struct TrainCfg {
+  int seq_len = 0;
+  int global_batch = 0;
+  int micro_batch = 0;
+  int max_steps = 0;
+  std::uint64_t seed = 0;
+  int eval_every = 0;      // 0: evaluate at the end only
+  int eval_instances = 0;  // 0: all validation instances
+};
+
+struct OptimizerCfg {
+  double lr = 0.0;
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double eps = 1e-8;
+  double weight_decay = 0.1;
+  double clip = 1.0;  // 0: off
+  std::string schedule = "cosine";  // cosine | constant | wsd
+  int warmup_steps = 0;
+  double final_lr_ratio = 0.1;
+  int decay_steps = 0;
+};
+
+struct DataCfg {
+  std::vector<std::string> paths;      // as written in the deck (globs allowed)
+  std::vector<std::string> val_paths;  // may be empty
+  std::string dtype = "uint16";        // uint16 | uint32
+};
+
+struct ParallelCfg {
+  int pp = 1;
+  int dp = 1;
+  int ep = 1;
+  std::string schedule = "1f1b";  // 1f1b | gpipe
+  std::vector<int> pp_layers;     // empty: even split
+  std::string engram_shard = "none";
+  int watchdog_seconds = 300;
+
+  int world() const { return pp * dp * ep; }
+};
+
+struct CheckpointCfg {
+  std::string dir = "checkpoints";
+  int every = 0;
+  int keep = 3;
+  std::string resume = "auto";  // auto | none | <file>
+  bool save_initial = false;
+};
+
+struct OutputCfg {
+  std::string dir = "run";
+  int log_every = 1;
+  double peak_flops = 0.0;  // per rank, FLOP/s; 0: MFU not reported
+  std::vector<int> dump_step;
+};
+
+struct Config {
+  ModelCfg model;
+  TrainCfg train;
+  OptimizerCfg optimizer;
+  DataCfg data;
+  ParallelCfg parallel;
+  CheckpointCfg checkpoint;
+  OutputCfg output;
+
+  std::string deck_path;      // the file it was read from ("" for a deck given as text)
+  std::string resolved_text;  // every key with its final value, as an INI deck
+};
+
+}  // namespace kmoe

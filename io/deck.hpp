@@ -1,0 +1,25 @@
+// Input deck (RUNTIME.md section 5): INI text read with Boost.Program_options, every key declared
+// with type, default and help; command-line `--section.key=value` overrides; errors name the
+// file, the key and its line.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "io/config.hpp"
+
+namespace kmoe {
+
+// Parses the deck file and the overrides (each "--section.key=value" or "section.key=value").
+// Throws kmoe::Error naming the file, key and line for unknown keys, bad values, missing
+// required keys and inconsistent combinations.
+Config read_deck(const std::string& path, const std::vector<std::string>& overrides = {});
+
+// The same from deck text; `origin` names it in error messages.
+Config parse_deck(const std::string& text, const std::string& origin,
+                  const std::vector<std::string>& overrides = {});
+
+// Help text listing every section, key, type, default and description.
+std::string deck_help();
+
+}  // namespace kmoe

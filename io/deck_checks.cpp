@@ -1,0 +1,166 @@
+// Combinations the key table cannot express one key at a time. They are checked when the deck is
+// read, before any rank allocates, so a bad deck fails in a second with the line to fix.
+#include <cstdint>
+#include <initializer_list>
+#include <utility>
+
+#include "core/error.hpp"
+#include "io/deck_schema.hpp"
+
+// `key` is the key the user most likely has to change; the message still names the others.
+#define KMOE_DECK_REQUIRE(cond, key, msg) KMOE_REQUIRE(cond, locate(key) << ": " << msg)
+
+namespace kmoe::deck {
+namespace {
+
+using Locate = std::function<std::string(const std::string& key)>;
+
+void require_one_of(const Locate& locate, const char* key, const std::string& value,
+                    std::initializer_list<const char*> allowed) {
+  std::string choices;
+  for (const char* option : allowed) {
+    if (value == option) return;
+    choices += (choices.empty() ? "" : " | ") + std::string(option);
+  }
+  KMOE_FAIL(locate(key) << ": " << key << " must be one of " << choices << ", got '" << value
+                        << "'");
+}
+
+void check_model(const ModelCfg& m, const Locate& locate) {
+  const std::pair<const char*, int> dims[] = {
+      {"model.vocab_size", m.vocab_size}, {"model.d_model", m.d_model},
+      {"model.n_layers", m.n_layers},     {"model.n_heads", m.n_heads},
+      {"model.n_kv_heads", m.n_kv_heads}, {"model.ffn_hidden", m.ffn_hidden}};
+  for (const auto& [key, value] : dims) {
+    KMOE_DECK_REQUIRE(value >= 1, key, key << " must be positive");
+  }
+  KMOE_DECK_REQUIRE(m.d_model % m.n_heads == 0, "model.n_heads",
+                    "model.n_heads must divide model.d_model (" << m.d_model << ")");
+  KMOE_DECK_REQUIRE(m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads",
+                    "model.n_kv_heads must divide model.n_heads (" << m.n_heads << ")");
+  KMOE_DECK_REQUIRE(m.head_dim() % 2 == 0, "model.n_heads",
+                    "head dim model.d_model / model.n_heads = " << m.d_model << " / " << m.n_heads
+                                                                << " = " << m.head_dim()
+                                                                << " must be even (RoPE rotates "
+                                                                   "the two halves of a head)");
+  KMOE_DECK_REQUIRE(m.norm_eps > 0, "model.norm_eps", "model.norm_eps must be positive");
+  KMOE_DECK_REQUIRE(m.rope_theta > 0, "model.rope_theta", "model.rope_theta must be positive");
+  KMOE_DECK_REQUIRE(m.init_std >= 0, "model.init_std", "model.init_std must be non-negative");
+  KMOE_DECK_REQUIRE(m.output_z_coef >= 0, "model.output_z_coef",
+                    "model.output_z_coef must be non-negative");
+  require_one_of(locate, "model.block_norm", m.block_norm, {"reordered", "pre"});
+}
+
+void check_train(const TrainCfg& t, const Locate& locate) {
+  KMOE_DECK_REQUIRE(t.seq_len >= 2, "train.seq_len",
+                    "train.seq_len must be at least 2 (T tokens give T-1 targets)");
+  KMOE_DECK_REQUIRE(t.global_batch >= 1, "train.global_batch",
+                    "train.global_batch must be at least 1");
+  KMOE_DECK_REQUIRE(t.micro_batch >= 1, "train.micro_batch",
+                    "train.micro_batch must be at least 1");
+  KMOE_DECK_REQUIRE(t.max_steps >= 1, "train.max_steps", "train.max_steps must be at least 1");
+  KMOE_DECK_REQUIRE(t.eval_every >= 0, "train.eval_every", "train.eval_every must be >= 0");
+  KMOE_DECK_REQUIRE(t.eval_instances >= 0, "train.eval_instances",
+                    "train.eval_instances must be >= 0");
+}
+
+void check_optimizer(const OptimizerCfg& o, int max_steps, const Locate& locate) {
+  KMOE_DECK_REQUIRE(o.lr > 0, "optimizer.lr", "optimizer.lr must be positive");
+  KMOE_DECK_REQUIRE(o.beta1 >= 0 && o.beta1 < 1, "optimizer.beta1",
+                    "optimizer.beta1 must be in [0, 1)");
+  KMOE_DECK_REQUIRE(o.beta2 >= 0 && o.beta2 < 1, "optimizer.beta2",
+                    "optimizer.beta2 must be in [0, 1)");
+  KMOE_DECK_REQUIRE(o.eps > 0, "optimizer.eps", "optimizer.eps must be positive");
+  KMOE_DECK_REQUIRE(o.weight_decay >= 0, "optimizer.weight_decay",
+                    "optimizer.weight_decay must be non-negative");
+  KMOE_DECK_REQUIRE(o.clip >= 0, "optimizer.clip", "optimizer.clip must be non-negative (0 = off)");
+  require_one_of(locate, "optimizer.schedule", o.schedule, {"cosine", "constant", "wsd"});
+  KMOE_DECK_REQUIRE(o.warmup_steps >= 0 && o.warmup_steps <= max_steps, "optimizer.warmup_steps",
+                    "optimizer.warmup_steps must be in [0, train.max_steps = " << max_steps << "]");
+  KMOE_DECK_REQUIRE(o.final_lr_ratio >= 0 && o.final_lr_ratio <= 1, "optimizer.final_lr_ratio",
+                    "optimizer.final_lr_ratio must be in [0, 1]");
+  KMOE_DECK_REQUIRE(o.decay_steps >= 0, "optimizer.decay_steps",
+                    "optimizer.decay_steps must be >= 0");
+  if (o.schedule == "wsd") {
+    const int room = max_steps - o.warmup_steps;
+    KMOE_DECK_REQUIRE(o.decay_steps >= 1 && o.decay_steps <= room, "optimizer.decay_steps",
+                      "optimizer.schedule = wsd needs optimizer.decay_steps in [1, "
+                      "train.max_steps - optimizer.warmup_steps = "
+                          << room << "]");
+  }
+}
+
+void check_data(const DataCfg& d, int vocab_size, const Locate& locate) {
+  require_one_of(locate, "data.dtype", d.dtype, {"uint16", "uint32"});
+  KMOE_DECK_REQUIRE(!d.paths.empty(), "data.paths", "data.paths must name at least one file");
+  KMOE_DECK_REQUIRE(d.dtype != "uint16" || vocab_size <= 65536, "model.vocab_size",
+                    "model.vocab_size (" << vocab_size
+                                         << ") exceeds 65536, the most data.dtype = uint16 can "
+                                            "hold; use data.dtype = uint32");
+}
+
+void check_parallel(const Config& c, const Locate& locate) {
+  const ParallelCfg& p = c.parallel;
+  KMOE_DECK_REQUIRE(p.pp >= 1, "parallel.pp", "parallel.pp must be at least 1");
+  KMOE_DECK_REQUIRE(p.dp >= 1, "parallel.dp", "parallel.dp must be at least 1");
+  KMOE_DECK_REQUIRE(p.ep >= 1, "parallel.ep", "parallel.ep must be at least 1");
+  KMOE_DECK_REQUIRE(p.pp <= c.model.n_layers, "parallel.pp",
+                    "parallel.pp (" << p.pp << ") exceeds model.n_layers (" << c.model.n_layers
+                                    << "): every stage needs a block");
+  require_one_of(locate, "parallel.schedule", p.schedule, {"1f1b", "gpipe"});
+  require_one_of(locate, "parallel.engram_shard", p.engram_shard, {"none", "ep", "stage"});
+  if (!p.pp_layers.empty()) {
+    KMOE_DECK_REQUIRE(static_cast<int>(p.pp_layers.size()) == p.pp, "parallel.pp_layers",
+                      "parallel.pp_layers has " << p.pp_layers.size() << " entries; parallel.pp = "
+                                                << p.pp << " needs one per stage");
+    std::int64_t sum = 0;
+    for (std::size_t s = 0; s < p.pp_layers.size(); ++s) {
+      KMOE_DECK_REQUIRE(p.pp_layers[s] >= 1, "parallel.pp_layers",
+                        "parallel.pp_layers gives stage " << s << " " << p.pp_layers[s]
+                                                          << " blocks; every stage needs one");
+      sum += p.pp_layers[s];
+    }
+    KMOE_DECK_REQUIRE(
+        sum == c.model.n_layers, "parallel.pp_layers",
+        "parallel.pp_layers sums to " << sum << ", model.n_layers is " << c.model.n_layers);
+  }
+  KMOE_DECK_REQUIRE(p.watchdog_seconds >= 1, "parallel.watchdog_seconds",
+                    "parallel.watchdog_seconds must be at least 1");
+  // Every one of the dp*ep ranks of a stage takes whole micro-batches (RUNTIME.md section 2).
+  const std::int64_t b = c.train.micro_batch;
+  const std::int64_t unit = b * p.dp * p.ep;
+  KMOE_DECK_REQUIRE(c.train.global_batch % unit == 0, "train.global_batch",
+                    "train.global_batch (" << c.train.global_batch
+                                           << ") must be divisible by train.micro_batch * "
+                                              "parallel.dp * parallel.ep = "
+                                           << b << " * " << p.dp << " * " << p.ep << " = " << unit);
+}
+
+void check_outputs(const CheckpointCfg& k, const OutputCfg& o, const Locate& locate) {
+  KMOE_DECK_REQUIRE(!k.dir.empty(), "checkpoint.dir", "checkpoint.dir must not be empty");
+  KMOE_DECK_REQUIRE(k.every >= 0, "checkpoint.every", "checkpoint.every must be >= 0");
+  KMOE_DECK_REQUIRE(k.keep >= 1, "checkpoint.keep", "checkpoint.keep must be at least 1");
+  KMOE_DECK_REQUIRE(!k.resume.empty(), "checkpoint.resume",
+                    "checkpoint.resume must be auto, none or a file");
+  KMOE_DECK_REQUIRE(!o.dir.empty(), "output.dir", "output.dir must not be empty");
+  KMOE_DECK_REQUIRE(o.log_every >= 1, "output.log_every", "output.log_every must be at least 1");
+  KMOE_DECK_REQUIRE(o.peak_flops >= 0, "output.peak_flops",
+                    "output.peak_flops must be non-negative (0 = no MFU)");
+  for (const int step : o.dump_step) {
+    KMOE_DECK_REQUIRE(step >= 1, "output.dump_step",
+                      "output.dump_step entries are steps, at least 1; got " << step);
+  }
+}
+
+}  // namespace
+
+void check_consistency(const Config& cfg, const Locate& locate) {
+  check_model(cfg.model, locate);
+  check_train(cfg.train, locate);
+  check_optimizer(cfg.optimizer, cfg.train.max_steps, locate);
+  check_data(cfg.data, cfg.model.vocab_size, locate);
+  check_parallel(cfg, locate);
+  check_outputs(cfg.checkpoint, cfg.output, locate);
+}
+
+}  // namespace kmoe::deck

@@ -1,0 +1,279 @@
+#include "modules/attention/attention.hpp"
+
+#include <cmath>
+
+#include "core/gemm.hpp"
+#include "modules/norm/rmsnorm.hpp"
+
+namespace kmoe {
+
+AttentionScratch::AttentionScratch(const ModelCfg& m, int max_seqs, int T) {
+  const std::int64_t N = static_cast<std::int64_t>(max_seqs) * T, dh = m.head_dim();
+  d_merged = View1F("attn::d_merged", N * m.n_heads * dh);
+  d_heads = View1F("attn::d_heads", N * m.n_heads * dh);
+  d_probs = View1F("attn::d_probs", static_cast<std::int64_t>(max_seqs) * m.n_heads * T * T);
+  d_k = View1F("attn::d_k", N * m.n_kv_heads * dh);
+  d_v = View1F("attn::d_v", N * m.n_kv_heads * dh);
+  d_qkv = View1F("attn::d_qkv", N * (m.n_heads + 2 * m.n_kv_heads) * dh);
+}
+
+Attention::Attention(const ModelCfg& m, const std::string& prefix, int max_seqs, int seq_len,
+                     TensorTable& table)
+    : D_(m.d_model),
+      H_(m.n_heads),
+      Hkv_(m.n_kv_heads),
+      dh_(m.head_dim()),
+      T_(seq_len),
+      qk_norm_(m.qk_norm),
+      eps_(static_cast<float>(m.norm_eps)) {
+  const std::int64_t qd = H_ * dh_, kd = Hkv_ * dh_;
+  auto matrix = [&](const char* n, std::int64_t rows, std::int64_t cols) {
+    return table.add({prefix + n, {rows, cols}, InitKind::Normal, m.init_std, true, 1.0});
+  };
+  wq_ = matrix("wq", qd, D_);
+  matrix("wk", kd, D_);
+  matrix("wv", kd, D_);
+  wo_ = matrix("wo", D_, qd);
+  if (qk_norm_) {
+    q_norm_ = table.add({prefix + "q_norm.weight", {qd}, InitKind::Ones, 0.0, false, 1.0});
+    k_norm_ = table.add({prefix + "k_norm.weight", {kd}, InitKind::Ones, 0.0, false, 1.0});
+  }
+  const std::int64_t N = static_cast<std::int64_t>(max_seqs) * T_;
+  qkv_ = View1F("attn::qkv", N * (qd + 2 * kd));
+  rstd_q_ = View1F("attn::rstd_q", N);
+  rstd_k_ = View1F("attn::rstd_k", N);
+  q_ = View1F("attn::q", N * qd);
+  k_ = View1F("attn::k", N * kd);
+  v_ = View1F("attn::v", N * kd);
+  probs_ = View1F("attn::probs", static_cast<std::int64_t>(max_seqs) * H_ * T_ * T_);
+  merged_ = View1F("attn::merged", N * qd);
+}
+
+namespace {
+
+// Per (sequence, kv head g): the group's G = H/Hkv query heads are consecutive in the head
+// layout, so they form one (G*T, dh) matrix against the kv head's (T, dh).
+// f(qh, kh): the group's first query head and its kv head, as indices into the head layouts.
+template <class F>
+void for_each_group(int nseq, int H, int Hkv, F&& f) {
+  for (int s = 0; s < nseq; ++s)
+    for (int g = 0; g < Hkv; ++g) f(s * H + g * (H / Hkv), s * Hkv + g);
+}
+
+// Between the head layout (nseq, H, T, dh) and concatenated heads (N, H*dh).
+void move_heads(float* heads_data, Mat merged, int T, int H, int dh, bool to_heads) {
+  const int N = merged.extent(0);
+  Kokkos::View<float*, Layout, MemSpace, Unmanaged> heads(heads_data, std::int64_t(N) * H * dh);
+  Kokkos::parallel_for(
+      "attn::move_heads", Range2({0, 0}, {N, H * dh}), KOKKOS_LAMBDA(int r, int c) {
+        const std::int64_t hi = ((std::int64_t(r / T) * H + c / dh) * T + r % T) * dh + c % dh;
+        if (to_heads)
+          heads(hi) = merged(r, c);
+        else
+          merged(r, c) = heads(hi);
+      });
+}
+
+}  // namespace
+
+void Attention::forward(const TensorTable& table, const RopeTables& rope, ConstMat a, Mat out,
+                        AttentionScratch& scratch) {
+  const int N = a.extent(0), T = T_, nseq = N / T, H = H_, Hkv = Hkv_, dh = dh_, half = dh / 2;
+  const int qd = H * dh, kd = Hkv * dh, W = qd + 2 * kd, G = H / Hkv;
+  const float eps = eps_;
+  const bool qk_norm = qk_norm_;
+
+  Mat qkv = as_mat(qkv_.data(), N, W);  // (N, H*dh | Hkv*dh | Hkv*dh)
+  gemm(Trans::N, Trans::T, 1.0f, a, as_cmat(table.param(wq_), W, D_), 0.0f, qkv);
+
+  // QK-norm over the whole projected q and k, RoPE, and the split into head layout.
+  auto q = q_, k = k_, v = v_, rq = rstd_q_, rk = rstd_k_;
+  auto cs = rope.cos, sn = rope.sin;
+  const float* gq = qk_norm ? table.param(q_norm_) : nullptr;
+  const float* gk = qk_norm ? table.param(k_norm_) : nullptr;
+  Kokkos::parallel_for(
+      "attn::norm_rope_split", row_policy(N), KOKKOS_LAMBDA(const TeamMember& team) {
+        const int r = team.league_rank(), s = r / T, t = r % T;
+        float sq = 1.0f, sk = 1.0f;
+        if (qk_norm) {
+          float ssq = 0.0f, ssk = 0.0f;
+          Kokkos::parallel_reduce(
+              Kokkos::TeamThreadRange(team, qd),
+              [&](int c, float& acc) { acc += qkv(r, c) * qkv(r, c); }, ssq);
+          Kokkos::parallel_reduce(
+              Kokkos::TeamThreadRange(team, kd),
+              [&](int c, float& acc) { acc += qkv(r, qd + c) * qkv(r, qd + c); }, ssk);
+          sq = math::rsqrt(ssq / qd + eps);
+          sk = math::rsqrt(ssk / kd + eps);
+          Kokkos::single(Kokkos::PerTeam(team), [&]() {
+            rq(r) = sq;
+            rk(r) = sk;
+          });
+        }
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, (H + Hkv) * half), [&](int j) {
+          const bool is_q = j < H * half;
+          const int jj = is_q ? j : j - H * half, h = jj / half, i = jj % half;
+          const int w0 = h * dh + i;  // column within q or k
+          const int c0 = (is_q ? 0 : qd) + w0;
+          const float rs = is_q ? sq : sk;
+          float a0 = qkv(r, c0) * rs, a1 = qkv(r, c0 + half) * rs;
+          if (qk_norm) {
+            a0 *= is_q ? gq[w0] : gk[w0];
+            a1 *= is_q ? gq[w0 + half] : gk[w0 + half];
+          }
+          rope_rotate(a0, a1, cs(t, i), sn(t, i));
+          const std::int64_t base = ((std::int64_t(s) * (is_q ? H : Hkv) + h) * T + t) * dh;
+          (is_q ? q : k)(base + i) = a0;
+          (is_q ? q : k)(base + i + half) = a1;
+        });
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, kd), [&](int c) {
+          v(((std::int64_t(s) * Hkv + c / dh) * T + t) * dh + c % dh) = qkv(r, qd + kd + c);
+        });
+      });
+
+  const float scale = 1.0f / std::sqrt(static_cast<float>(dh));
+  const std::int64_t TT = std::int64_t(T) * T, Tdh = std::int64_t(T) * dh;
+  for_each_group(nseq, H, Hkv, [&](int qh, int kh) {  // scores (G*T, T) = q k^T / sqrt(dh)
+    gemm(Trans::N, Trans::T, scale, as_cmat(q_.data() + qh * Tdh, G * T, dh),
+         as_cmat(k_.data() + kh * Tdh, T, dh), 0.0f, as_mat(probs_.data() + qh * TT, G * T, T));
+  });
+
+  auto p = as_mat(probs_.data(), nseq * H * T, T);
+  Kokkos::parallel_for(
+      "attn::causal_softmax", row_policy(nseq * H * T), KOKKOS_LAMBDA(const TeamMember& team) {
+        const int r = team.league_rank(), t = r % T;
+        float mx = -3.0e38f;
+        Kokkos::parallel_reduce(
+            Kokkos::TeamThreadRange(team, t + 1),
+            [&](int j, float& m) { m = math::fmax(m, p(r, j)); }, Kokkos::Max<float>(mx));
+        float sum = 0.0f;
+        Kokkos::parallel_reduce(
+            Kokkos::TeamThreadRange(team, t + 1),
+            [&](int j, float& acc) { acc += math::exp(p(r, j) - mx); }, sum);
+        const float inv = 1.0f / sum;
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, T), [&](int j) {
+          p(r, j) = j <= t ? math::exp(p(r, j) - mx) * inv : 0.0f;
+        });
+      });
+
+  float* heads = scratch.d_heads.data();  // (nseq, H, T, dh) head outputs
+  for_each_group(nseq, H, Hkv, [&](int qh, int kh) {
+    gemm(Trans::N, Trans::N, 1.0f, as_cmat(probs_.data() + qh * TT, G * T, T),
+         as_cmat(v_.data() + kh * Tdh, T, dh), 0.0f, as_mat(heads + qh * Tdh, G * T, dh));
+  });
+  Mat merged = as_mat(merged_.data(), N, qd);
+  move_heads(heads, merged, T, H, dh, /*to_heads=*/false);
+  gemm(Trans::N, Trans::T, 1.0f, as_cmat(merged), as_cmat(table.param(wo_), D_, qd), 0.0f, out);
+}
+
+void Attention::backward(TensorTable& table, const RopeTables& rope, ConstMat a, ConstMat dout,
+                         Mat da, AttentionScratch& scratch) {
+  const int N = a.extent(0), T = T_, nseq = N / T, H = H_, Hkv = Hkv_, dh = dh_, half = dh / 2;
+  const int qd = H * dh, kd = Hkv * dh, W = qd + 2 * kd, G = H / Hkv;
+  const bool qk_norm = qk_norm_;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(dh));
+  const std::int64_t TT = std::int64_t(T) * T, Tdh = std::int64_t(T) * dh;
+
+  // Output projection: dWo += dout^T merged; d_merged = dout Wo.
+  gemm(Trans::T, Trans::N, 1.0f, dout, as_cmat(merged_.data(), N, qd), 1.0f,
+       as_mat(table.grad(wo_), D_, qd));
+  Mat d_merged = as_mat(scratch.d_merged.data(), N, qd);
+  gemm(Trans::N, Trans::N, 1.0f, dout, as_cmat(table.param(wo_), D_, qd), 0.0f, d_merged);
+  float* d_heads = scratch.d_heads.data();
+  move_heads(d_heads, d_merged, T, H, dh, /*to_heads=*/true);
+
+  // dP = dO v^T; dv = P^T dO (summed over the group's heads by the GEMM itself).
+  float* d_probs = scratch.d_probs.data();
+  for_each_group(nseq, H, Hkv, [&](int qh, int kh) {
+    gemm(Trans::N, Trans::T, 1.0f, as_cmat(d_heads + qh * Tdh, G * T, dh),
+         as_cmat(v_.data() + kh * Tdh, T, dh), 0.0f, as_mat(d_probs + qh * TT, G * T, T));
+    gemm(Trans::T, Trans::N, 1.0f, as_cmat(probs_.data() + qh * TT, G * T, T),
+         as_cmat(d_heads + qh * Tdh, G * T, dh), 0.0f,
+         as_mat(scratch.d_v.data() + kh * Tdh, T, dh));
+  });
+
+  // Softmax backward in place: dS = P * (dP - sum_j P dP) * scale.
+  auto p = as_cmat(probs_.data(), nseq * H * T, T);
+  auto dp = as_mat(d_probs, nseq * H * T, T);
+  Kokkos::parallel_for(
+      "attn::softmax_backward", row_policy(nseq * H * T), KOKKOS_LAMBDA(const TeamMember& team) {
+        const int r = team.league_rank(), t = r % T;
+        float dot = 0.0f;
+        Kokkos::parallel_reduce(
+            Kokkos::TeamThreadRange(team, t + 1),
+            [&](int j, float& acc) { acc += p(r, j) * dp(r, j); }, dot);
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, T), [&](int j) {
+          dp(r, j) = j <= t ? p(r, j) * (dp(r, j) - dot) * scale : 0.0f;
+        });
+      });
+
+  // dq = dS k (overwrites dO in d_heads, no longer needed); dk = dS^T q.
+  for_each_group(nseq, H, Hkv, [&](int qh, int kh) {
+    gemm(Trans::N, Trans::N, 1.0f, as_cmat(d_probs + qh * TT, G * T, T),
+         as_cmat(k_.data() + kh * Tdh, T, dh), 0.0f, as_mat(d_heads + qh * Tdh, G * T, dh));
+    gemm(Trans::T, Trans::N, 1.0f, as_cmat(d_probs + qh * TT, G * T, T),
+         as_cmat(q_.data() + qh * Tdh, G * T, dh), 0.0f,
+         as_mat(scratch.d_k.data() + kh * Tdh, T, dh));
+  });
+
+  // Back to (N, W) rows: inverse RoPE on dq, dk (gradients w.r.t. the normalized q, k), dv.
+  Mat d_qkv = as_mat(scratch.d_qkv.data(), N, W);
+  auto dq = scratch.d_heads, dk = scratch.d_k, dv = scratch.d_v;
+  auto cs = rope.cos, sn = rope.sin;
+  Kokkos::parallel_for(
+      "attn::unrope_merge", row_policy(N), KOKKOS_LAMBDA(const TeamMember& team) {
+        const int r = team.league_rank(), s = r / T, t = r % T;
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, (H + Hkv) * half), [&](int j) {
+          const bool is_q = j < H * half;
+          const int jj = is_q ? j : j - H * half, h = jj / half, i = jj % half;
+          const std::int64_t base = ((std::int64_t(s) * (is_q ? H : Hkv) + h) * T + t) * dh;
+          float g0 = (is_q ? dq : dk)(base + i), g1 = (is_q ? dq : dk)(base + i + half);
+          rope_rotate_transpose(g0, g1, cs(t, i), sn(t, i));
+          const int c0 = (is_q ? 0 : qd) + h * dh + i;
+          d_qkv(r, c0) = g0;
+          d_qkv(r, c0 + half) = g1;
+        });
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, kd), [&](int c) {
+          d_qkv(r, qd + kd + c) = dv(((std::int64_t(s) * Hkv + c / dh) * T + t) * dh + c % dh);
+        });
+      });
+
+  if (qk_norm) {
+    // Norm weights first (they need the gradient w.r.t. the norm output), then the in-place
+    // RMSNorm backward of the q and k column blocks.
+    ConstVec rq(rstd_q_.data(), N), rk(rstd_k_.data(), N);
+    rmsnorm_weight_grad(qkv_.data(), W, d_qkv.data(), W, rq, N, qd, Vec(table.grad(q_norm_), qd));
+    rmsnorm_weight_grad(qkv_.data() + qd, W, d_qkv.data() + qd, W, rk, N, kd,
+                        Vec(table.grad(k_norm_), kd));
+    auto qkv = as_cmat(qkv_.data(), N, W);
+    const float* gq = table.param(q_norm_);
+    const float* gk = table.param(k_norm_);
+    Kokkos::parallel_for(
+        "attn::qk_norm_backward", row_policy(N), KOKKOS_LAMBDA(const TeamMember& team) {
+          const int r = team.league_rank();
+          for (int part = 0; part < 2; ++part) {
+            const int c0 = part == 0 ? 0 : qd, width = part == 0 ? qd : kd;
+            const float* g = part == 0 ? gq : gk;
+            const float s = part == 0 ? rq(r) : rk(r);
+            float dot = 0.0f;
+            Kokkos::parallel_reduce(
+                Kokkos::TeamThreadRange(team, width),
+                [&](int c, float& acc) { acc += g[c] * d_qkv(r, c0 + c) * qkv(r, c0 + c) * s; },
+                dot);
+            const float mean_dot = dot / width;
+            team.team_barrier();
+            Kokkos::parallel_for(Kokkos::TeamThreadRange(team, width), [&](int c) {
+              d_qkv(r, c0 + c) =
+                  s * (g[c] * d_qkv(r, c0 + c) - qkv(r, c0 + c) * s * mean_dot);
+            });
+            team.team_barrier();
+          }
+        });
+  }
+
+  // Fused projection: dW(q|k|v) += d_qkv^T a; da = d_qkv W(q|k|v).
+  gemm(Trans::T, Trans::N, 1.0f, as_cmat(d_qkv), a, 1.0f, as_mat(table.grad(wq_), W, D_));
+  gemm(Trans::N, Trans::N, 1.0f, as_cmat(d_qkv), as_cmat(table.param(wq_), W, D_), 0.0f, da);
+}
+
+}  // namespace kmoe

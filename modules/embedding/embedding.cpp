@@ -1,0 +1,31 @@
+#include "modules/embedding/embedding.hpp"
+
+namespace kmoe {
+
+Embedding::Embedding(int vocab, int d_model, double init_std, int max_tokens, TensorTable& table)
+    : V_(vocab), D_(d_model), buckets_(max_tokens, vocab) {
+  weight_ = table.add({"embed.weight", {V_, D_}, InitKind::Normal, init_std, false, 1.0});
+}
+
+void Embedding::forward(const TensorTable& table, ConstIVec tokens, Mat x) {
+  const int N = tokens.extent(0);
+  auto w = as_cmat(table.param(weight_), V_, D_);
+  Kokkos::parallel_for(
+      "embed::forward", Range2({0, 0}, {N, D_}),
+      KOKKOS_LAMBDA(int r, int d) { x(r, d) = w(tokens(r), d); });
+}
+
+void Embedding::backward(TensorTable& table, ConstIVec tokens, ConstMat dx) {
+  buckets_.build(tokens);
+  auto off = buckets_.offsets;
+  auto ord = buckets_.order;
+  auto dw = as_mat(table.grad(weight_), V_, D_);
+  Kokkos::parallel_for(
+      "embed::backward", Range2({0, 0}, {V_, D_}), KOKKOS_LAMBDA(int v, int d) {
+        float acc = 0.0f;
+        for (int a = off(v); a < off(v + 1); ++a) acc += dx(ord(a), d);
+        if (off(v + 1) > off(v)) dw(v, d) += acc;
+      });
+}
+
+}  // namespace kmoe

@@ -1,0 +1,25 @@
+// Token embedding (MODEL.md section 1): x = Embed[tokens], no scaling. The backward scatter-add
+// groups positions by token id (KeyBuckets) so the sum order is fixed on every backend.
+#pragma once
+
+#include "core/bucket_sort.hpp"
+#include "core/kokkos_types.hpp"
+#include "train/tensor_table.hpp"
+
+namespace kmoe {
+
+class Embedding {
+ public:
+  // Declares embed.weight [V, D] (no weight decay).
+  Embedding(int vocab, int d_model, double init_std, int max_tokens, TensorTable& table);
+
+  int weight_index() const { return weight_; }
+  void forward(const TensorTable& table, ConstIVec tokens, Mat x);     // x: (N, D)
+  void backward(TensorTable& table, ConstIVec tokens, ConstMat dx);    // embed grad +=
+
+ private:
+  int V_, D_, weight_;
+  KeyBuckets buckets_;
+};
+
+}  // namespace kmoe

@@ -1,0 +1,47 @@
+// Final RMSNorm, LM head and the loss of MODEL.md section 2: cross-entropy over the positions
+// that have a target (t < T-1) plus the optional output z-loss, with the gradient of
+// logits written in place by the same fused kernel.
+#pragma once
+
+#include <vector>
+
+#include "core/kokkos_types.hpp"
+#include "io/config.hpp"
+#include "train/tensor_table.hpp"
+
+namespace kmoe {
+
+// Sums over one micro-batch; per-sequence CE sums in sequence order (evaluation sums them
+// per instance in instance order).
+struct LossSums {
+  std::vector<double> seq_ce;  // (nseq) sum of -log p(target) over the T-1 targets
+  double ce = 0.0;             // sum of seq_ce
+  double z = 0.0;              // sum of logsumexp^2 over the same positions
+  std::int64_t targets = 0;    // nseq * (T-1)
+};
+
+class LmHead {
+ public:
+  // Declares final_norm.weight and, unless tied, lm_head.weight [V, D]; `embed_weight` is the
+  // tied matrix otherwise.
+  LmHead(const ModelCfg& m, int max_tokens, int embed_weight, TensorTable& table);
+
+  // x: (N, D) final residual stream, tokens: (N) ids of the nseq = N/T sequences.
+  // grad_scale > 0: also leaves d(loss * grad_scale / targets)/d logits for backward().
+  LossSums forward(const TensorTable& table, ConstMat x, ConstIVec tokens, int seq_len,
+                   float grad_scale);
+  // dx: (N, D) gradient w.r.t. the final residual stream (assigned).
+  void backward(TensorTable& table, ConstMat x, Mat dx);
+
+ private:
+  int V_, D_;
+  float eps_, z_coef_;
+  int norm_, weight_;
+  View1F normed_;   // (N, D)
+  View1F rstd_;     // (N)
+  View1F logits_;   // (N, V), then its gradient
+  View1F d_normed_; // (N, D)
+  View1F row_ce_, row_z_;  // (N)
+};
+
+}  // namespace kmoe

@@ -1,0 +1,57 @@
+#include "modules/mlp/swiglu.hpp"
+
+#include "core/gemm.hpp"
+
+namespace kmoe {
+
+void swiglu_activate(ConstMat up, Mat act) {
+  const int N = act.extent(0), F = act.extent(1);
+  Kokkos::parallel_for(
+      "swiglu::activate", Range2({0, 0}, {N, F}),
+      KOKKOS_LAMBDA(int r, int f) { act(r, f) = math::silu(up(r, f)) * up(r, F + f); });
+}
+
+void swiglu_activate_backward(ConstMat up, ConstMat d_act, Mat d_up) {
+  const int N = d_act.extent(0), F = d_act.extent(1);
+  Kokkos::parallel_for(
+      "swiglu::activate_backward", Range2({0, 0}, {N, F}), KOKKOS_LAMBDA(int r, int f) {
+        const float a = up(r, f), b = up(r, F + f), sg = math::sigmoid(a);
+        const float da = d_act(r, f);
+        d_up(r, f) = da * b * sg * (1.0f + a * (1.0f - sg));  // silu'(a) = s (1 + a (1 - s))
+        d_up(r, F + f) = da * a * sg;
+      });
+}
+
+MlpScratch::MlpScratch(std::int64_t max_rows, int hidden)
+    : d_act("mlp::d_act", max_rows * hidden), d_up("mlp::d_up", max_rows * 2 * hidden) {}
+
+SwigluMlp::SwigluMlp(const std::string& prefix, int d_model, int hidden, double init_std,
+                     std::int64_t max_rows, TensorTable& table)
+    : D_(d_model), F_(hidden) {
+  w1_ = table.add({prefix + "w1", {F_, D_}, InitKind::Normal, init_std, true, 1.0});
+  table.add({prefix + "w3", {F_, D_}, InitKind::Normal, init_std, true, 1.0});
+  w2_ = table.add({prefix + "w2", {D_, F_}, InitKind::Normal, init_std, true, 1.0});
+  up_ = View1F("mlp::up", max_rows * 2 * F_);
+  act_ = View1F("mlp::act", max_rows * F_);
+}
+
+void SwigluMlp::forward(const TensorTable& table, ConstMat x, Mat y) {
+  const int N = x.extent(0);
+  Mat up = as_mat(up_.data(), N, 2 * F_), act = as_mat(act_.data(), N, F_);
+  gemm(Trans::N, Trans::T, 1.0f, x, as_cmat(table.param(w1_), 2 * F_, D_), 0.0f, up);
+  swiglu_activate(as_cmat(up), act);
+  gemm(Trans::N, Trans::T, 1.0f, as_cmat(act), as_cmat(table.param(w2_), D_, F_), 0.0f, y);
+}
+
+void SwigluMlp::backward(TensorTable& table, ConstMat x, ConstMat dy, Mat dx, MlpScratch& s) {
+  const int N = x.extent(0);
+  auto up = as_cmat(up_.data(), N, 2 * F_), act = as_cmat(act_.data(), N, F_);
+  Mat d_act = as_mat(s.d_act.data(), N, F_), d_up = as_mat(s.d_up.data(), N, 2 * F_);
+  gemm(Trans::T, Trans::N, 1.0f, dy, act, 1.0f, as_mat(table.grad(w2_), D_, F_));
+  gemm(Trans::N, Trans::N, 1.0f, dy, as_cmat(table.param(w2_), D_, F_), 0.0f, d_act);
+  swiglu_activate_backward(up, as_cmat(d_act), d_up);
+  gemm(Trans::T, Trans::N, 1.0f, as_cmat(d_up), x, 1.0f, as_mat(table.grad(w1_), 2 * F_, D_));
+  gemm(Trans::N, Trans::N, 1.0f, as_cmat(d_up), as_cmat(table.param(w1_), 2 * F_, D_), 0.0f, dx);
+}
+
+}  // namespace kmoe

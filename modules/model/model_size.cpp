@@ -1,0 +1,30 @@
+#include "modules/model/model_size.hpp"
+
+namespace kmoe {
+
+ModelSize model_size(const ModelCfg& m, int b, int T) {
+  const std::int64_t V = m.vocab_size, D = m.d_model, F = m.ffn_hidden, L = m.n_layers;
+  const std::int64_t qd = std::int64_t(m.n_heads) * m.head_dim();
+  const std::int64_t kd = std::int64_t(m.n_kv_heads) * m.head_dim();
+  const std::int64_t per_block = 2 * D + (qd + 2 * kd) * D + D * qd + (m.qk_norm ? qd + kd : 0) +
+                                 3 * F * D;
+  ModelSize s;
+  s.embedding_params = V * D;
+  s.total_params = L * per_block + V * D + D + (m.tie_embeddings ? 0 : V * D);
+  s.active_params = s.total_params;
+  // The LM head matmul counts (tied or not); the embedding lookup does not.
+  const std::int64_t matmul_params = s.total_params - (m.tie_embeddings ? 0 : V * D);
+  s.flops_per_token = 6.0 * matmul_params + 6.0 * L * D * T;
+  s.state_bytes = 4 * 4 * s.total_params;
+
+  const std::int64_t N = std::int64_t(b) * T, H = m.n_heads, W = qd + 2 * kd;
+  const std::int64_t probs = std::int64_t(b) * H * T * T;
+  const std::int64_t attn_saved = N * W + 2 * N + N * qd + 2 * N * kd + probs + N * qd;
+  const std::int64_t block_saved = attn_saved + N * 3 * F + N * D * (m.block_norm == "pre" ? 5 : 3) + 2 * N;
+  const std::int64_t scratch = 2 * N * qd + probs + 2 * N * kd + N * W + N * 3 * F + 3 * N * D;
+  const std::int64_t stage = (L + 1) * N * D + 2 * N * D + 2 * N * D + N * V + 3 * N;
+  s.activation_bytes = 4 * (L * block_saved + scratch + stage);
+  return s;
+}
+
+}  // namespace kmoe

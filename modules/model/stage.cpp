@@ -1,0 +1,56 @@
+#include "modules/model/stage.hpp"
+
+#include "core/error.hpp"
+
+namespace kmoe {
+
+Stage::Stage(const ModelCfg& m, int max_seqs, int T, TensorTable& table)
+    : D_(m.d_model),
+      T_(T),
+      max_seqs_(max_seqs),
+      rope_(T, m.head_dim(), m.rope_theta),
+      embed_(m.vocab_size, m.d_model, m.init_std, max_seqs * T, table),
+      blocks_([&] {
+        std::vector<std::unique_ptr<Block>> b;
+        for (int l = 0; l < m.n_layers; ++l)
+          b.push_back(std::make_unique<Block>(m, l, max_seqs, T, table));
+        return b;
+      }()),
+      head_(m, max_seqs * T, embed_.weight_index(), table),
+      scratch_(m, max_seqs, T),
+      tokens_("stage::tokens", max_seqs * T),
+      d_x_("stage::d_x", std::int64_t(max_seqs) * T * m.d_model),
+      d_y_("stage::d_y", std::int64_t(max_seqs) * T * m.d_model) {
+  for (int l = 0; l <= m.n_layers; ++l)
+    resid_.emplace_back("stage::resid", std::int64_t(max_seqs) * T * m.d_model);
+}
+
+LossSums Stage::forward(const TensorTable& table, const std::int32_t* tokens, int nseq,
+                        float grad_scale) {
+  KMOE_REQUIRE(nseq >= 1 && nseq <= max_seqs_, "Stage: " << nseq << " sequences, buffers hold "
+                                                         << max_seqs_);
+  nseq_ = nseq;
+  const int N = nseq * T_;
+  Kokkos::View<const std::int32_t*, HostSpace, Unmanaged> host_ids(tokens, N);
+  auto ids = Kokkos::subview(tokens_, Kokkos::make_pair(0, N));
+  Kokkos::deep_copy(ids, host_ids);
+  ConstIVec tok(tokens_.data(), N);
+
+  embed_.forward(table, tok, resid(0, N));
+  for (std::size_t l = 0; l < blocks_.size(); ++l)
+    blocks_[l]->forward(table, rope_, as_cmat(resid(l, N)), resid(l + 1, N), scratch_);
+  return head_.forward(table, as_cmat(resid(blocks_.size(), N)), tok, T_, grad_scale);
+}
+
+void Stage::backward(TensorTable& table) {
+  const int N = nseq_ * T_;
+  Mat dy = as_mat(d_y_.data(), N, D_), dx = as_mat(d_x_.data(), N, D_);
+  head_.backward(table, as_cmat(resid(blocks_.size(), N)), dy);
+  for (int l = static_cast<int>(blocks_.size()) - 1; l >= 0; --l) {
+    blocks_[l]->backward(table, rope_, as_cmat(resid(l, N)), as_cmat(dy), dx, scratch_);
+    std::swap(dx, dy);
+  }
+  embed_.backward(table, ConstIVec(tokens_.data(), N), as_cmat(dy));
+}
+
+}  // namespace kmoe

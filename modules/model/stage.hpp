@@ -1,0 +1,43 @@
+// A pipeline stage: the contiguous run of blocks this rank owns, plus the embedding on the
+// first stage and the final norm, LM head and loss on the last. With pp = 1 it is the whole
+// model. forward() keeps every block's activations for backward() of the same micro-batch.
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "modules/embedding/embedding.hpp"
+#include "modules/loss/lm_head.hpp"
+#include "modules/model/block.hpp"
+
+namespace kmoe {
+
+class Stage {
+ public:
+  // Declares every tensor of blocks [first_block, last_block) into `table` (plus embedding and
+  // head); buffers are sized for micro-batches of up to max_seqs sequences of seq_len tokens.
+  Stage(const ModelCfg& m, int max_seqs, int seq_len, TensorTable& table);
+
+  // tokens: host ids of nseq <= max_seqs sequences (nseq * T). grad_scale > 0 prepares
+  // backward() for the loss scaled by grad_scale / targets.
+  LossSums forward(const TensorTable& table, const std::int32_t* tokens, int nseq,
+                   float grad_scale);
+  // Accumulates parameter gradients of the last forward()'s micro-batch.
+  void backward(TensorTable& table);
+
+ private:
+  Mat resid(int i, int N) { return as_mat(resid_[i].data(), N, D_); }
+
+  int D_, T_, max_seqs_;
+  RopeTables rope_;
+  Embedding embed_;
+  std::vector<std::unique_ptr<Block>> blocks_;
+  LmHead head_;
+  BlockScratch scratch_;
+  View1I tokens_;                 // (max_seqs * T) device copy of the ids
+  std::vector<View1F> resid_;     // L+1 residual streams (N, D): block inputs and the output
+  View1F d_x_, d_y_;              // (N, D) backward ping-pong
+  int nseq_ = 0;
+};
+
+}  // namespace kmoe

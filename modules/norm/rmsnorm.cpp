@@ -1,0 +1,56 @@
+#include "modules/norm/rmsnorm.hpp"
+
+namespace kmoe {
+
+void rmsnorm_forward(ConstMat x, ConstVec g, float eps, ConstMat residual, Mat y, Vec rstd) {
+  const int rows = x.extent(0), width = x.extent(1);
+  const bool has_residual = residual.extent(0) > 0;
+  Kokkos::parallel_for(
+      "rmsnorm::forward", row_policy(rows), KOKKOS_LAMBDA(const TeamMember& team) {
+        const int r = team.league_rank();
+        float ss = 0.0f;
+        Kokkos::parallel_reduce(
+            Kokkos::TeamThreadRange(team, width),
+            [&](int d, float& acc) { acc += x(r, d) * x(r, d); }, ss);
+        const float s = math::rsqrt(ss / width + eps);
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, width), [&](int d) {
+          y(r, d) = (has_residual ? residual(r, d) : 0.0f) + g(d) * x(r, d) * s;
+        });
+        Kokkos::single(Kokkos::PerTeam(team), [&]() { rstd(r) = s; });
+      });
+}
+
+void rmsnorm_weight_grad(const float* x_data, int x_stride, const float* dy_data, int dy_stride,
+                         ConstVec rstd, int rows, int width, Vec dg) {
+  Kokkos::parallel_for(
+      "rmsnorm::weight_grad", Range(0, width), KOKKOS_LAMBDA(int d) {
+        float acc = 0.0f;
+        for (int r = 0; r < rows; ++r)
+          acc += dy_data[static_cast<std::int64_t>(r) * dy_stride + d] *
+                 x_data[static_cast<std::int64_t>(r) * x_stride + d] * rstd(r);
+        dg(d) += acc;
+      });
+}
+
+void rmsnorm_backward(ConstMat x, ConstVec g, ConstVec rstd, ConstMat dy, ConstMat dx_base,
+                      Mat dx, Vec dg) {
+  const int rows = x.extent(0), width = x.extent(1);
+  const bool has_base = dx_base.extent(0) > 0;
+  rmsnorm_weight_grad(x.data(), width, dy.data(), width, rstd, rows, width, dg);
+  Kokkos::parallel_for(
+      "rmsnorm::backward", row_policy(rows), KOKKOS_LAMBDA(const TeamMember& team) {
+        const int r = team.league_rank();
+        const float s = rstd(r);
+        float dot = 0.0f;  // sum_d g*dy*xhat
+        Kokkos::parallel_reduce(
+            Kokkos::TeamThreadRange(team, width),
+            [&](int d, float& acc) { acc += g(d) * dy(r, d) * x(r, d) * s; }, dot);
+        const float mean_dot = dot / width;
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, width), [&](int d) {
+          const float v = s * (g(d) * dy(r, d) - x(r, d) * s * mean_dot);
+          dx(r, d) = (has_base ? dx_base(r, d) : 0.0f) + v;
+        });
+      });
+}
+
+}  // namespace kmoe

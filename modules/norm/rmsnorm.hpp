@@ -1,0 +1,24 @@
+// RMSNorm over the last dim of row-major [rows, width] activations:
+//   y = residual + g * x * rstd,   rstd = 1 / sqrt(mean(x^2) + eps)
+// (residual optional; fusing it saves a pass in the reordered block). Backward gives
+//   dx = dx_base + rstd * (g*dy - xhat * mean(g*dy*xhat)),  dg += sum_rows dy * xhat.
+#pragma once
+
+#include "core/kokkos_types.hpp"
+
+namespace kmoe {
+
+// x, y: (rows, width); residual: (rows, width) or empty; rstd: (rows) saved for backward.
+void rmsnorm_forward(ConstMat x, ConstVec g, float eps, ConstMat residual, Mat y, Vec rstd);
+
+// dy: (rows, width) -> dx = dx_base + dL/dx (dx_base may be empty; dx may alias dx_base);
+// dg accumulates. dx must not alias dy.
+void rmsnorm_backward(ConstMat x, ConstVec g, ConstVec rstd, ConstMat dy, ConstMat dx_base,
+                      Mat dx, Vec dg);
+
+// dg[d] += sum_r dy[r,d] * x[r,d] * rstd[r], reduced per column in row order (deterministic).
+// x and dy may be row-strided windows: row r of x starts at x_data + r * x_stride.
+void rmsnorm_weight_grad(const float* x_data, int x_stride, const float* dy_data, int dy_stride,
+                         ConstVec rstd, int rows, int width, Vec dg);
+
+}  // namespace kmoe

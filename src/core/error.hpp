@@ -1,0 +1,28 @@
+// Errors: one exception type and one check macro. A user mistake ends in a message that names
+// the file, key or value, never in a segfault or an abort trace.
+#pragma once
+
+#include <sstream>
+#include <stdexcept>
+#include <string>
+
+namespace kmoe {
+
+class Error : public std::runtime_error {
+ public:
+  explicit Error(const std::string& what) : std::runtime_error(what) {}
+};
+
+}  // namespace kmoe
+
+// KMOE_REQUIRE(h > 0, "model.n_heads must be positive, got " << h);
+#define KMOE_REQUIRE(cond, msg)               \
+  do {                                        \
+    if (!(cond)) {                            \
+      std::ostringstream kmoe_require_os_;    \
+      kmoe_require_os_ << msg;                \
+      throw ::kmoe::Error(kmoe_require_os_.str()); \
+    }                                         \
+  } while (0)
+
+#define KMOE_FAIL(msg) KMOE_REQUIRE(false, msg)

@@ -1,0 +1,30 @@
+#include "core/gemm.hpp"
+
+#include <KokkosBlas3_gemm.hpp>
+
+#include "core/error.hpp"
+
+namespace kmoe {
+
+void gemm(Trans ta, Trans tb, float alpha, ConstMat A, ConstMat B, float beta, Mat C) {
+  const int m = ta == Trans::N ? A.extent(0) : A.extent(1);
+  const int ka = ta == Trans::N ? A.extent(1) : A.extent(0);
+  const int kb = tb == Trans::N ? B.extent(0) : B.extent(1);
+  const int n = tb == Trans::N ? B.extent(1) : B.extent(0);
+  KMOE_REQUIRE(ka == kb && m == static_cast<int>(C.extent(0)) &&
+                   n == static_cast<int>(C.extent(1)),
+               "gemm: shape mismatch: op(A) " << m << "x" << ka << ", op(B) " << kb << "x" << n
+                                              << ", C " << C.extent(0) << "x" << C.extent(1));
+  if (m == 0 || n == 0) return;
+  if (ka == 0) {
+    // Kokkos Kernels returns early on an empty inner extent and would leave C stale.
+    if (beta == 1.0f) return;
+    Kokkos::parallel_for(
+        "gemm::scale_c", Range2({0, 0}, {m, n}),
+        KOKKOS_LAMBDA(int i, int j) { C(i, j) = beta == 0.0f ? 0.0f : beta * C(i, j); });
+    return;
+  }
+  KokkosBlas::gemm(ta == Trans::N ? "N" : "T", tb == Trans::N ? "N" : "T", alpha, A, B, beta, C);
+}
+
+}  // namespace kmoe

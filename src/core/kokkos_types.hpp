@@ -1,0 +1,74 @@
+// The one header of Kokkos aliases, loop policies and the math/printf bridge between Kokkos 3.4
+// (Debian's Trilinos) and Kokkos 4.x/5.x. Nothing else in kmoe names a Kokkos version.
+#pragma once
+
+#include <Kokkos_Core.hpp>
+#include <cstdint>
+
+namespace kmoe {
+
+using ExecSpace = Kokkos::DefaultExecutionSpace;
+using MemSpace = ExecSpace::memory_space;
+using HostSpace = Kokkos::HostSpace;
+using Layout = Kokkos::LayoutRight;
+using Unmanaged = Kokkos::MemoryTraits<Kokkos::Unmanaged>;
+
+// Owning device views.
+using View1F = Kokkos::View<float*, Layout, MemSpace>;
+using View1D = Kokkos::View<double*, Layout, MemSpace>;
+using View1I = Kokkos::View<int*, Layout, MemSpace>;
+using View2F = Kokkos::View<float**, Layout, MemSpace>;
+using View2I = Kokkos::View<int**, Layout, MemSpace>;
+
+// Unmanaged windows into flat buffers: the currency of module interfaces. Always contiguous
+// row-major, so GEMMs on them reach vendor BLAS.
+using Vec = Kokkos::View<float*, Layout, MemSpace, Unmanaged>;
+using ConstVec = Kokkos::View<const float*, Layout, MemSpace, Unmanaged>;
+using Mat = Kokkos::View<float**, Layout, MemSpace, Unmanaged>;
+using ConstMat = Kokkos::View<const float**, Layout, MemSpace, Unmanaged>;
+using IVec = Kokkos::View<int*, Layout, MemSpace, Unmanaged>;
+using ConstIVec = Kokkos::View<const int*, Layout, MemSpace, Unmanaged>;
+
+using Range = Kokkos::RangePolicy<ExecSpace>;
+using Range2 = Kokkos::MDRangePolicy<ExecSpace, Kokkos::Rank<2>>;
+using TeamPolicy = Kokkos::TeamPolicy<ExecSpace>;
+using TeamMember = TeamPolicy::member_type;
+
+// One team per row for row-wise reductions (norms, softmax); the team size is the backend's.
+inline TeamPolicy row_policy(int rows) { return TeamPolicy(rows, Kokkos::AUTO); }
+
+inline Mat as_mat(float* data, int rows, int cols) { return Mat(data, rows, cols); }
+inline ConstMat as_cmat(const float* data, int rows, int cols) { return ConstMat(data, rows, cols); }
+inline Mat as_mat(const View2F& v) { return Mat(v.data(), v.extent(0), v.extent(1)); }
+inline ConstMat as_cmat(const View2F& v) { return ConstMat(v.data(), v.extent(0), v.extent(1)); }
+inline ConstMat as_cmat(const Mat& v) { return ConstMat(v.data(), v.extent(0), v.extent(1)); }
+
+namespace math {
+#if KOKKOS_VERSION >= 30700
+#define KMOE_MATH_NS Kokkos
+#else
+#define KMOE_MATH_NS Kokkos::Experimental
+#endif
+KOKKOS_INLINE_FUNCTION float exp(float x) { return KMOE_MATH_NS::exp(x); }
+KOKKOS_INLINE_FUNCTION double exp(double x) { return KMOE_MATH_NS::exp(x); }
+KOKKOS_INLINE_FUNCTION float log(float x) { return KMOE_MATH_NS::log(x); }
+KOKKOS_INLINE_FUNCTION double log(double x) { return KMOE_MATH_NS::log(x); }
+KOKKOS_INLINE_FUNCTION float sqrt(float x) { return KMOE_MATH_NS::sqrt(x); }
+KOKKOS_INLINE_FUNCTION double sqrt(double x) { return KMOE_MATH_NS::sqrt(x); }
+KOKKOS_INLINE_FUNCTION float fabs(float x) { return KMOE_MATH_NS::fabs(x); }
+KOKKOS_INLINE_FUNCTION double cos(double x) { return KMOE_MATH_NS::cos(x); }
+KOKKOS_INLINE_FUNCTION double sin(double x) { return KMOE_MATH_NS::sin(x); }
+#undef KMOE_MATH_NS
+KOKKOS_INLINE_FUNCTION float rsqrt(float x) { return 1.0f / sqrt(x); }
+KOKKOS_INLINE_FUNCTION float sigmoid(float x) { return 1.0f / (1.0f + exp(-x)); }
+KOKKOS_INLINE_FUNCTION float silu(float x) { return x * sigmoid(x); }
+KOKKOS_INLINE_FUNCTION float fmax(float a, float b) { return a > b ? a : b; }
+}  // namespace math
+
+#if KOKKOS_VERSION >= 40200
+#define KMOE_KERNEL_PRINTF(...) Kokkos::printf(__VA_ARGS__)
+#else
+#define KMOE_KERNEL_PRINTF(...) printf(__VA_ARGS__)
+#endif
+
+}  // namespace kmoe

@@ -1,0 +1,76 @@
+#include "train/tensor_table.hpp"
+
+#include "core/error.hpp"
+#include "core/rng.hpp"
+
+namespace kmoe {
+
+int TensorTable::add(TensorSpec spec) {
+  KMOE_REQUIRE(!allocated_, "TensorTable: " << spec.name << " declared after allocation");
+  KMOE_REQUIRE(find(spec.name) < 0, "TensorTable: duplicate tensor " << spec.name);
+  TensorEntry e;
+  e.size = 1;
+  for (auto d : spec.shape) e.size *= d;
+  e.offset = total_;
+  e.spec = std::move(spec);
+  total_ += e.size;
+  entries_.push_back(std::move(e));
+  return size() - 1;
+}
+
+void TensorTable::allocate() {
+  KMOE_REQUIRE(!allocated_, "TensorTable: allocated twice");
+  params = View1F("params", total_);
+  grads = View1F("grads", total_);
+  exp_avg = View1F("exp_avg", total_);
+  exp_avg_sq = View1F("exp_avg_sq", total_);
+  allocated_ = true;
+}
+
+int TensorTable::find(const std::string& name) const {
+  for (int i = 0; i < size(); ++i)
+    if (entries_[i].spec.name == name) return i;
+  return -1;
+}
+
+namespace {
+
+// Element j of a tensor keyed by `key`: Box-Muller on counter-based uniforms, resampled (next
+// counter pair) while beyond 3 standard deviations.
+KOKKOS_INLINE_FUNCTION float truncated_normal(std::uint64_t key, std::int64_t j, float std_dev) {
+  constexpr double two_pi = 6.283185307179586476925;
+  for (std::uint64_t attempt = 0;; ++attempt) {
+    const std::uint64_t c = (static_cast<std::uint64_t>(j) << 6) + 2 * attempt;
+    const double u1 = uniform_open01(splitmix64(key + c));
+    const double u2 = uniform_open01(splitmix64(key + c + 1));
+    const double z = math::sqrt(-2.0 * math::log(u1)) * math::cos(two_pi * u2);
+    if ((z <= 3.0 && z >= -3.0) || attempt == 31) return static_cast<float>(std_dev * z);
+  }
+}
+
+}  // namespace
+
+void TensorTable::initialize(std::uint64_t seed) {
+  KMOE_REQUIRE(allocated_, "TensorTable: initialize before allocate");
+  for (const auto& e : entries_) {
+    auto p = Kokkos::subview(params, Kokkos::make_pair(e.offset, e.offset + e.size));
+    switch (e.spec.init) {
+      case InitKind::Zeros: Kokkos::deep_copy(p, 0.0f); break;
+      case InitKind::Ones: Kokkos::deep_copy(p, 1.0f); break;
+      case InitKind::Normal: {
+        const std::uint64_t key = splitmix64(seed ^ hash_name(e.spec.name));
+        const float std_dev = static_cast<float>(e.spec.init_std);
+        Kokkos::parallel_for(
+            "init::truncated_normal", Range(0, e.size),
+            KOKKOS_LAMBDA(std::int64_t j) { p(j) = truncated_normal(key, j, std_dev); });
+        break;
+      }
+    }
+  }
+  Kokkos::deep_copy(grads, 0.0f);
+  Kokkos::deep_copy(exp_avg, 0.0f);
+  Kokkos::deep_copy(exp_avg_sq, 0.0f);
+  Kokkos::fence();
+}
+
+}  // namespace kmoe
