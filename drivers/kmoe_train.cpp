@@ -19,7 +19,7 @@ namespace {
 
 struct Args {
   std::string deck;
-  bool dry_run = false, help = false;
+  bool dry_run = false;
   std::vector<std::string> overrides;
 };
 
@@ -40,15 +40,13 @@ Args parse_args(int argc, char** argv) {
       a.deck = s.substr(8);
     } else if (s == "--dry-run") {
       a.dry_run = true;
-    } else if (s == "-h" || s == "--help") {
-      a.help = true;
     } else if (s.rfind("--", 0) == 0 && s.find('.') != std::string::npos) {
       a.overrides.push_back(s);
     } else {
       KMOE_FAIL("unknown argument '" << s << "'\n" << kUsage);
     }
   }
-  if (!a.help) KMOE_REQUIRE(!a.deck.empty(), "no input deck\n" << kUsage);
+  KMOE_REQUIRE(!a.deck.empty(), "no input deck\n" << kUsage);
   return a;
 }
 
@@ -85,25 +83,31 @@ void print_dry_run(const kmoe::Config& cfg, const kmoe::ProcessGrid& grid) {
 
 int main(int argc, char** argv) {
   MPI_Init(&argc, &argv);
-  int rank = 0;
+  int rank = 0, world = 1;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  // --help is answered before Kokkos starts, which would otherwise print its own help instead.
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "-h" || a == "--help") {
+      if (rank == 0) std::cout << kUsage << "\n" << kmoe::deck_help();
+      MPI_Finalize();
+      return 0;
+    }
+  }
   int code = 0;
   {
-    Kokkos::ScopeGuard kokkos(argc, argv);
+    Kokkos::ScopeGuard kokkos(argc, argv);  // consumes --kokkos-* arguments
     try {
       const Args args = parse_args(argc, argv);
-      if (args.help) {
-        if (rank == 0) std::cout << kUsage << "\n" << kmoe::deck_help();
+      const kmoe::Config cfg = kmoe::read_deck(args.deck, args.overrides);
+      kmoe::ProcessGrid grid(cfg.parallel, MPI_COMM_WORLD);
+      if (args.dry_run) {
+        print_dry_run(cfg, grid);
       } else {
-        const kmoe::Config cfg = kmoe::read_deck(args.deck, args.overrides);
-        kmoe::ProcessGrid grid(cfg.parallel, MPI_COMM_WORLD);
-        if (args.dry_run) {
-          print_dry_run(cfg, grid);
-        } else {
-          if (grid.is_root()) std::cout << cfg.resolved_text << std::endl;
-          kmoe::Trainer trainer(cfg, grid);
-          trainer.run();
-        }
+        if (grid.is_root()) std::cout << cfg.resolved_text << std::endl;
+        kmoe::Trainer trainer(cfg, grid);
+        trainer.run();
       }
     } catch (const kmoe::NonFiniteError& e) {
       std::cerr << "kmoe-train: error: " << e.what() << std::endl;
@@ -114,8 +118,6 @@ int main(int argc, char** argv) {
     }
   }
   // A rank that failed alone must not leave the others waiting in a collective.
-  int world = 1;
-  MPI_Comm_size(MPI_COMM_WORLD, &world);
   if (code != 0 && world > 1) MPI_Abort(MPI_COMM_WORLD, code);
   MPI_Finalize();
   return code;

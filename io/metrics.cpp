@@ -27,11 +27,11 @@ MetricsWriter::~MetricsWriter() {
 }
 
 void MetricsWriter::write(const StepMetrics& m) {
-  std::fprintf(csv_, "%d,%.9g,%.9g,%.9g,%.9g,%.9g,%.6g,%.6g,%.6g,", m.step, m.loss, m.ce, m.aux,
+  std::fprintf(csv_, "%d,%.17g,%.17g,%.17g,%.9g,%.17g,%.6g,%.6g,%.6g,", m.step, m.loss, m.ce, m.aux,
                m.lr, m.grad_norm, m.tokens_per_s, m.tokens_per_s_per_rank, m.model_flops_per_s);
   if (m.mfu) std::fprintf(csv_, "%.6g", *m.mfu);
   std::fprintf(csv_, ",%.6g,%.6g,", m.step_time_s, m.mem_hwm_mib);
-  if (m.val_loss) std::fprintf(csv_, "%.9g", *m.val_loss);
+  if (m.val_loss) std::fprintf(csv_, "%.17g", *m.val_loss);
   std::fprintf(csv_, "\n");
   std::fflush(csv_);
 }

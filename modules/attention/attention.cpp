@@ -146,14 +146,18 @@ void Attention::forward(const TensorTable& table, const RopeTables& rope, ConstM
         Kokkos::parallel_reduce(
             Kokkos::TeamThreadRange(team, t + 1),
             [&](int j, float& m) { m = math::fmax(m, p(r, j)); }, Kokkos::Max<float>(mx));
-        float sum = 0.0f;
+        float sum = 0.0f;  // exponentials stored on the way: one exp per element
         Kokkos::parallel_reduce(
             Kokkos::TeamThreadRange(team, t + 1),
-            [&](int j, float& acc) { acc += math::exp(p(r, j) - mx); }, sum);
+            [&](int j, float& acc) {
+              const float e = math::exp(p(r, j) - mx);
+              p(r, j) = e;
+              acc += e;
+            },
+            sum);
         const float inv = 1.0f / sum;
-        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, T), [&](int j) {
-          p(r, j) = j <= t ? math::exp(p(r, j) - mx) * inv : 0.0f;
-        });
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, T),
+                             [&](int j) { p(r, j) = j <= t ? p(r, j) * inv : 0.0f; });
       });
 
   float* heads = scratch.d_heads.data();  // (nseq, H, T, dh) head outputs

@@ -301,7 +301,9 @@ TEST(Deck, BadChoicesAndRanges) {
   EXPECT_NO_THROW(parse_deck(kDeck, "t", {"--model.vocab_size=70000", "--data.dtype=uint32"}));
   expect_contains(deck_error(kDeck, {"--optimizer.schedule=wsd"}),
                   {"test.deck: [optimizer] decay_steps = 0 (default):", "[1, ", "= 10]"});
-  expect_contains(deck_error(kDeck, {"--optimizer.warmup_steps=11"}), {"train.max_steps = 10"});
+  expect_contains(deck_error(kDeck, {"--optimizer.warmup_steps=-1"}),
+                  {"command line: --optimizer.warmup_steps=-1", ">= 0"});
+  EXPECT_NO_THROW(parse_deck(kDeck, "t", {"--optimizer.warmup_steps=11"}));
   expect_contains(deck_error(kDeck, {"--optimizer.beta1=1"}), {"[0, 1)"});
   expect_contains(deck_error(kDeck, {"--train.seq_len=1"}), {"at least 2"});
   expect_contains(deck_error(kDeck, {"--checkpoint.keep=0"}), {"checkpoint.keep"});

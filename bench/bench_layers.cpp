@@ -1,0 +1,129 @@
+// Times each layer of the dense model, forward and backward, on one micro-batch of the tiny
+// config (or --d_model/--seq_len/... overrides), and prints time and GFLOP/s per op.
+#include <chrono>
+#include <cstdio>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "modules/attention/attention.hpp"
+#include "modules/loss/lm_head.hpp"
+#include "modules/mlp/swiglu.hpp"
+#include "modules/model/stage.hpp"
+#include "modules/norm/rmsnorm.hpp"
+
+using namespace kmoe;
+
+namespace {
+
+double time_it(int reps, const std::function<void()>& f) {
+  f();
+  Kokkos::fence();
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int r = 0; r < reps; ++r) f();
+  Kokkos::fence();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / reps;
+}
+
+void report(const char* name, double s, double flops) {
+  std::printf("  %-28s %9.3f ms  %8.1f GFLOP/s\n", name, 1e3 * s, flops / s / 1e9);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Kokkos::ScopeGuard kokkos(argc, argv);
+  ModelCfg m;
+  m.vocab_size = 320;
+  m.d_model = 256;
+  m.n_layers = 1;
+  m.n_heads = 4;
+  m.n_kv_heads = 4;
+  m.ffn_hidden = 768;
+  int b = 8, T = 256, reps = 5;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string k = argv[i];
+    const int v = std::stoi(argv[i + 1]);
+    if (k == "--d_model") m.d_model = v;
+    else if (k == "--n_heads") m.n_heads = m.n_kv_heads = v;
+    else if (k == "--ffn_hidden") m.ffn_hidden = v;
+    else if (k == "--seq_len") T = v;
+    else if (k == "--micro_batch") b = v;
+    else if (k == "--reps") reps = v;
+  }
+  const int N = b * T, D = m.d_model, F = m.ffn_hidden, V = m.vocab_size;
+  TensorTable table;
+  RopeTables rope(T, m.head_dim(), m.rope_theta);
+  Attention attn(m, "blocks.0.attn.", b, T, table);
+  SwigluMlp mlp("blocks.0.mlp.", D, F, m.init_std, N, table);
+  const int embed = table.add({"embed.weight", {V, D}, InitKind::Normal, 0.02, false, 1.0});
+  LmHead head(m, N, embed, table);
+  table.allocate();
+  table.initialize(1);
+  AttentionScratch as(m, b, T);
+  MlpScratch ms(N, F);
+  View2F x("x", N, D), y("y", N, D), dx("dx", N, D);
+  {  // realistic magnitudes: unit-variance activations, small gradients
+    auto hx = Kokkos::create_mirror_view(x);
+    auto hd = Kokkos::create_mirror_view(dx);
+    std::mt19937 gen(5);
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    for (int i = 0; i < N; ++i)
+      for (int d = 0; d < D; ++d) {
+        hx(i, d) = nd(gen);
+        hd(i, d) = 1e-4f * nd(gen);
+      }
+    Kokkos::deep_copy(x, hx);
+    Kokkos::deep_copy(dx, hd);
+  }
+  View1I tokens("tokens", N);
+  View1F rstd("rstd", N);
+  View1F g("g", D);
+  Kokkos::deep_copy(g, 1.0f);
+
+  const double attn_proj = 2.0 * N * D * (4.0 * D), attn_core = 2.0 * 2.0 * b * m.n_heads * T * T * m.head_dim();
+  const double mlp_f = 2.0 * N * D * 3.0 * F, head_f = 2.0 * N * D * V;
+  std::printf("bench_layers: N = %d tokens (b %d x T %d), D %d, H %d, F %d, V %d\n", N, b, T, D,
+              m.n_heads, F, V);
+  report("attention forward", time_it(reps, [&] { attn.forward(table, rope, as_cmat(x), as_mat(y), as); }),
+         attn_proj + attn_core);
+  report("attention backward",
+         time_it(reps, [&] { attn.backward(table, rope, as_cmat(x), as_cmat(dx), as_mat(y), as); }),
+         2 * (attn_proj + attn_core));
+  report("mlp forward", time_it(reps, [&] { mlp.forward(table, as_cmat(x), as_mat(y)); }), mlp_f);
+  report("mlp backward",
+         time_it(reps, [&] { mlp.backward(table, as_cmat(x), as_cmat(dx), as_mat(y), ms); }),
+         2 * mlp_f);
+  report("rmsnorm forward",
+         time_it(reps, [&] {
+           rmsnorm_forward(as_cmat(x), ConstVec(g.data(), D), 1e-6f, ConstMat(), as_mat(y),
+                           Vec(rstd.data(), N));
+         }),
+         0);
+  report("head + loss forward",
+         time_it(reps, [&] { head.forward(table, as_cmat(x), ConstIVec(tokens.data(), N), T, 1.0f); }),
+         head_f);
+  report("head backward", time_it(reps, [&] { head.backward(table, as_cmat(x), as_mat(y)); }),
+         2 * head_f);
+  {
+    ModelCfg full = m;
+    full.n_layers = 4;
+    TensorTable t2;
+    Stage stage(full, b, T, t2);
+    t2.allocate();
+    t2.initialize(1);
+    std::vector<std::int32_t> ids(N);
+    std::mt19937 gen(1);
+    for (auto& id : ids) id = gen() % V;
+    report("stage forward (4 layers)",
+           time_it(reps, [&] { stage.forward(t2, ids.data(), b, 1.0f / N); }), 0);
+    report("stage forward+backward",
+           time_it(reps, [&] {
+             stage.forward(t2, ids.data(), b, 1.0f / N);
+             stage.backward(t2);
+           }),
+           0);
+  }
+  return 0;
+}

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Installs kmoe's Debian 12 packages (as root), skipping the apt run when all are present.
+set -euo pipefail
+packages=(
+  g++ make cmake
+  libtrilinos-kokkos-dev libtrilinos-kokkos-kernels-dev libopenblas-dev
+  libopenmpi-dev openmpi-bin libhdf5-openmpi-dev hdf5-tools
+  libboost-program-options-dev libgtest-dev
+  python3 python3-matplotlib
+  fortunes
+)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -eq 0 ]; then
+  echo "install_deps: all ${#packages[@]} packages present"
+  exit 0
+fi
+echo "install_deps: installing ${missing[*]}"
+export DEBIAN_FRONTEND=noninteractive
+apt-get update -qq
+apt-get install -y -qq --no-install-recommends "${missing[@]}"

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The main job: install dependencies, build, prepare the fortunes corpus, train
+# inputs/tiny.deck, and plot its metrics. Extra arguments are deck overrides
+# (e.g. --train.max_steps=50).
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+bash scripts/install_deps.sh
+bash scripts/build.sh
+bin=${KMOE_BUILD_DIR:-$root/build}/drivers
+if [ ! -f data/fortunes/train.bin ] || [ ! -f data/fortunes/val.bin ]; then
+  "$bin/kmoe-prep" --fortunes --out-dir data/fortunes
+fi
+# One rank; BLAS threads use both cores.
+OPENBLAS_NUM_THREADS=$(nproc) "$bin/kmoe-train" -i inputs/tiny.deck "$@"
+/usr/bin/python3 bench/plot_metrics runs/tiny/metrics.csv -o runs/tiny/metrics.png
