@@ -262,6 +262,26 @@ Config parse_deck(const std::string& text, const std::string& origin,
   return DeckParser(origin).parse(text, overrides);
 }
 
+std::vector<std::pair<std::string, std::string>> resolved_values(const std::string& text) {
+  std::vector<std::pair<std::string, std::string>> out;
+  std::istringstream in(text);
+  std::string line, section;
+  auto trim = [](std::string s) {
+    const auto b = s.find_first_not_of(" \t\r"), e = s.find_last_not_of(" \t\r");
+    return b == std::string::npos ? std::string() : s.substr(b, e - b + 1);
+  };
+  while (std::getline(in, line)) {
+    line = trim(line);
+    if (line.empty() || line[0] == '#') continue;
+    if (line.front() == '[' && line.back() == ']') {
+      section = trim(line.substr(1, line.size() - 2));
+    } else if (const auto eq = line.find('='); eq != std::string::npos) {
+      out.emplace_back(section + "." + trim(line.substr(0, eq)), trim(line.substr(eq + 1)));
+    }
+  }
+  return out;
+}
+
 std::string deck_help() {
   Config scratch;
   const deck::Schema schema(scratch);

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "io/config.hpp"
@@ -18,6 +19,10 @@ Config read_deck(const std::string& path, const std::vector<std::string>& overri
 // The same from deck text; `origin` names it in error messages.
 Config parse_deck(const std::string& text, const std::string& origin,
                   const std::vector<std::string>& overrides = {});
+
+// "section.key" -> value text of a resolved deck (Config::resolved_text), in file order.
+// Used to compare a checkpoint's stored deck with the current one.
+std::vector<std::pair<std::string, std::string>> resolved_values(const std::string& text);
 
 // Help text listing every section, key, type, default and description.
 std::string deck_help();

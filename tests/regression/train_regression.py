@@ -25,6 +25,10 @@ def check(cond, what):
 
 
 def run(args, expect_rc=0, ranks=1):
+    # Each run checkpoints into its own directory (checkpoint.resume = auto would resume).
+    out = [a for a in args if a.startswith("--output.dir=")]
+    if out:
+        args = args + ["--checkpoint.dir=" + out[0].split("=", 1)[1] + "/checkpoints"]
     cmd = [os.path.join(BIN, args[0])] + args[1:]
     if ranks > 1:
         cmd = [MPIEXEC, "--allow-run-as-root", "--oversubscribe", "-n", str(ranks),

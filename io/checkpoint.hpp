@@ -1,0 +1,41 @@
+// HDF5 checkpoints (RUNTIME.md section 4): one shared file per checkpoint, written collectively
+// through the TensorTable at global shapes, first under a temporary name, then renamed;
+// <dir>/latest names the newest complete file; the newest checkpoint.keep files are kept.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "io/config.hpp"
+#include "parallel/process_grid.hpp"
+#include "train/tensor_table.hpp"
+
+namespace kmoe {
+
+// What, besides the tensors, a run needs to continue.
+struct TrainState {
+  int step = 0;                    // steps completed: the file holds the state after it
+  std::int64_t tokens_seen = 0;
+  std::int64_t next_position = 0;  // data-stream position of step + 1
+};
+
+std::string checkpoint_file_name(int step);  // "step00000025.h5"
+
+// Collective over grid.world. Writes <dir>/stepNNNNNNNN.h5 atomically, updates latest, prunes.
+void save_checkpoint(const Config& cfg, const ProcessGrid& grid, const TensorTable& table,
+                     const TrainState& state);
+
+// The file a run resumes from: checkpoint.resume = none -> ""; auto -> the file <dir>/latest
+// names, or "" for a fresh run; anything else is a path that must exist.
+std::string resume_file(const CheckpointCfg& c);
+
+// Collective. Validates the file (format, version, shapes, the deck's model section) and reads
+// the parameters, and with `with_optimizer` the AdamW moments. `changes` receives a
+// description of the non-model deck keys that differ from the file's.
+TrainState load_checkpoint(const std::string& path, const Config& cfg, const ProcessGrid& grid,
+                           TensorTable& table, bool with_optimizer, std::string* changes);
+
+// "blocks.3.attn.wq" -> "blocks/3/attn/wq".
+std::string tensor_path(const std::string& name);
+
+}  // namespace kmoe

@@ -1,0 +1,28 @@
+#include "io/dump.hpp"
+
+#include <filesystem>
+
+#include "io/checkpoint.hpp"
+#include "io/hdf5_file.hpp"
+
+namespace kmoe {
+
+void write_step_dump(const Config& cfg, const ProcessGrid& grid, const TensorTable& table,
+                     const StepDump& d) {
+  const std::string path = cfg.output.dir + "/dump_step" + std::to_string(d.step) + ".h5";
+  const bool writer = grid.replica() == 0;
+  auto grads = Kokkos::create_mirror_view_and_copy(HostSpace(), table.grads);
+  H5File f = H5File::create(path, grid.world.comm());
+  f.set_attr("/", "step", std::int64_t(d.step));
+  f.set_attr("/", "loss", d.loss);
+  f.set_attr("/", "ce", d.ce);
+  f.set_attr("/", "aux", d.aux);
+  f.set_attr("/", "grad_norm", d.grad_norm);
+  f.set_attr("/", "lr", d.lr);
+  f.write_i32("/batch/tokens", {d.global_batch, d.seq_len}, d.tokens.data(), writer);
+  for (const auto& e : table.entries())
+    f.write_f32("/grad/" + tensor_path(e.spec.name), e.spec.shape, grads.data() + e.offset, writer);
+  f.close();
+}
+
+}  // namespace kmoe

@@ -1,0 +1,28 @@
+// Step dumps (RUNTIME.md section 5, output.dump_step): what an independent implementation needs
+// to check one kmoe step: the global batch's token ids, the step loss and every reduced
+// gradient before clipping, at global shapes. <output.dir>/dump_step<s>.h5:
+//   /batch/tokens int32 [G, T]; root attrs step, loss, ce, aux, grad_norm, lr;
+//   /grad/<path> float32 (paths as in checkpoints' /model).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "io/config.hpp"
+#include "parallel/process_grid.hpp"
+#include "train/tensor_table.hpp"
+
+namespace kmoe {
+
+struct StepDump {
+  int step = 0;
+  double loss = 0, ce = 0, aux = 0, grad_norm = 0, lr = 0;
+  std::vector<std::int32_t> tokens;  // (G * T), only needed on the writing rank
+  int global_batch = 0, seq_len = 0;
+};
+
+// Collective over grid.world; the first data replica writes.
+void write_step_dump(const Config& cfg, const ProcessGrid& grid, const TensorTable& table,
+                     const StepDump& d);
+
+}  // namespace kmoe
