@@ -6,7 +6,7 @@ packages=(
   libtrilinos-kokkos-dev libtrilinos-kokkos-kernels-dev libopenblas-dev
   libopenmpi-dev openmpi-bin libhdf5-openmpi-dev hdf5-tools
   libboost-program-options-dev libgtest-dev
-  python3 python3-matplotlib
+  python3 python3-matplotlib python3-torch python3-h5py
   fortunes
 )
 missing=()

@@ -1,0 +1,215 @@
+#!/usr/bin/python3
+"""Checks kmoe-train against the independent float64 PyTorch reference (kmoe_reference.py).
+
+Runs a tiny 3-step training with kmoe (initial and final checkpoints, dumps of steps 1-3), then:
+  1. the step-0 weights follow CONVENTIONS.md's initialization bit for bit;
+  2. step 1: loss (and its CE/aux parts, lr, grad norm) within 1e-4 relative of the reference
+     on the same weights and tokens, and every gradient tensor within 1e-4 with RUNTIME.md
+     section 5's measure ||a - b|| / max(||b||, 1e-6 ||g_global||);
+  3. 3 reference AdamW steps from the step-0 checkpoint on the dumped batches: the losses of
+     steps 2 and 3 within 1e-4 relative, and per tensor theta_3 - theta_0 (and the step-3
+     AdamW moments) within 1e-3 of kmoe's step-3 checkpoint, same measure.
+Usage: check_reference.py BIN_DIR WORK_DIR [--block-norm reordered|pre] [--kv-heads N] [--tie]
+                          [--z-coef X] [--reuse]
+"""
+import argparse
+import math
+import os
+import shutil
+import subprocess
+import sys
+
+import h5py
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import kmoe_reference as ref  # noqa: E402
+
+GRAD_TOL, LOSS_TOL, DELTA_TOL = 1e-4, 1e-4, 1e-3
+results = []
+
+
+def check(cond, what):
+    print(("ok   " if cond else "FAIL ") + what, flush=True)
+    results.append(bool(cond))
+
+
+def rel(a, b):
+    return abs(a - b) / max(abs(b), 1e-30)
+
+
+def tensor_errors(a, b):
+    """{name: ||a - b|| / max(||b||, 1e-6 ||b_global||)} (b the reference)."""
+    glob = math.sqrt(sum(float(t.pow(2).sum()) for t in b.values()))
+    return {n: float((a[n] - b[n]).norm()) / max(float(b[n].norm()), 1e-6 * glob) for n in b}
+
+
+def table(title, errs, a, b, tol):
+    print(f"  {title}:\n    {'tensor':<32} {'|kmoe|':>11} {'|ref|':>11} {'rel err':>9}")
+    for n, e in errs.items():
+        flag = "" if e <= tol else "  <-- over " + f"{tol:g}"
+        print(f"    {n:<32} {float(a[n].norm()):11.4e} "
+              f"{float(b[n].norm()):11.4e} {e:9.2e}{flag}")
+    return max(errs.values())
+
+
+def read_tensors(f, group, names):
+    return ref.read_group(f, group, names)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("bin_dir")
+    ap.add_argument("work_dir")
+    ap.add_argument("--block-norm", default="reordered", choices=["reordered", "pre"])
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--tie", action="store_true")
+    ap.add_argument("--z-coef", type=float, default=0.0)
+    ap.add_argument("--reuse", action="store_true",
+                    help="skip kmoe-prep/kmoe-train and check the outputs already in WORK_DIR")
+    args = ap.parse_args()
+    work = args.work_dir
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
+
+    def run(cmd):
+        p = subprocess.run([os.path.join(args.bin_dir, cmd[0])] + cmd[1:], cwd=work, env=env,
+                           capture_output=True, text=True, timeout=900)
+        if p.returncode != 0:
+            print(p.stdout[-3000:], p.stderr[-3000:])
+        check(p.returncode == 0, f"{cmd[0]} exits 0 (got {p.returncode})")
+        if p.returncode != 0:
+            summary()
+
+    if not args.reuse:
+        prepare_and_train(args, work, run)
+    check_outputs(work)
+
+
+def prepare_and_train(args, work, run):
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work)
+    with open(os.path.join(work, "corpus.txt"), "w") as f:
+        for i in range(3000):
+            f.write(f"number {i} is {'odd' if i % 2 else 'even'}, and {i} + 1 = {i + 1}.\n%\n")
+    run(["kmoe-prep", "--out-dir", "data", "--separator", "%", "--val-every", "20", "corpus.txt"])
+    deck = f"""
+[model]
+vocab_size = 320
+d_model = 64
+n_layers = 2
+n_heads = 4
+n_kv_heads = {args.kv_heads}
+ffn_hidden = 96
+block_norm = {args.block_norm}
+tie_embeddings = {'true' if args.tie else 'false'}
+output_z_coef = {args.z_coef!r}
+[train]
+seq_len = 32
+global_batch = 8
+micro_batch = 2
+max_steps = 3
+seed = 7
+[optimizer]
+lr = 3e-3
+warmup_steps = 2
+[data]
+paths = data/train.bin
+[checkpoint]
+dir = ckpt
+save_initial = true
+every = 3
+[output]
+dir = run
+dump_step = 1, 2, 3
+"""
+    with open(os.path.join(work, "ref.deck"), "w") as f:
+        f.write(deck)
+    run(["kmoe-train", "-i", "ref.deck"])
+
+
+def check_outputs(work):
+    ck0, ck3 = (os.path.join(work, "ckpt", f"step{s:08d}.h5") for s in (0, 3))
+    dumps = [os.path.join(work, "run", f"dump_step{s}.h5") for s in (1, 2, 3)]
+    for p in [ck0, ck3] + dumps:
+        check(os.path.exists(p), f"{os.path.relpath(p, work)} written")
+    if not all(results):
+        summary()
+
+    cfg, model, opt, step0 = ref.load_checkpoint(ck0)
+    check(step0 == 0, f"initial checkpoint has step 0 (got {step0})")
+    names = [n for n, _ in model.named_parameters()]
+    theta0 = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    # 1. initialization (CONVENTIONS.md), exact up to float32 rounding
+    init = ref.Model(cfg)
+    ref.init_model(init, cfg.seed)
+    # CONVENTIONS.md gives float(std * z) computed in double: kmoe must match bit for bit.
+    n_diff = n_all = 0
+    worst = 0.0
+    for n, p in init.named_parameters():
+        d = (theta0[n] - p.detach()).abs()
+        n_diff, n_all = n_diff + int((d > 0).sum()), n_all + d.numel()
+        worst = max(worst, float((d / p.detach().abs().clamp_min(1e-30)).max()))
+    check(n_diff == 0, f"step-0 weights equal the CONVENTIONS.md init bit for bit "
+          f"({n_diff} of {n_all} elements differ, max rel {worst:.2e})")
+
+    # 2. step 1 on the checkpoint's weights
+    dump = []
+    for p in dumps:
+        with h5py.File(p, "r") as f:
+            d = {k: f.attrs[k] for k in ("step", "loss", "ce", "aux", "grad_norm", "lr")}
+            d["tokens"] = torch.from_numpy(np.asarray(f["batch/tokens"], dtype=np.int64))
+            d["grad"] = read_tensors(f, "grad", names)
+            dump.append(d)
+    d1 = dump[0]
+    check(tuple(d1["tokens"].shape) == (cfg.G, cfg.T), f"dump tokens shape {tuple(d1['tokens'].shape)}")
+    (loss, ce, aux), grads = ref.step_loss_and_grads(model, d1["tokens"])
+    gnorm = math.sqrt(sum(float(g.pow(2).sum()) for g in grads.values()))
+    print(f"step 1: kmoe loss {d1['loss']:.10f} ce {d1['ce']:.10f} aux {d1['aux']:.3e} "
+          f"norm {d1['grad_norm']:.8f} lr {d1['lr']:.6e}")
+    print(f"        ref  loss {loss:.10f} ce {ce:.10f} aux {aux:.3e} "
+          f"norm {gnorm:.8f} lr {ref.lr_at(1, cfg):.6e}")
+    check(rel(d1["loss"], loss) <= LOSS_TOL, f"step-1 loss rel err {rel(d1['loss'], loss):.2e}")
+    check(rel(d1["ce"], ce) <= LOSS_TOL, f"step-1 CE rel err {rel(d1['ce'], ce):.2e}")
+    check(abs(d1["aux"] - aux) <= LOSS_TOL * abs(loss), f"step-1 aux abs err {abs(d1['aux'] - aux):.2e}")
+    check(rel(d1["grad_norm"], gnorm) <= GRAD_TOL, f"step-1 grad norm rel err {rel(d1['grad_norm'], gnorm):.2e}")
+    check(rel(d1["lr"], ref.lr_at(1, cfg)) <= 1e-9, "step-1 lr")
+    errs = tensor_errors(d1["grad"], grads)
+    mx = table("step-1 gradients", errs, d1["grad"], grads, GRAD_TOL)
+    check(mx <= GRAD_TOL, f"every step-1 gradient within {GRAD_TOL:g} (max {mx:.2e})")
+
+    # 3. three reference AdamW steps on the dumped batches
+    for s in (1, 2, 3):
+        d = dump[s - 1]
+        check(int(d["step"]) == s, f"dump_step{s}.h5 has step {int(d['step'])}")
+        (loss, ce, aux), grads = ref.step_loss_and_grads(model, d["tokens"])
+        if s > 1:
+            print(f"step {s}: kmoe loss {d['loss']:.10f}  ref {loss:.10f}")
+            check(rel(d["loss"], loss) <= LOSS_TOL, f"step-{s} loss rel err {rel(d['loss'], loss):.2e}")
+            check(rel(d["lr"], ref.lr_at(s, cfg)) <= 1e-9, f"step-{s} lr")
+        norm, _ = opt.step(s, grads)
+        print(f"        grad norm kmoe {d['grad_norm']:.8f} ref {norm:.8f} "
+              f"(clip scale {min(1.0, cfg.clip / (norm + 1e-6)):.6f})")
+    with h5py.File(ck3, "r") as f:
+        check(int(f.attrs["step"]) == 3, "final checkpoint has step 3")
+        k3 = read_tensors(f, "model", names)
+        km, kv = read_tensors(f, "optimizer/exp_avg", names), read_tensors(f, "optimizer/exp_avg_sq", names)
+    kd = {n: k3[n] - theta0[n] for n in names}
+    rd = {n: p.detach() - theta0[n] for n, p in model.named_parameters()}
+    mx = table("theta_3 - theta_0", tensor_errors(kd, rd), kd, rd, DELTA_TOL)
+    check(mx <= DELTA_TOL, f"every theta_3 - theta_0 within {DELTA_TOL:g} (max {mx:.2e})")
+    for label, a, b in (("exp_avg", km, opt.m), ("exp_avg_sq", kv, opt.v)):
+        mx = max(tensor_errors(a, b).values())
+        check(mx <= DELTA_TOL, f"step-3 {label} within {DELTA_TOL:g} (max {mx:.2e})")
+    summary()
+
+
+def summary():
+    n_fail = results.count(False)
+    print(f"{len(results) - n_fail} passed, {n_fail} failed")
+    sys.exit(1 if n_fail else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,515 @@
+#!/usr/bin/python3
+"""Independent float64 PyTorch reference of kmoe's model, loss and optimizer.
+
+Written from docs/spec/MODEL.md (sections 1, 2, 5, 6, 7), docs/spec/RUNTIME.md (sections 4-5)
+and docs/CONVENTIONS.md only, never from kmoe's C++ code. Today it covers the dense model;
+MoE (section 3) and Engram (section 4) are meant to be added as further module classes
+(an `MoE` next to `DenseMLP`, an `Engram` called at the top of `Block.forward`).
+
+The module tree mirrors MODEL.md section 5, so `named_parameters()` yields exactly kmoe's
+parameter names (`blocks.0.attn.wq`, ...) and a checkpoint dataset is `/model/` + name with
+dots as slashes.
+
+Usage as a library: see check_reference.py. `python3 kmoe_reference.py --selftest` runs
+checks of the reference against itself (autograd gradcheck, RoPE, a tiny training run).
+"""
+import configparser
+import math
+
+import numpy as np
+import torch
+from torch import nn
+
+DT = torch.float64
+
+
+# ----------------------------------------------------------------------------- configuration
+
+def _get(cp, section, key, default=None, kind=str):
+    """A deck value with RUNTIME.md's default; `kind` converts the string."""
+    if cp.has_section(section) and cp.has_option(section, key):
+        raw = cp.get(section, key).strip()
+        if kind is bool:
+            return raw.lower() in ("1", "true", "yes", "on")
+        if kind is list:
+            return [t.strip() for t in raw.split(",") if t.strip()]
+        return kind(raw)
+    if default is None:
+        raise KeyError(f"deck has no [{section}] {key} and it has no default")
+    return default
+
+
+class Config:
+    """The [model], [moe], [engram], [train] and [optimizer] keys the reference needs."""
+
+    def __init__(self, deck_text):
+        cp = configparser.ConfigParser(interpolation=None, inline_comment_prefixes=("#",),
+                                       comment_prefixes=("#", ";"))
+        cp.read_string(deck_text)
+        self.text = deck_text
+        g = lambda k, d=None, t=str: _get(cp, "model", k, d, t)  # noqa: E731
+        self.V, self.D, self.L = g("vocab_size", t=int), g("d_model", t=int), g("n_layers", t=int)
+        self.H = g("n_heads", t=int)
+        self.Hkv = g("n_kv_heads", self.H, int)
+        self.F = g("ffn_hidden", t=int)
+        self.norm_eps = g("norm_eps", 1e-6, float)
+        self.rope_theta = g("rope_theta", 500000.0, float)
+        self.qk_norm = g("qk_norm", True, bool)
+        self.block_norm = g("block_norm", "reordered")
+        self.tie = g("tie_embeddings", False, bool)
+        self.init_std = g("init_std", 0.02, float)
+        self.output_z_coef = g("output_z_coef", 0.0, float)
+        assert self.D % self.H == 0 and self.H % self.Hkv == 0
+        self.dh = self.D // self.H
+        assert self.block_norm in ("reordered", "pre"), self.block_norm
+
+        self.experts = _get(cp, "moe", "experts", 0, int)
+        self.engram_layers = [int(t) for t in _get(cp, "engram", "layers", [], list)
+                              if t.lower() != "none"]
+        if self.experts > 0 or self.engram_layers:
+            raise NotImplementedError("the reference covers the dense model only (no MoE/Engram yet)")
+        self.engram_lr_mult = _get(cp, "engram", "lr_mult", 5.0, float)
+
+        t = lambda k, d=None, ty=int: _get(cp, "train", k, d, ty)  # noqa: E731
+        self.T, self.G, self.b = t("seq_len"), t("global_batch"), t("micro_batch")
+        self.max_steps, self.seed = t("max_steps"), t("seed", 0)
+
+        o = lambda k, d=None, ty=float: _get(cp, "optimizer", k, d, ty)  # noqa: E731
+        self.lr, self.beta1, self.beta2 = o("lr"), o("beta1", 0.9), o("beta2", 0.95)
+        self.eps, self.weight_decay, self.clip = o("eps", 1e-8), o("weight_decay", 0.1), o("clip", 1.0)
+        self.schedule = o("schedule", "cosine", str)
+        self.warmup = o("warmup_steps", 0, int)
+        self.final_lr_ratio = o("final_lr_ratio", 0.1)
+        self.decay_steps = o("decay_steps", 0, int)
+
+
+# ----------------------------------------------------------------------------- modules
+
+class RMSNorm(nn.Module):
+    """y = g * x / sqrt(mean(x^2) + eps) over the last dimension."""
+
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=DT))
+
+    def forward(self, x):
+        return self.weight * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+
+class Weight(nn.Module):
+    """A bare `weight` parameter (embedding, untied LM head)."""
+
+    def __init__(self, rows, cols):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(rows, cols, dtype=DT))
+
+
+def rope_tables(T, dh, theta):
+    """cos/sin [T, dh/2]: angles in double, rounded to fp32 once (as kmoe), used as float64."""
+    i = np.arange(dh // 2, dtype=np.float64)
+    inv_freq = np.power(theta, -2.0 * i / dh)
+    ang = np.arange(T, dtype=np.float64)[:, None] * inv_freq[None, :]
+    to = lambda a: torch.from_numpy(a.astype(np.float32).astype(np.float64))  # noqa: E731
+    return to(np.cos(ang)), to(np.sin(ang))
+
+
+def apply_rope(u, cos, sin):
+    """NeoX half split. u: [b, T, heads, dh]; cos/sin: [T, dh/2]."""
+    half = u.shape[-1] // 2
+    u1, u2 = u[..., :half], u[..., half:]
+    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    return torch.cat([u1 * c - u2 * s, u2 * c + u1 * s], dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        D, H, Hkv, dh = cfg.D, cfg.H, cfg.Hkv, cfg.dh
+        self.wq = nn.Parameter(torch.zeros(H * dh, D, dtype=DT))
+        self.wk = nn.Parameter(torch.zeros(Hkv * dh, D, dtype=DT))
+        self.wv = nn.Parameter(torch.zeros(Hkv * dh, D, dtype=DT))
+        self.wo = nn.Parameter(torch.zeros(D, H * dh, dtype=DT))
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(H * dh, cfg.norm_eps)
+            self.k_norm = RMSNorm(Hkv * dh, cfg.norm_eps)
+
+    def forward(self, x, cos, sin):
+        c = self.cfg
+        b, T, _ = x.shape
+        q, k, v = x @ self.wq.T, x @ self.wk.T, x @ self.wv.T
+        if c.qk_norm:  # over the whole projection, before the head split
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.view(b, T, c.H, c.dh), cos, sin)
+        k = apply_rope(k.view(b, T, c.Hkv, c.dh), cos, sin)
+        v = v.view(b, T, c.Hkv, c.dh)
+        rep = c.H // c.Hkv  # query head h reads kv head h // rep
+        k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, H, T, dh]
+        scores = (q @ k.transpose(-1, -2)) / math.sqrt(c.dh)
+        causal = torch.ones(T, T, dtype=torch.bool).triu(1)
+        scores = scores.masked_fill(causal, float("-inf"))
+        o = torch.softmax(scores, dim=-1) @ v  # [b, H, T, dh]
+        return o.transpose(1, 2).reshape(b, T, c.H * c.dh) @ self.wo.T
+
+
+class DenseMLP(nn.Module):
+    """SwiGLU: (silu(x W1^T) * (x W3^T)) W2^T."""
+
+    def __init__(self, D, F):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.zeros(F, D, dtype=DT))
+        self.w3 = nn.Parameter(torch.zeros(F, D, dtype=DT))
+        self.w2 = nn.Parameter(torch.zeros(D, F, dtype=DT))
+
+    def forward(self, x):
+        return (nn.functional.silu(x @ self.w1.T) * (x @ self.w3.T)) @ self.w2.T
+
+
+class Block(nn.Module):
+    def __init__(self, cfg, layer):
+        super().__init__()
+        self.cfg, self.layer = cfg, layer
+        self.attn = Attention(cfg)
+        self.attn_norm = RMSNorm(cfg.D, cfg.norm_eps)
+        self.ffn_norm = RMSNorm(cfg.D, cfg.norm_eps)
+        self.mlp = DenseMLP(cfg.D, cfg.F)  # an MoE layer would hold `self.moe` instead
+
+    def ffn(self, h):
+        return self.mlp(h)
+
+    def forward(self, x, cos, sin):
+        if self.cfg.block_norm == "reordered":
+            h = x + self.attn_norm(self.attn(x, cos, sin))
+            return h + self.ffn_norm(self.ffn(h))
+        h = x + self.attn(self.attn_norm(x), cos, sin)
+        return h + self.ffn(self.ffn_norm(h))
+
+
+class Model(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = Weight(cfg.V, cfg.D)
+        self.blocks = nn.ModuleList(Block(cfg, l) for l in range(cfg.L))
+        self.final_norm = RMSNorm(cfg.D, cfg.norm_eps)
+        if not cfg.tie:
+            self.lm_head = Weight(cfg.V, cfg.D)
+        self.cos, self.sin = rope_tables(cfg.T, cfg.dh, cfg.rope_theta)
+
+    def forward(self, tokens):
+        """tokens [b, T] (int64) -> logits [b, T, V]."""
+        T = tokens.shape[1]
+        cos, sin = self.cos[:T], self.sin[:T]
+        x = self.embed.weight[tokens]
+        for blk in self.blocks:
+            x = blk(x, cos, sin)
+        head = self.embed.weight if self.cfg.tie else self.lm_head.weight
+        return self.final_norm(x) @ head.T
+
+    def microbatch_loss(self, tokens):
+        """MODEL.md section 2 for one micro-batch: (loss_mb, CE, aux)."""
+        logits = self(tokens)[:, :-1].reshape(-1, self.cfg.V)
+        targets = tokens[:, 1:].reshape(-1)
+        lse = torch.logsumexp(logits, dim=-1)
+        ce = (lse - logits.gather(1, targets[:, None])[:, 0]).mean()
+        aux = self.cfg.output_z_coef * lse.pow(2).mean()
+        return ce + aux, ce, aux
+
+
+def step_loss_and_grads(model, tokens):
+    """Step loss = mean over the G/b micro-batches of loss_mb, and its gradient per parameter.
+
+    tokens: [G, T] int64, micro-batch j = rows j*b..(j+1)*b-1.
+    Returns (loss, ce, aux) as floats and {name: grad tensor}.
+    """
+    b = model.cfg.b
+    n_mb = tokens.shape[0] // b
+    assert n_mb * b == tokens.shape[0]
+    model.zero_grad(set_to_none=True)
+    tot = [0.0, 0.0, 0.0]
+    for j in range(n_mb):
+        loss, ce, aux = model.microbatch_loss(tokens[j * b:(j + 1) * b])
+        (loss / n_mb).backward()
+        for i, t in enumerate((loss, ce, aux)):
+            tot[i] += float(t) / n_mb
+    grads = {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
+             for n, p in model.named_parameters()}
+    return tuple(tot), grads
+
+
+# ----------------------------------------------------------------------------- optimizer
+
+DECAY_SUFFIXES = ("attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.w1", "mlp.w2", "mlp.w3",
+                  "moe.router", "moe.experts.w1", "moe.experts.w2", "moe.experts.w3",
+                  "moe.shared.w1", "moe.shared.w2", "moe.shared.w3", "engram.wk", "engram.wv")
+NO_DECAY_SUFFIXES = ("norm.weight", "engram.table", "engram.conv", "engram.bk", "engram.bv")
+
+
+def param_group(name, cfg):
+    """(weight_decay, lr_mult) of parameter `name`, MODEL.md section 6."""
+    lr_mult = cfg.engram_lr_mult if name.endswith("engram.table") else 1.0
+    if name == "lm_head.weight" or name.endswith(DECAY_SUFFIXES):
+        return cfg.weight_decay, lr_mult
+    if name == "embed.weight" or name.endswith(NO_DECAY_SUFFIXES):
+        return 0.0, lr_mult
+    raise KeyError(f"no parameter group rule for {name}")
+
+
+def lr_at(s, cfg):
+    """lr(s) of MODEL.md section 6, s = 1..max_steps."""
+    lr, W, n = cfg.lr, cfg.warmup, cfg.max_steps
+    if W > 0 and s <= W:
+        return lr * s / W
+    lr_min = lr * cfg.final_lr_ratio
+    if cfg.schedule == "cosine":
+        return lr_min + (lr - lr_min) * 0.5 * (1 + math.cos(math.pi * (s - W) / (n - W)))
+    if cfg.schedule == "constant":
+        return lr
+    if cfg.schedule == "wsd":
+        if cfg.decay_steps > 0 and s > n - cfg.decay_steps:
+            return lr_min + (lr - lr_min) * (n - s) / cfg.decay_steps
+        return lr
+    raise ValueError(f"unknown schedule {cfg.schedule}")
+
+
+class AdamW:
+    """AdamW with global-norm clipping exactly as MODEL.md section 6 (float64)."""
+
+    def __init__(self, model, exp_avg=None, exp_avg_sq=None):
+        self.model, self.cfg = model, model.cfg
+        params = dict(model.named_parameters())
+        self.m = {n: (exp_avg[n].clone() if exp_avg else torch.zeros_like(p.detach()))
+                  for n, p in params.items()}
+        self.v = {n: (exp_avg_sq[n].clone() if exp_avg_sq else torch.zeros_like(p.detach()))
+                  for n, p in params.items()}
+
+    def step(self, s, grads):
+        """Applies step s with the (unclipped) gradients; returns (pre-clip global norm, lr)."""
+        c = self.cfg
+        norm = math.sqrt(sum(float(g.pow(2).sum()) for g in grads.values()))
+        scale = min(1.0, c.clip / (norm + 1e-6)) if c.clip > 0 else 1.0
+        lr_s = lr_at(s, c)
+        bc1, bc2 = 1 - c.beta1 ** s, 1 - c.beta2 ** s
+        with torch.no_grad():
+            for n, p in self.model.named_parameters():
+                wd, mult = param_group(n, c)
+                g = scale * grads[n]
+                self.m[n].mul_(c.beta1).add_((1 - c.beta1) * g)
+                self.v[n].mul_(c.beta2).add_((1 - c.beta2) * g * g)
+                upd = (self.m[n] / bc1) / (torch.sqrt(self.v[n] / bc2) + c.eps)
+                p.sub_(lr_s * mult * (wd * p + upd))
+        return norm, lr_s
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+def h5_path(name):
+    return name.replace(".", "/")
+
+
+def read_group(f, group, names):
+    return {n: torch.from_numpy(np.asarray(f[group + "/" + h5_path(n)], dtype=np.float64))
+            for n in names}
+
+
+def load_checkpoint(path):
+    """(Config, Model with the checkpoint's weights, AdamW with its moments, step)."""
+    import h5py
+    with h5py.File(path, "r") as f:
+        assert f.attrs["format"] in ("kmoe-checkpoint", b"kmoe-checkpoint"), path
+        deck = f["input"].attrs["deck"]
+        deck = deck.decode() if isinstance(deck, bytes) else str(deck)
+        cfg = Config(deck)
+        model = Model(cfg)
+        names = [n for n, _ in model.named_parameters()]
+        extra = []
+        f["model"].visit(lambda k: extra.append(k) if isinstance(f["model"][k], h5py.Dataset) else None)
+        unknown = sorted(set(extra) - {h5_path(n) for n in names})
+        assert not unknown, f"{path}: datasets the reference does not know: {unknown}"
+        weights = read_group(f, "model", names)
+        m = read_group(f, "optimizer/exp_avg", names)
+        v = read_group(f, "optimizer/exp_avg_sq", names)
+        step = int(f.attrs["step"])
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            assert p.shape == weights[n].shape, f"{n}: {tuple(p.shape)} vs {tuple(weights[n].shape)}"
+            p.copy_(weights[n])
+    return cfg, model, AdamW(model, m, v), step
+
+
+# ----------------------------------------------------------------------------- initialization
+
+M64 = (1 << 64) - 1
+
+
+def splitmix64(x):
+    z = (x + 0x9E3779B97F4A7C15) & M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64
+    return z ^ (z >> 31)
+
+
+def fnv1a64(s):
+    h = 0xCBF29CE484222325
+    for byte in s.encode():
+        h = ((h ^ byte) * 0x100000001B3) & M64
+    return h
+
+
+def init_normal(name, shape, seed, std):
+    """CONVENTIONS.md: counter-based truncated normal, float32 values (as float64 tensor)."""
+    key = splitmix64((seed ^ fnv1a64(name)) & M64)
+    u = lambda bits: ((bits >> 11) + 0.5) / 2.0 ** 53  # noqa: E731
+    n = int(np.prod(shape))
+    out = np.empty(n, dtype=np.float32)
+    for j in range(n):
+        for a in range(32):
+            c = (j << 6) + 2 * a
+            u1, u2 = u(splitmix64((key + c) & M64)), u(splitmix64((key + c + 1) & M64))
+            z = math.sqrt(-2.0 * math.log(u1)) * math.cos(2.0 * math.pi * u2)
+            if abs(z) <= 3.0:
+                break
+        out[j] = std * z
+    return torch.from_numpy(out.astype(np.float64)).view(*shape)
+
+
+def init_model(model, seed):
+    """Section 7 init: matrices truncated normal, norms 1."""
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.copy_(init_normal(n, tuple(p.shape), seed, model.cfg.init_std))
+
+
+# ----------------------------------------------------------------------------- self test
+
+TEST_DECK = """
+[model]
+vocab_size = 16
+d_model = 8
+n_layers = 2
+n_heads = 4
+n_kv_heads = 2
+ffn_hidden = 12
+block_norm = {block_norm}
+tie_embeddings = {tie}
+output_z_coef = {z}
+[train]
+seq_len = 6
+global_batch = 4
+micro_batch = 2
+max_steps = 60
+[optimizer]
+lr = 1e-2
+warmup_steps = 5
+"""
+
+
+def selftest():
+    torch.manual_seed(0)
+    ok = True
+    # RoPE against the per-element formula of MODEL.md.
+    cos, sin = rope_tables(5, 8, 500000.0)
+    u = torch.randn(1, 5, 1, 8, dtype=DT)
+    r = apply_rope(u, cos, sin)
+    for p in range(5):
+        for i in range(4):
+            a = p * 500000.0 ** (-2 * i / 8)
+            e0 = u[0, p, 0, i] * math.cos(a) - u[0, p, 0, i + 4] * math.sin(a)
+            e1 = u[0, p, 0, i + 4] * math.cos(a) + u[0, p, 0, i] * math.sin(a)
+            ok &= abs(float(r[0, p, 0, i] - e0)) < 1e-6 and abs(float(r[0, p, 0, i + 4] - e1)) < 1e-6
+    print("rope formula:", "ok" if ok else "FAIL")
+    for bn, tie, z in (("reordered", "false", "0"), ("pre", "true", "0.01")):
+        cfg = Config(TEST_DECK.format(block_norm=bn, tie=tie, z=z))
+        model = Model(cfg)
+        init_model(model, seed=1)
+        with torch.no_grad():  # make norms non-trivial so their gradients are exercised
+            for n, p in model.named_parameters():
+                if n.endswith("norm.weight"):
+                    p.add_(0.1 * torch.randn_like(p))
+                else:
+                    p.mul_(20.0)
+        tokens = torch.randint(0, cfg.V, (cfg.G, cfg.T))
+        params = list(model.parameters())
+        names = [n for n, _ in model.named_parameters()]
+
+        def f(*ps):
+            backup = [p.detach().clone() for p in params]
+            with torch.no_grad():
+                for p, q in zip(params, ps):
+                    p.copy_(q)
+            n_mb = cfg.G // cfg.b
+            out = sum(model.microbatch_loss(tokens[j * cfg.b:(j + 1) * cfg.b])[0]
+                      for j in range(n_mb)) / n_mb
+            with torch.no_grad():
+                for p, q in zip(params, backup):
+                    p.copy_(q)
+            return out
+
+        # finite differences against step_loss_and_grads
+        _, grads = step_loss_and_grads(model, tokens)
+        worst = 0.0
+        for n, p in zip(names, params):
+            for idx in [tuple(torch.randint(0, s, (1,)).item() for s in p.shape) for _ in range(3)]:
+                h = 1e-6
+                with torch.no_grad():
+                    p[idx] += h
+                    lp = float(f(*params))
+                    p[idx] -= 2 * h
+                    lm = float(f(*params))
+                    p[idx] += h
+                fd = (lp - lm) / (2 * h)
+                worst = max(worst, abs(fd - float(grads[n][idx])) / max(abs(fd), 1e-6))
+        good = worst < 1e-5
+        print(f"{bn} tie={tie} z={z}: finite differences max rel err {worst:.2e}",
+              "ok" if good else "FAIL")
+        ok &= good
+        # a tiny model memorises a fixed batch
+        model2 = Model(cfg)
+        init_model(model2, seed=2)
+        opt = AdamW(model2)
+        first = None
+        for s in range(1, cfg.max_steps + 1):
+            (loss, _, _), g = step_loss_and_grads(model2, tokens)
+            first = loss if first is None else first
+            opt.step(s, g)
+        good = loss < 0.5 * first
+        print(f"  training: loss {first:.4f} -> {loss:.4f}", "ok" if good else "FAIL")
+        ok &= good
+    # autograd gradcheck on a small model (per-parameter inputs)
+    cfg = Config(TEST_DECK.format(block_norm="reordered", tie="false", z="0.01"))
+    cfg.L = 1
+    model = Model(cfg)
+    init_model(model, seed=3)
+    tokens = torch.randint(0, cfg.V, (2, cfg.T))
+    wq = model.blocks[0].attn.wq
+    good = torch.autograd.gradcheck(lambda w: _swap_call(model, "blocks.0.attn.wq", w, tokens),
+                                    (wq.detach().clone().requires_grad_(),))
+    print("gradcheck blocks.0.attn.wq:", "ok" if good else "FAIL")
+    ok &= good
+    print("selftest", "passed" if ok else "FAILED")
+    return ok
+
+
+def _swap_call(model, name, w, tokens):
+    """microbatch_loss with parameter `name` replaced by the differentiable tensor w."""
+    mod_name, attr = name.rsplit(".", 1)
+    mod = model.get_submodule(mod_name)
+    saved = mod._parameters.pop(attr)
+    setattr(mod, attr, w)
+    try:
+        return model.microbatch_loss(tokens)[0]
+    finally:
+        delattr(mod, attr)
+        mod._parameters[attr] = saved
+
+
+if __name__ == "__main__":
+    import sys
+    if "--selftest" in sys.argv:
+        sys.exit(0 if selftest() else 1)
+    print(__doc__)
