@@ -95,6 +95,14 @@ int main(int argc, char** argv) {
   report("mlp backward",
          time_it(reps, [&] { mlp.backward(table, as_cmat(x), as_cmat(dx), as_mat(y), ms); }),
          2 * mlp_f);
+  {
+    View2F up("up", N, 2 * F), act("act", N, F), dup("dup", N, 2 * F);
+    Kokkos::deep_copy(up, 0.3f);
+    report("swiglu activate", time_it(reps, [&] { swiglu_activate(as_cmat(up), as_mat(act)); }), 0);
+    report("swiglu activate backward", time_it(reps, [&] {
+             swiglu_activate_backward(as_cmat(up), as_cmat(act), as_mat(dup));
+           }), 0);
+  }
   report("rmsnorm forward",
          time_it(reps, [&] {
            rmsnorm_forward(as_cmat(x), ConstVec(g.data(), D), 1e-6f, ConstMat(), as_mat(y),

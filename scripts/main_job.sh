@@ -11,6 +11,8 @@ bin=${KMOE_BUILD_DIR:-$root/build}/drivers
 if [ ! -f data/fortunes/train.bin ] || [ ! -f data/fortunes/val.bin ]; then
   "$bin/kmoe-prep" --fortunes --out-dir data/fortunes
 fi
-# One rank; BLAS threads use both cores.
-OPENBLAS_NUM_THREADS=$(nproc) "$bin/kmoe-train" -i inputs/tiny.deck "$@"
+# Two data-parallel ranks (the deck's parallel.dp = 2), one core and one BLAS thread each.
+# A fresh run each time (checkpoint.resume = none); to continue a run, leave that out.
+mpiexec --allow-run-as-root -n 2 -x OPENBLAS_NUM_THREADS=1 "$bin/kmoe-train" -i inputs/tiny.deck \
+  --checkpoint.resume=none "$@"
 /usr/bin/python3 bench/plot_metrics runs/tiny/metrics.csv -o runs/tiny/metrics.png

@@ -138,26 +138,21 @@ void Attention::forward(const TensorTable& table, const RopeTables& rope, ConstM
          as_cmat(k_.data() + kh * Tdh, T, dh), 0.0f, as_mat(probs_.data() + qh * TT, G * T, T));
   });
 
+  // Causal softmax, one row per work item; the exp loop is branch-free (exp_poly) and
+  // vectorizes, the max and the sum run in column order (fixed, deterministic).
   auto p = as_mat(probs_.data(), nseq * H * T, T);
   Kokkos::parallel_for(
-      "attn::causal_softmax", row_policy(nseq * H * T), KOKKOS_LAMBDA(const TeamMember& team) {
-        const int r = team.league_rank(), t = r % T;
-        float mx = -3.0e38f;
-        Kokkos::parallel_reduce(
-            Kokkos::TeamThreadRange(team, t + 1),
-            [&](int j, float& m) { m = math::fmax(m, p(r, j)); }, Kokkos::Max<float>(mx));
-        float sum = 0.0f;  // exponentials stored on the way: one exp per element
-        Kokkos::parallel_reduce(
-            Kokkos::TeamThreadRange(team, t + 1),
-            [&](int j, float& acc) {
-              const float e = math::exp(p(r, j) - mx);
-              p(r, j) = e;
-              acc += e;
-            },
-            sum);
+      "attn::causal_softmax", Range(0, nseq * H * T), KOKKOS_LAMBDA(int r) {
+        const int t = r % T;
+        float* row = &p(r, 0);
+        float mx = row[0];
+        for (int j = 1; j <= t; ++j) mx = row[j] > mx ? row[j] : mx;
+        for (int j = 0; j <= t; ++j) row[j] = math::exp_poly(row[j] - mx);
+        float sum = 0.0f;
+        for (int j = 0; j <= t; ++j) sum += row[j];
         const float inv = 1.0f / sum;
-        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, T),
-                             [&](int j) { p(r, j) = j <= t ? p(r, j) * inv : 0.0f; });
+        for (int j = 0; j <= t; ++j) row[j] *= inv;
+        for (int j = t + 1; j < T; ++j) row[j] = 0.0f;
       });
 
   float* heads = scratch.d_heads.data();  // (nseq, H, T, dh) head outputs
@@ -200,15 +195,14 @@ void Attention::backward(TensorTable& table, const RopeTables& rope, ConstMat a,
   auto p = as_cmat(probs_.data(), nseq * H * T, T);
   auto dp = as_mat(d_probs, nseq * H * T, T);
   Kokkos::parallel_for(
-      "attn::softmax_backward", row_policy(nseq * H * T), KOKKOS_LAMBDA(const TeamMember& team) {
-        const int r = team.league_rank(), t = r % T;
+      "attn::softmax_backward", Range(0, nseq * H * T), KOKKOS_LAMBDA(int r) {
+        const int t = r % T;
+        const float* pr = &p(r, 0);
+        float* g = &dp(r, 0);
         float dot = 0.0f;
-        Kokkos::parallel_reduce(
-            Kokkos::TeamThreadRange(team, t + 1),
-            [&](int j, float& acc) { acc += p(r, j) * dp(r, j); }, dot);
-        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, T), [&](int j) {
-          dp(r, j) = j <= t ? p(r, j) * (dp(r, j) - dot) * scale : 0.0f;
-        });
+        for (int j = 0; j <= t; ++j) dot += pr[j] * g[j];
+        for (int j = 0; j <= t; ++j) g[j] = pr[j] * (g[j] - dot) * scale;
+        for (int j = t + 1; j < T; ++j) g[j] = 0.0f;
       });
 
   // dq = dS k (overwrites dO in d_heads, no longer needed); dk = dS^T q.
