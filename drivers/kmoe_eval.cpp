@@ -2,15 +2,11 @@
 // Validation loss of a checkpoint's weights on data.val_paths (at most train.eval_instances
 // instances, file order); the last line is `eval_loss <float> tokens <int>`. On the layout the
 // trainer ran on it reproduces the trainer's val_loss bit for bit.
-#include <mpi.h>
-
-#include <Kokkos_Core.hpp>
 #include <cstdio>
-#include <iostream>
 #include <string>
 #include <vector>
 
-#include "core/error.hpp"
+#include "drivers/driver_main.hpp"
 #include "io/checkpoint.hpp"
 #include "io/deck.hpp"
 #include "train/evaluate.hpp"
@@ -24,55 +20,34 @@ const char* kUsage =
 }  // namespace
 
 int main(int argc, char** argv) {
-  MPI_Init(&argc, &argv);
-  int rank = 0, world = 1;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  MPI_Comm_size(MPI_COMM_WORLD, &world);
-  int code = 0;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "-h" || a == "--help") {
-      if (rank == 0) std::cout << kUsage;
-      MPI_Finalize();
-      return 0;
-    }
-  }
-  {
-    Kokkos::ScopeGuard kokkos(argc, argv);
-    try {
-      std::string deck, checkpoint;
-      std::vector<std::string> overrides;
-      for (int i = 1; i < argc; ++i) {
-        const std::string s = argv[i];
-        if ((s == "-i" || s == "--input" || s == "--checkpoint") && i + 1 < argc) {
-          (s == "--checkpoint" ? checkpoint : deck) = argv[++i];
-        } else if (s.rfind("--checkpoint=", 0) == 0) {
-          checkpoint = s.substr(13);
-        } else if (s.rfind("--", 0) == 0 && s.find('.') != std::string::npos) {
-          overrides.push_back(s);
-        } else {
-          KMOE_FAIL("unknown argument '" << s << "'\n" << kUsage);
-        }
+  return kmoe::run_driver(argc, argv, "kmoe-eval", kUsage, [](int argc, char** argv) {
+    std::string deck, checkpoint;
+    std::vector<std::string> overrides;
+    for (int i = 1; i < argc; ++i) {
+      const std::string s = argv[i];
+      if ((s == "-i" || s == "--input" || s == "--checkpoint") && i + 1 < argc) {
+        (s == "--checkpoint" ? checkpoint : deck) = argv[++i];
+      } else if (s.rfind("--checkpoint=", 0) == 0) {
+        checkpoint = s.substr(13);
+      } else if (s.rfind("--", 0) == 0 && s.find('.') != std::string::npos) {
+        overrides.push_back(s);
+      } else {
+        KMOE_FAIL("unknown argument '" << s << "'\n" << kUsage);
       }
-      KMOE_REQUIRE(!deck.empty() && !checkpoint.empty(), "need a deck and a checkpoint\n" << kUsage);
-      const kmoe::Config cfg = kmoe::read_deck(deck, overrides);
-      KMOE_REQUIRE(!cfg.data.val_paths.empty(), deck << ": data.val_paths is empty: nothing to evaluate");
-      kmoe::ProcessGrid grid(cfg.parallel, MPI_COMM_WORLD);
-      kmoe::TokenDataset val(cfg.data.val_paths, cfg.data.dtype, cfg.train.seq_len,
-                             cfg.model.vocab_size, "data.val_paths");
-      kmoe::TensorTable table;
-      kmoe::Stage stage(cfg.model, cfg.train.micro_batch, cfg.train.seq_len, table);
-      table.allocate();
-      kmoe::load_checkpoint(checkpoint, cfg, grid, table, /*with_optimizer=*/false, nullptr);
-      const kmoe::EvalResult r = kmoe::evaluate(stage, table, val, grid, cfg.train.micro_batch,
-                                                cfg.train.eval_instances);
-      if (rank == 0) std::printf("eval_loss %.17g tokens %lld\n", r.loss, (long long)r.tokens);
-    } catch (const std::exception& e) {
-      std::cerr << "kmoe-eval: error: " << e.what() << std::endl;
-      code = 1;
     }
-  }
-  if (code != 0 && world > 1) MPI_Abort(MPI_COMM_WORLD, code);
-  MPI_Finalize();
-  return code;
+    KMOE_REQUIRE(!deck.empty() && !checkpoint.empty(), "need a deck and a checkpoint\n" << kUsage);
+    const kmoe::Config cfg = kmoe::read_deck(deck, overrides);
+    KMOE_REQUIRE(!cfg.data.val_paths.empty(),
+                 deck << ": data.val_paths is empty: nothing to evaluate");
+    kmoe::ProcessGrid grid(cfg.parallel, MPI_COMM_WORLD);
+    kmoe::TokenDataset val(cfg.data.val_paths, cfg.data.dtype, cfg.train.seq_len,
+                           cfg.model.vocab_size, "data.val_paths");
+    kmoe::TensorTable table;
+    kmoe::Stage stage(cfg.model, cfg.train.micro_batch, cfg.train.seq_len, table);
+    table.allocate();
+    kmoe::load_checkpoint(checkpoint, cfg, grid, table, /*with_optimizer=*/false, nullptr);
+    const kmoe::EvalResult r =
+        kmoe::evaluate(stage, table, val, grid, cfg.train.micro_batch, cfg.train.eval_instances);
+    if (grid.is_root()) std::printf("eval_loss %.17g tokens %lld\n", r.loss, (long long)r.tokens);
+  });
 }

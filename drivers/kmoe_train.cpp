@@ -1,14 +1,11 @@
 // kmoe-train -i DECK [--dry-run] [--section.key=value ...]
-//   1. MPI, 2. Kokkos, 3. deck, 4. process grid, 5. data + model, 6. train, 7. finalize.
-// Exit codes: 0 done, 1 bad input or runtime error, 3 non-finite loss or gradient norm.
-#include <mpi.h>
-
-#include <Kokkos_Core.hpp>
+//   1. MPI + Kokkos (driver_main.hpp), 2. deck, 3. process grid, 4. data + model, 5. train.
 #include <cstdio>
 #include <iostream>
 #include <string>
 #include <vector>
 
+#include "drivers/driver_main.hpp"
 #include "io/deck.hpp"
 #include "io/token_data.hpp"
 #include "modules/model/model_size.hpp"
@@ -82,43 +79,17 @@ void print_dry_run(const kmoe::Config& cfg, const kmoe::ProcessGrid& grid) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  MPI_Init(&argc, &argv);
-  int rank = 0, world = 1;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  MPI_Comm_size(MPI_COMM_WORLD, &world);
-  // --help is answered before Kokkos starts, which would otherwise print its own help instead.
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "-h" || a == "--help") {
-      if (rank == 0) std::cout << kUsage << "\n" << kmoe::deck_help();
-      MPI_Finalize();
-      return 0;
-    }
-  }
-  int code = 0;
-  {
-    Kokkos::ScopeGuard kokkos(argc, argv);  // consumes --kokkos-* arguments
-    try {
-      const Args args = parse_args(argc, argv);
-      const kmoe::Config cfg = kmoe::read_deck(args.deck, args.overrides);
-      kmoe::ProcessGrid grid(cfg.parallel, MPI_COMM_WORLD);
-      if (args.dry_run) {
-        print_dry_run(cfg, grid);
-      } else {
-        if (grid.is_root()) std::cout << cfg.resolved_text << std::endl;
-        kmoe::Trainer trainer(cfg, grid);
-        trainer.run();
-      }
-    } catch (const kmoe::NonFiniteError& e) {
-      std::cerr << "kmoe-train: error: " << e.what() << std::endl;
-      code = 3;
-    } catch (const std::exception& e) {
-      std::cerr << "kmoe-train: error: " << e.what() << std::endl;
-      code = 1;
-    }
-  }
-  // A rank that failed alone must not leave the others waiting in a collective.
-  if (code != 0 && world > 1) MPI_Abort(MPI_COMM_WORLD, code);
-  MPI_Finalize();
-  return code;
+  return kmoe::run_driver(argc, argv, "kmoe-train", std::string(kUsage) + "\n" + kmoe::deck_help(),
+                          [](int argc, char** argv) {
+                            const Args args = parse_args(argc, argv);
+                            const kmoe::Config cfg = kmoe::read_deck(args.deck, args.overrides);
+                            kmoe::ProcessGrid grid(cfg.parallel, MPI_COMM_WORLD);
+                            if (args.dry_run) {
+                              print_dry_run(cfg, grid);
+                              return;
+                            }
+                            if (grid.is_root()) std::cout << cfg.resolved_text << std::endl;
+                            kmoe::Trainer trainer(cfg, grid);
+                            trainer.run();
+                          });
 }

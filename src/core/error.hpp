@@ -13,6 +13,12 @@ class Error : public std::runtime_error {
   explicit Error(const std::string& what) : std::runtime_error(what) {}
 };
 
+// A non-finite loss or gradient norm: the run stops (exit code 3) without a checkpoint.
+class NonFiniteError : public Error {
+ public:
+  using Error::Error;
+};
+
 }  // namespace kmoe
 
 // KMOE_REQUIRE(h > 0, "model.n_heads must be positive, got " << h);

@@ -18,12 +18,6 @@
 
 namespace kmoe {
 
-// A non-finite loss or gradient norm: the run stops (exit code 3) without a checkpoint.
-class NonFiniteError : public Error {
- public:
-  using Error::Error;
-};
-
 struct PhaseTotals {
   double data = 0, forward = 0, backward = 0, comm = 0, optimizer = 0, eval = 0, checkpoint = 0;
 };

@@ -15,24 +15,23 @@ Usage: check_reference.py BIN_DIR WORK_DIR [--block-norm reordered|pre] [--kv-he
 import argparse
 import math
 import os
-import shutil
-import subprocess
 import sys
 
 import h5py
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.join(HERE, "..")]
 import kmoe_reference as ref  # noqa: E402
+from kmoe_testlib import Harness, counting_documents  # noqa: E402
 
 GRAD_TOL, LOSS_TOL, DELTA_TOL = 1e-4, 1e-4, 1e-3
-results = []
+h = None  # the Harness, set in main()
 
 
 def check(cond, what):
-    print(("ok   " if cond else "FAIL ") + what, flush=True)
-    results.append(bool(cond))
+    h.check(cond, what)
 
 
 def rel(a, b):
@@ -69,30 +68,15 @@ def main():
     ap.add_argument("--reuse", action="store_true",
                     help="skip kmoe-prep/kmoe-train and check the outputs already in WORK_DIR")
     args = ap.parse_args()
-    work = args.work_dir
-    env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
-
-    def run(cmd):
-        p = subprocess.run([os.path.join(args.bin_dir, cmd[0])] + cmd[1:], cwd=work, env=env,
-                           capture_output=True, text=True, timeout=900)
-        if p.returncode != 0:
-            print(p.stdout[-3000:], p.stderr[-3000:])
-        check(p.returncode == 0, f"{cmd[0]} exits 0 (got {p.returncode})")
-        if p.returncode != 0:
-            summary()
-
+    global h
+    h = Harness(args.bin_dir, args.work_dir, fresh=not args.reuse)
     if not args.reuse:
-        prepare_and_train(args, work, run)
-    check_outputs(work)
+        prepare_and_train(args)
+    check_outputs(args.work_dir)
 
 
-def prepare_and_train(args, work, run):
-    shutil.rmtree(work, ignore_errors=True)
-    os.makedirs(work)
-    with open(os.path.join(work, "corpus.txt"), "w") as f:
-        for i in range(3000):
-            f.write(f"number {i} is {'odd' if i % 2 else 'even'}, and {i} + 1 = {i + 1}.\n%\n")
-    run(["kmoe-prep", "--out-dir", "data", "--separator", "%", "--val-every", "20", "corpus.txt"])
+def prepare_and_train(args):
+    h.prepare_corpus(counting_documents(3000))
     deck = f"""
 [model]
 vocab_size = 320
@@ -123,9 +107,9 @@ every = 3
 dir = run
 dump_step = 1, 2, 3
 """
-    with open(os.path.join(work, "ref.deck"), "w") as f:
-        f.write(deck)
-    run(["kmoe-train", "-i", "ref.deck"])
+    h.write("ref.deck", deck)
+    if h.run(["kmoe-train", "-i", "ref.deck"]).returncode != 0:
+        h.finish()
 
 
 def check_outputs(work):
@@ -133,8 +117,8 @@ def check_outputs(work):
     dumps = [os.path.join(work, "run", f"dump_step{s}.h5") for s in (1, 2, 3)]
     for p in [ck0, ck3] + dumps:
         check(os.path.exists(p), f"{os.path.relpath(p, work)} written")
-    if not all(results):
-        summary()
+    if not all(h.results):
+        h.finish()
 
     cfg, model, opt, step0 = ref.load_checkpoint(ck0)
     check(step0 == 0, f"initial checkpoint has step 0 (got {step0})")
@@ -202,13 +186,7 @@ def check_outputs(work):
     for label, a, b in (("exp_avg", km, opt.m), ("exp_avg_sq", kv, opt.v)):
         mx = max(tensor_errors(a, b).values())
         check(mx <= DELTA_TOL, f"step-3 {label} within {DELTA_TOL:g} (max {mx:.2e})")
-    summary()
-
-
-def summary():
-    n_fail = results.count(False)
-    print(f"{len(results) - n_fail} passed, {n_fail} failed")
-    sys.exit(1 if n_fail else 0)
+    h.finish()
 
 
 if __name__ == "__main__":

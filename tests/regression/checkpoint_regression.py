@@ -9,50 +9,19 @@
 4. a process killed in the middle of a save leaves the previous checkpoint and `latest` intact.
 Usage: checkpoint_regression.py BIN_DIR WORK_DIR
 """
-import csv
 import os
 import shutil
-import subprocess
 import sys
 
 import h5py
 import numpy as np
 
-BIN, WORK = sys.argv[1], sys.argv[2]
-ENV = dict(os.environ, OPENBLAS_NUM_THREADS="1")
-failures = []
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from kmoe_testlib import Harness  # noqa: E402
 
-
-def check(cond, what):
-    print(("ok   " if cond else "FAIL ") + what, flush=True)
-    if not cond:
-        failures.append(what)
-
-
-def run(args, expect_rc=0, env=None):
-    p = subprocess.run([os.path.join(BIN, args[0])] + args[1:], cwd=WORK, env=env or ENV,
-                       capture_output=True, text=True, timeout=900)
-    if p.returncode != expect_rc:
-        print(p.stdout[-2000:], p.stderr[-2000:])
-    check(p.returncode == expect_rc, f"{' '.join(args[:4])} ... exits {expect_rc} (got {p.returncode})")
-    return p
-
-
-def rows(run_dir):
-    with open(os.path.join(WORK, run_dir, "metrics.csv")) as f:
-        return list(csv.DictReader(f))
-
-
-def losses(run_dir):
-    return [(r["step"], r["loss"]) for r in rows(run_dir)]
-
-
-shutil.rmtree(WORK, ignore_errors=True)
-os.makedirs(WORK)
-with open(os.path.join(WORK, "corpus.txt"), "w") as f:
-    for i in range(4000):
-        f.write(f"line {i}: {i * 7 % 13} apples and {i % 5} pears.\n%\n")
-run(["kmoe-prep", "--out-dir", "data", "--separator", "%", "corpus.txt"])
+h = Harness(sys.argv[1], sys.argv[2])
+WORK, ENV, check, run, losses, rows = h.work, h.env, h.check, h.run, h.losses, h.metrics
+h.prepare_corpus([f"line {i}: {i * 7 % 13} apples and {i % 5} pears." for i in range(4000)])
 with open(os.path.join(WORK, "small.deck"), "w") as f:
     f.write("""
 [model]
@@ -173,5 +142,4 @@ check(not os.path.exists(os.path.join(WORK, "ck_kill", "step00000030.h5")), "no 
 p = run(["kmoe-train", "-i", "small.deck", "--output.dir=after_kill", "--checkpoint.dir=ck_kill"])
 check(losses("after_kill") == full[25:], "the resume after the kill continues bit-identically")
 
-print(f"{len(failures)} failed" if failures else "all checkpoint checks passed")
-sys.exit(1 if failures else 0)
+h.finish()

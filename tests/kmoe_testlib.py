@@ -1,0 +1,70 @@
+"""Shared harness of kmoe's script-driven tests (regression and reference): running the real
+binaries in a work directory, a small learnable corpus, metrics, and pass/fail bookkeeping that
+ends in a `N passed, M failed` line."""
+import csv
+import os
+import shutil
+import subprocess
+import sys
+
+
+class Harness:
+    def __init__(self, bin_dir, work, mpiexec="mpiexec", fresh=True):
+        self.bin_dir, self.work, self.mpiexec = bin_dir, work, mpiexec
+        self.env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
+        self.results = []
+        if fresh:
+            shutil.rmtree(work, ignore_errors=True)
+            os.makedirs(work)
+
+    def check(self, cond, what):
+        print(("ok   " if cond else "FAIL ") + what, flush=True)
+        self.results.append(bool(cond))
+        return bool(cond)
+
+    def run(self, args, expect_rc=0, ranks=1, env=None):
+        """Runs BIN_DIR/args[0] with args[1:] in the work directory (under mpiexec for ranks > 1)
+        and checks its exit code."""
+        cmd = [os.path.join(self.bin_dir, args[0])] + list(args[1:])
+        if ranks > 1:
+            cmd = [self.mpiexec, "--allow-run-as-root", "--oversubscribe", "-n", str(ranks),
+                   "-x", "OPENBLAS_NUM_THREADS=1"] + cmd
+        p = subprocess.run(cmd, cwd=self.work, env=env or self.env, capture_output=True,
+                           text=True, timeout=900)
+        if p.returncode != expect_rc:
+            print(p.stdout[-3000:], p.stderr[-3000:])
+        self.check(p.returncode == expect_rc,
+                   f"{' '.join(args[:4])} ... exits {expect_rc} (got {p.returncode})")
+        return p
+
+    def path(self, *parts):
+        return os.path.join(self.work, *parts)
+
+    def write(self, name, text):
+        with open(self.path(name), "w") as f:
+            f.write(text)
+
+    def prepare_corpus(self, documents, out="data"):
+        """kmoe-prep of one text document per item (separated by '%' lines) into OUT/train.bin
+        and OUT/val.bin (every 20th document)."""
+        self.write("corpus.txt", "".join(doc + "\n%\n" for doc in documents))
+        self.run(["kmoe-prep", "--out-dir", out, "--separator", "%", "--val-every", "20",
+                  "corpus.txt"])
+
+    def metrics(self, run_dir):
+        with open(self.path(run_dir, "metrics.csv")) as f:
+            return list(csv.DictReader(f))
+
+    def losses(self, run_dir):
+        """[(step, loss text)] of a run: the text compares bit for bit."""
+        return [(r["step"], r["loss"]) for r in self.metrics(run_dir)]
+
+    def finish(self):
+        n_fail = self.results.count(False)
+        print(f"{len(self.results) - n_fail} passed, {n_fail} failed")
+        sys.exit(1 if n_fail else 0)
+
+
+def counting_documents(n):
+    """Sentences with learnable structure."""
+    return [f"number {i} is {'odd' if i % 2 else 'even'}, and {i} + 1 = {i + 1}." for i in range(n)]
