@@ -118,7 +118,7 @@ int main(int argc, char** argv) {
     ModelCfg full = m;
     full.n_layers = 4;
     TensorTable t2;
-    Stage stage(full, b, T, t2);
+    Stage stage(full, MoeCfg(), b, T, t2);
     t2.allocate();
     t2.initialize(1);
     std::vector<std::int32_t> ids(N);

@@ -43,7 +43,7 @@ int main(int argc, char** argv) {
     kmoe::TokenDataset val(cfg.data.val_paths, cfg.data.dtype, cfg.train.seq_len,
                            cfg.model.vocab_size, "data.val_paths");
     kmoe::TensorTable table;
-    kmoe::Stage stage(cfg.model, cfg.train.micro_batch, cfg.train.seq_len, table);
+    kmoe::Stage stage(cfg.model, cfg.moe, cfg.train.micro_batch, cfg.train.seq_len, table);
     table.allocate();
     kmoe::load_checkpoint(checkpoint, cfg, grid, table, /*with_optimizer=*/false, nullptr);
     const kmoe::EvalResult r =

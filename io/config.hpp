@@ -26,6 +26,34 @@ struct ModelCfg {
   int head_dim() const { return d_model / n_heads; }
 };
 
+// Mixture of experts (MODEL.md section 3). experts = 0: a dense model.
+struct MoeCfg {
+  int experts = 0;
+  int top_k = 2;
+  int expert_hidden = 0;
+  std::vector<int> layers;        // MoE blocks; empty: every block not in dense_layers
+  std::vector<int> dense_layers;  // blocks kept dense when `layers` is empty
+  std::string score = "softmax";  // softmax | sigmoid
+  bool normalize_topk = false;
+  double lb_coef = 0.01;
+  double z_coef = 0.001;
+  double capacity_factor = 0.0;  // 0: dropless
+  int shared_experts = 0;
+  int shared_hidden = 0;
+  double bias_update_rate = 0.0;  // aux-loss-free balancing (DeepSeek-V3); 0: off
+
+  bool enabled() const { return experts > 0; }
+  bool is_moe_layer(int block) const {
+    if (!enabled()) return false;
+    auto has = [block](const std::vector<int>& v) {
+      for (int x : v)
+        if (x == block) return true;
+      return false;
+    };
+    return layers.empty() ? !has(dense_layers) : has(layers);
+  }
+};
+
 struct TrainCfg {
   int seq_len = 0;
   int global_batch = 0;
@@ -84,6 +112,7 @@ struct OutputCfg {
 
 struct Config {
   ModelCfg model;
+  MoeCfg moe;
   TrainCfg train;
   OptimizerCfg optimizer;
   DataCfg data;

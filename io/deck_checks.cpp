@@ -154,8 +154,38 @@ void check_outputs(const CheckpointCfg& k, const OutputCfg& o, const Locate& loc
 
 }  // namespace
 
+void check_moe(const MoeCfg& e, const ModelCfg& m, int ep, const Locate& locate) {
+  KMOE_DECK_REQUIRE(e.experts >= 0, "moe.experts", "moe.experts must be >= 0 (0 = dense)");
+  if (e.experts == 0) return;
+  KMOE_DECK_REQUIRE(e.top_k >= 1 && e.top_k <= e.experts, "moe.top_k",
+                    "moe.top_k must be in [1, moe.experts = " << e.experts << "]");
+  KMOE_DECK_REQUIRE(e.expert_hidden >= 1, "moe.expert_hidden",
+                    "moe.expert_hidden must be positive when moe.experts > 0");
+  KMOE_DECK_REQUIRE(e.experts % ep == 0, "moe.experts",
+                    "moe.experts (" << e.experts << ") must be divisible by parallel.ep (" << ep
+                                    << ")");
+  require_one_of(locate, "moe.score", e.score, {"softmax", "sigmoid"});
+  KMOE_DECK_REQUIRE(e.lb_coef >= 0, "moe.lb_coef", "moe.lb_coef must be >= 0");
+  KMOE_DECK_REQUIRE(e.z_coef >= 0, "moe.z_coef", "moe.z_coef must be >= 0");
+  KMOE_DECK_REQUIRE(e.capacity_factor >= 0, "moe.capacity_factor",
+                    "moe.capacity_factor must be >= 0 (0 = dropless)");
+  KMOE_DECK_REQUIRE(e.bias_update_rate >= 0, "moe.bias_update_rate",
+                    "moe.bias_update_rate must be >= 0 (0 = off)");
+  KMOE_DECK_REQUIRE(e.shared_experts >= 0, "moe.shared_experts", "moe.shared_experts must be >= 0");
+  KMOE_DECK_REQUIRE(e.shared_experts == 0 || e.shared_hidden >= 1, "moe.shared_hidden",
+                    "moe.shared_hidden must be positive when moe.shared_experts > 0");
+  KMOE_DECK_REQUIRE(e.layers.empty() || e.dense_layers.empty(), "moe.dense_layers",
+                    "give moe.layers or moe.dense_layers, not both");
+  for (const char* key : {"moe.layers", "moe.dense_layers"}) {
+    for (int l : std::string(key) == "moe.layers" ? e.layers : e.dense_layers)
+      KMOE_DECK_REQUIRE(l >= 0 && l < m.n_layers, key,
+                        key << " entry " << l << " is not a block in [0, " << m.n_layers << ")");
+  }
+}
+
 void check_consistency(const Config& cfg, const Locate& locate) {
   check_model(cfg.model, locate);
+  check_moe(cfg.moe, cfg.model, cfg.parallel.ep, locate);
   check_train(cfg.train, locate);
   check_optimizer(cfg.optimizer, cfg.train.max_steps, locate);
   check_data(cfg.data, cfg.model.vocab_size, locate);

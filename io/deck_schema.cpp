@@ -223,6 +223,25 @@ Schema::Schema(Config& c) : options_("kmoe input deck") {
   key(c.model.init_std, "init_std", 0.02, "std of the truncated-normal weight init");
   key(c.model.output_z_coef, "output_z_coef", 0.0, "weight of the output z-loss");
 
+  section("moe", "mixture of experts (MODEL.md section 3); experts = 0 is a dense model");
+  key(c.moe.experts, "experts", 0, "routed experts E; 0 = dense");
+  key(c.moe.top_k, "top_k", 2, "experts per token k");
+  key(c.moe.expert_hidden, "expert_hidden", 0, "hidden width Fe of each expert (needed with experts)");
+  key(c.moe.layers, "layers", std::vector<int>{},
+      "MoE blocks, comma-separated; empty = every block not in dense_layers");
+  key(c.moe.dense_layers, "dense_layers", std::vector<int>{},
+      "blocks kept dense when layers is empty");
+  key(c.moe.score, "score", "softmax", "router scores: softmax | sigmoid");
+  key(c.moe.normalize_topk, "normalize_topk", false, "divide the k weights by their sum");
+  key(c.moe.lb_coef, "lb_coef", 0.01, "weight of the load-balancing loss");
+  key(c.moe.z_coef, "z_coef", 0.001, "weight of the router z-loss");
+  key(c.moe.capacity_factor, "capacity_factor", 0.0,
+      "expert capacity ceil(cf * N * k / E) per micro-batch; 0 = dropless");
+  key(c.moe.shared_experts, "shared_experts", 0, "shared experts S (weight 1, every token)");
+  key(c.moe.shared_hidden, "shared_hidden", 0, "hidden width Fs of each shared expert");
+  key(c.moe.bias_update_rate, "bias_update_rate", 0.0,
+      "aux-loss-free balancing rate gamma (DeepSeek-V3); 0 = off");
+
   section("train", "sequence length, batch and steps");
   required(c.train.seq_len, "seq_len", "tokens per sequence T (T-1 targets)");
   required(c.train.global_batch, "global_batch",

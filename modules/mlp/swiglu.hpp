@@ -11,10 +11,23 @@
 
 namespace kmoe {
 
-// up: (N, 2F) = [x W1^T | x W3^T] -> act: (N, F) = silu(up1) * up3.
-void swiglu_activate(ConstMat up, Mat act);
-// d_act: (N, F) -> d_up: (N, 2F).
-void swiglu_activate_backward(ConstMat up, ConstMat d_act, Mat d_up);
+// act: (N, F) = silu(a) * b, where a and b are (N, F) row-strided windows (row r starts at
+// a + r * ld): the fused [a | b] of the dense MLP, or the separate blocks of an expert.
+void swiglu_activate(const float* a, const float* b, int ld, Mat act);
+// d_act: (N, F) -> da, db (row stride ld_out).
+void swiglu_activate_backward(const float* a, const float* b, int ld, ConstMat d_act, float* da,
+                              float* db, int ld_out);
+
+// up: (N, 2F) = [x W1^T | x W3^T] -> act: (N, F); d_act -> d_up: (N, 2F).
+inline void swiglu_activate(ConstMat up, Mat act) {
+  const int F = act.extent(1);
+  swiglu_activate(up.data(), up.data() + F, 2 * F, act);
+}
+inline void swiglu_activate_backward(ConstMat up, ConstMat d_act, Mat d_up) {
+  const int F = d_act.extent(1);
+  swiglu_activate_backward(up.data(), up.data() + F, 2 * F, d_act, d_up.data(), d_up.data() + F,
+                           2 * F);
+}
 
 struct MlpScratch {
   View1F d_act;  // (N, F)

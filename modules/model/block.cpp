@@ -5,9 +5,10 @@
 
 namespace kmoe {
 
-BlockScratch::BlockScratch(const ModelCfg& m, int max_seqs, int T)
+BlockScratch::BlockScratch(const ModelCfg& m, const MoeCfg& e, int max_seqs, int T)
     : attn(m, max_seqs, T),
       mlp(std::int64_t(max_seqs) * T, m.ffn_hidden),
+      moe(e.enabled() ? std::make_unique<MoeScratch>(m, e, std::int64_t(max_seqs) * T) : nullptr),
       d_h("block::d_h", std::int64_t(max_seqs) * T * m.d_model),
       d_a("block::d_a", std::int64_t(max_seqs) * T * m.d_model),
       d_b("block::d_b", std::int64_t(max_seqs) * T * m.d_model) {}
@@ -16,7 +17,8 @@ namespace {
 std::string block_prefix(int layer) { return "blocks." + std::to_string(layer) + "."; }
 }  // namespace
 
-Block::Block(const ModelCfg& m, int layer, int max_seqs, int T, TensorTable& table)
+Block::Block(const ModelCfg& m, const MoeCfg& e, int layer, int max_seqs, int T,
+             TensorTable& table)
     : D_(m.d_model),
       reordered_(m.block_norm == "reordered"),
       eps_(static_cast<float>(m.norm_eps)),
@@ -24,10 +26,13 @@ Block::Block(const ModelCfg& m, int layer, int max_seqs, int T, TensorTable& tab
           {block_prefix(layer) + "attn_norm.weight", {D_}, InitKind::Ones, 0.0, false, 1.0})),
       ffn_norm_(table.add(
           {block_prefix(layer) + "ffn_norm.weight", {D_}, InitKind::Ones, 0.0, false, 1.0})),
-      attn_(m, block_prefix(layer) + "attn.", max_seqs, T, table),
-      mlp_(block_prefix(layer) + "mlp.", D_, m.ffn_hidden, m.init_std, std::int64_t(max_seqs) * T,
-           table) {
+      attn_(m, block_prefix(layer) + "attn.", max_seqs, T, table) {
   const std::int64_t N = std::int64_t(max_seqs) * T;
+  if (e.is_moe_layer(layer))
+    moe_ = std::make_unique<MoeLayer>(m, e, block_prefix(layer) + "moe.", N, table);
+  else
+    mlp_ = std::make_unique<SwigluMlp>(block_prefix(layer) + "mlp.", D_, m.ffn_hidden, m.init_std,
+                                       N, table);
   if (!reordered_) {
     attn_in_ = View1F("block::attn_in", N * D_);
     ffn_in_ = View1F("block::ffn_in", N * D_);
@@ -48,7 +53,7 @@ void Block::forward(const TensorTable& table, const RopeTables& rope, ConstMat x
   if (reordered_) {
     attn_.forward(table, rope, x_in, attn_out, s.attn);
     rmsnorm_forward(as_cmat(attn_out), g_attn, eps_, x_in, h, rstd_attn);
-    mlp_.forward(table, as_cmat(h), ffn_out);
+    ffn_forward(table, as_cmat(h), ffn_out);
     rmsnorm_forward(as_cmat(ffn_out), g_ffn, eps_, as_cmat(h), x_out, rstd_ffn);
   } else {
     Mat attn_in = buf(attn_in_, N), ffn_in = buf(ffn_in_, N);
@@ -56,13 +61,28 @@ void Block::forward(const TensorTable& table, const RopeTables& rope, ConstMat x
     attn_.forward(table, rope, as_cmat(attn_in), attn_out, s.attn);
     add(x_in, as_cmat(attn_out), h);
     rmsnorm_forward(as_cmat(h), g_ffn, eps_, ConstMat(), ffn_in, rstd_ffn);
-    mlp_.forward(table, as_cmat(ffn_in), ffn_out);
+    ffn_forward(table, as_cmat(ffn_in), ffn_out);
     add(as_cmat(h), as_cmat(ffn_out), x_out);
   }
 }
 
+void Block::ffn_forward(const TensorTable& table, ConstMat in, Mat out) {
+  if (moe_)
+    moe_stats_ = moe_->forward(table, in, out);
+  else
+    mlp_->forward(table, in, out);
+}
+
+void Block::ffn_backward(TensorTable& table, ConstMat in, ConstMat dy, Mat dx, BlockScratch& s,
+                         float aux_scale) {
+  if (moe_)
+    moe_->backward(table, in, dy, dx, *s.moe, aux_scale);
+  else
+    mlp_->backward(table, in, dy, dx, s.mlp);
+}
+
 void Block::backward(TensorTable& table, const RopeTables& rope, ConstMat x_in, ConstMat dx_out,
-                     Mat dx_in, BlockScratch& s) {
+                     Mat dx_in, BlockScratch& s, float aux_scale) {
   const int N = x_in.extent(0);
   ConstVec g_attn(table.param(attn_norm_), D_), g_ffn(table.param(ffn_norm_), D_);
   Vec dg_attn(table.grad(attn_norm_), D_), dg_ffn(table.grad(ffn_norm_), D_);
@@ -70,14 +90,14 @@ void Block::backward(TensorTable& table, const RopeTables& rope, ConstMat x_in, 
   Mat d_h = buf(s.d_h, N), d_a = buf(s.d_a, N), d_b = buf(s.d_b, N);
   if (reordered_) {
     rmsnorm_backward(as_cmat(buf(ffn_out_, N)), g_ffn, rstd_ffn, dx_out, ConstMat(), d_a, dg_ffn);
-    mlp_.backward(table, as_cmat(buf(h_, N)), as_cmat(d_a), d_b, s.mlp);
+    ffn_backward(table, as_cmat(buf(h_, N)), as_cmat(d_a), d_b, s, aux_scale);
     add(dx_out, as_cmat(d_b), d_h);
     rmsnorm_backward(as_cmat(buf(attn_out_, N)), g_attn, rstd_attn, as_cmat(d_h), ConstMat(), d_a,
                      dg_attn);
     attn_.backward(table, rope, x_in, as_cmat(d_a), d_b, s.attn);
     add(as_cmat(d_h), as_cmat(d_b), dx_in);
   } else {
-    mlp_.backward(table, as_cmat(buf(ffn_in_, N)), dx_out, d_a, s.mlp);
+    ffn_backward(table, as_cmat(buf(ffn_in_, N)), dx_out, d_a, s, aux_scale);
     rmsnorm_backward(as_cmat(buf(h_, N)), g_ffn, rstd_ffn, as_cmat(d_a), dx_out, d_h, dg_ffn);
     attn_.backward(table, rope, as_cmat(buf(attn_in_, N)), as_cmat(d_h), d_a, s.attn);
     rmsnorm_backward(x_in, g_attn, rstd_attn, as_cmat(d_a), as_cmat(d_h), dx_in, dg_attn);

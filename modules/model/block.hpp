@@ -3,10 +3,12 @@
 //   pre (Llama):       h = x + attn(norm_attn(x));  out = h + ffn(norm_ffn(h))
 #pragma once
 
+#include <memory>
 #include <string>
 
 #include "modules/attention/attention.hpp"
 #include "modules/mlp/swiglu.hpp"
+#include "modules/moe/moe.hpp"
 
 namespace kmoe {
 
@@ -14,30 +16,43 @@ namespace kmoe {
 struct BlockScratch {
   AttentionScratch attn;
   MlpScratch mlp;
+  std::unique_ptr<MoeScratch> moe;  // with MoE layers only
   View1F d_h, d_a, d_b;  // (N, D)
-  BlockScratch(const ModelCfg& m, int max_seqs, int seq_len);
+  BlockScratch(const ModelCfg& m, const MoeCfg& e, int max_seqs, int seq_len);
 };
 
 class Block {
  public:
-  Block(const ModelCfg& m, int layer, int max_seqs, int seq_len, TensorTable& table);
+  // The FFN is an MoE layer when e.is_moe_layer(layer), else the dense SwiGLU MLP.
+  Block(const ModelCfg& m, const MoeCfg& e, int layer, int max_seqs, int seq_len,
+        TensorTable& table);
 
   // x_in, x_out: (N, D). Saves what backward needs (x_in itself is kept by the caller).
   void forward(const TensorTable& table, const RopeTables& rope, ConstMat x_in, Mat x_out,
                BlockScratch& s);
   // dx_out -> dx_in (assigned; may not alias dx_out); parameter gradients accumulate.
+  // aux_scale: the weight of this micro-batch's MoE auxiliary losses in the step loss.
   void backward(TensorTable& table, const RopeTables& rope, ConstMat x_in, ConstMat dx_out,
-                Mat dx_in, BlockScratch& s);
+                Mat dx_in, BlockScratch& s, float aux_scale);
+
+  bool is_moe() const { return moe_ != nullptr; }
+  // The MoE layer's report of the last forward (empty for a dense block).
+  const MoeStats& moe_stats() const { return moe_stats_; }
 
  private:
   Mat buf(const View1F& v, int rows) const { return as_mat(v.data(), rows, D_); }
+  void ffn_forward(const TensorTable& table, ConstMat in, Mat out);
+  void ffn_backward(TensorTable& table, ConstMat in, ConstMat dy, Mat dx, BlockScratch& s,
+                    float aux_scale);
 
   int D_;
   bool reordered_;
   float eps_;
   int attn_norm_, ffn_norm_;
   Attention attn_;
-  SwigluMlp mlp_;
+  std::unique_ptr<SwigluMlp> mlp_;  // exactly one of mlp_ and moe_
+  std::unique_ptr<MoeLayer> moe_;
+  MoeStats moe_stats_;
   // Saved (N, D): attn_in/ffn_in (pre only: the normed inputs), attn_out, h, ffn_out; rstds (N).
   View1F attn_in_, attn_out_, h_, ffn_in_, ffn_out_;
   View1F rstd_attn_, rstd_ffn_;

@@ -2,18 +2,24 @@
 
 namespace kmoe {
 
-ModelSize model_size(const ModelCfg& m, int b, int T) {
+ModelSize model_size(const ModelCfg& m, const MoeCfg& e, int b, int T) {
   const std::int64_t V = m.vocab_size, D = m.d_model, F = m.ffn_hidden, L = m.n_layers;
   const std::int64_t qd = std::int64_t(m.n_heads) * m.head_dim();
   const std::int64_t kd = std::int64_t(m.n_kv_heads) * m.head_dim();
-  const std::int64_t per_block = 2 * D + (qd + 2 * kd) * D + D * qd + (m.qk_norm ? qd + kd : 0) +
-                                 3 * F * D;
+  const std::int64_t attn = 2 * D + (qd + 2 * kd) * D + D * qd + (m.qk_norm ? qd + kd : 0);
+  const std::int64_t E = e.experts, Fe = e.expert_hidden, k = e.top_k;
+  const std::int64_t shared = 3 * std::int64_t(e.shared_experts) * e.shared_hidden * D;
+  std::int64_t moe_layers = 0;
+  for (int l = 0; l < L; ++l) moe_layers += e.is_moe_layer(l) ? 1 : 0;
   ModelSize s;
   s.embedding_params = V * D;
-  s.total_params = L * per_block + V * D + D + (m.tie_embeddings ? 0 : V * D);
-  s.active_params = s.total_params;
+  const std::int64_t outside = V * D + D + (m.tie_embeddings ? 0 : V * D);
+  s.total_params = L * attn + (L - moe_layers) * 3 * F * D +
+                   moe_layers * (E * D + 3 * E * Fe * D + shared) + outside;
+  s.active_params = L * attn + (L - moe_layers) * 3 * F * D +
+                    moe_layers * (E * D + 3 * k * Fe * D + shared) + outside;
   // The LM head matmul counts (tied or not); the embedding lookup does not.
-  const std::int64_t matmul_params = s.total_params - (m.tie_embeddings ? 0 : V * D);
+  const std::int64_t matmul_params = s.active_params - (m.tie_embeddings ? 0 : V * D);
   s.flops_per_token = 6.0 * matmul_params + 6.0 * L * D * T;
   s.state_bytes = 4 * 4 * s.total_params;
 
@@ -23,7 +29,9 @@ ModelSize model_size(const ModelCfg& m, int b, int T) {
   const std::int64_t block_saved = attn_saved + N * 3 * F + N * D * (m.block_norm == "pre" ? 5 : 3) + 2 * N;
   const std::int64_t scratch = 2 * N * qd + probs + 2 * N * kd + N * W + N * 3 * F + 3 * N * D;
   const std::int64_t stage = (L + 1) * N * D + 2 * N * D + 2 * N * D + N * V + 3 * N;
-  s.activation_bytes = 4 * (L * block_saved + scratch + stage);
+  // An MoE layer saves logits/probs (N, E) and up to N*k rows of inputs, outputs and hiddens.
+  const std::int64_t moe_saved = 2 * N * E + N + 3 * N * k + N * k * (2 * D + 3 * Fe);
+  s.activation_bytes = 4 * (L * block_saved + moe_layers * moe_saved + scratch + stage);
   return s;
 }
 

@@ -4,7 +4,7 @@
 
 namespace kmoe {
 
-Stage::Stage(const ModelCfg& m, int max_seqs, int T, TensorTable& table)
+Stage::Stage(const ModelCfg& m, const MoeCfg& e, int max_seqs, int T, TensorTable& table)
     : D_(m.d_model),
       T_(T),
       max_seqs_(max_seqs),
@@ -13,14 +13,16 @@ Stage::Stage(const ModelCfg& m, int max_seqs, int T, TensorTable& table)
       blocks_([&] {
         std::vector<std::unique_ptr<Block>> b;
         for (int l = 0; l < m.n_layers; ++l)
-          b.push_back(std::make_unique<Block>(m, l, max_seqs, T, table));
+          b.push_back(std::make_unique<Block>(m, e, l, max_seqs, T, table));
         return b;
       }()),
       head_(m, max_seqs * T, embed_.weight_index(), table),
-      scratch_(m, max_seqs, T),
+      scratch_(m, e, max_seqs, T),
       tokens_("stage::tokens", max_seqs * T),
       d_x_("stage::d_x", std::int64_t(max_seqs) * T * m.d_model),
-      d_y_("stage::d_y", std::int64_t(max_seqs) * T * m.d_model) {
+      d_y_("stage::d_y", std::int64_t(max_seqs) * T * m.d_model),
+      lb_coef_(e.lb_coef),
+      z_coef_(e.z_coef) {
   for (int l = 0; l <= m.n_layers; ++l)
     resid_.emplace_back("stage::resid", std::int64_t(max_seqs) * T * m.d_model);
 }
@@ -39,7 +41,15 @@ LossSums Stage::forward(const TensorTable& table, const std::int32_t* tokens, in
   embed_.forward(table, tok, resid(0, N));
   for (std::size_t l = 0; l < blocks_.size(); ++l)
     blocks_[l]->forward(table, rope_, as_cmat(resid(l, N)), resid(l + 1, N), scratch_);
-  return head_.forward(table, as_cmat(resid(blocks_.size(), N)), tok, T_, grad_scale);
+  LossSums sums = head_.forward(table, as_cmat(resid(blocks_.size(), N)), tok, T_, grad_scale);
+  aux_scale_ = static_cast<float>(double(grad_scale) * sums.targets);
+  for (std::size_t l = 0; l < blocks_.size(); ++l) {
+    if (!blocks_[l]->is_moe()) continue;
+    const MoeStats& st = blocks_[l]->moe_stats();
+    sums.moe_aux += lb_coef_ * st.lb + z_coef_ * st.rz;
+    sums.moe.emplace_back(static_cast<int>(l), st);
+  }
+  return sums;
 }
 
 void Stage::backward(TensorTable& table) {
@@ -47,7 +57,8 @@ void Stage::backward(TensorTable& table) {
   Mat dy = as_mat(d_y_.data(), N, D_), dx = as_mat(d_x_.data(), N, D_);
   head_.backward(table, as_cmat(resid(blocks_.size(), N)), dy);
   for (int l = static_cast<int>(blocks_.size()) - 1; l >= 0; --l) {
-    blocks_[l]->backward(table, rope_, as_cmat(resid(l, N)), as_cmat(dy), dx, scratch_);
+    blocks_[l]->backward(table, rope_, as_cmat(resid(l, N)), as_cmat(dy), dx, scratch_,
+                         aux_scale_);
     std::swap(dx, dy);
   }
   embed_.backward(table, ConstIVec(tokens_.data(), N), as_cmat(dy));

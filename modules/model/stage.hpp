@@ -16,10 +16,11 @@ class Stage {
  public:
   // Declares every tensor of blocks [first_block, last_block) into `table` (plus embedding and
   // head); buffers are sized for micro-batches of up to max_seqs sequences of seq_len tokens.
-  Stage(const ModelCfg& m, int max_seqs, int seq_len, TensorTable& table);
+  Stage(const ModelCfg& m, const MoeCfg& e, int max_seqs, int seq_len, TensorTable& table);
 
   // tokens: host ids of nseq <= max_seqs sequences (nseq * T). grad_scale > 0 prepares
-  // backward() for the loss scaled by grad_scale / targets.
+  // backward() for this micro-batch's loss with weight grad_scale * targets in the step loss
+  // (CE gradients scaled by grad_scale, MoE auxiliary losses by grad_scale * targets).
   LossSums forward(const TensorTable& table, const std::int32_t* tokens, int nseq,
                    float grad_scale);
   // Accumulates parameter gradients of the last forward()'s micro-batch.
@@ -38,6 +39,8 @@ class Stage {
   std::vector<View1F> resid_;     // L+1 residual streams (N, D): block inputs and the output
   View1F d_x_, d_y_;              // (N, D) backward ping-pong
   int nseq_ = 0;
+  float aux_scale_ = 0.0f;
+  double lb_coef_, z_coef_;
 };
 
 }  // namespace kmoe

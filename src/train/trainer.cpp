@@ -15,7 +15,7 @@
 namespace kmoe {
 
 Trainer::Trainer(const Config& cfg, ProcessGrid& grid)
-    : cfg_(cfg), grid_(grid), size_(model_size(cfg.model, cfg.train.micro_batch, cfg.train.seq_len)) {
+    : cfg_(cfg), grid_(grid), size_(model_size(cfg.model, cfg.moe, cfg.train.micro_batch, cfg.train.seq_len)) {
   const auto& t = cfg.train;
   train_data_ = std::make_unique<TokenDataset>(cfg.data.paths, cfg.data.dtype, t.seq_len,
                                                cfg.model.vocab_size, "data.paths");
@@ -28,7 +28,7 @@ Trainer::Trainer(const Config& cfg, ProcessGrid& grid)
                                                cfg.model.vocab_size, "data.val_paths");
   stream_ = std::make_unique<InstanceStream>(train_data_->num_instances(), t.seed);
 
-  stage_ = std::make_unique<Stage>(cfg.model, t.micro_batch, t.seq_len, table_);
+  stage_ = std::make_unique<Stage>(cfg.model, cfg.moe, t.micro_batch, t.seq_len, table_);
   table_.allocate();
   table_.initialize(t.seed);
   host_tokens_.resize(std::size_t(t.global_batch) * t.seq_len);
@@ -66,7 +66,7 @@ StepMetrics Trainer::train_step(int step) {
   PhaseTimer timer;
 
   Kokkos::deep_copy(table_.grads, 0.0f);
-  double sums[2] = {0.0, 0.0};  // CE and z sums over this rank's micro-batches
+  double sums[3] = {0.0, 0.0, 0.0};  // CE, z and MoE aux sums over this rank's micro-batches
   timer.start();
   for (int j = me; j < n_micro; j += R) {  // micro-batch j of the step goes to replica j mod R
     load_positions(state_.next_position + std::int64_t(j) * b, b);
@@ -77,16 +77,18 @@ StepMetrics Trainer::train_step(int step) {
     timer.stop(phases_.backward);
     sums[0] += s.ce;
     sums[1] += s.z;
+    sums[2] += s.moe_aux;
   }
   grid_.stage.allreduce_sum(table_.grads.data(), table_.total_elements());
-  grid_.stage.allreduce_sum(sums, 2);
+  grid_.stage.allreduce_sum(sums, 3);
   timer.stop(phases_.comm);
 
   const double total_targets = n_micro * targets_per_micro;
   StepMetrics m;
   m.step = step;
   m.ce = sums[0] / total_targets;
-  m.aux = cfg_.model.output_z_coef * sums[1] / total_targets;
+  // Step loss = mean over micro-batches of CE_mb + zc Z_mb + MoE aux_mb (MODEL.md section 2).
+  m.aux = cfg_.model.output_z_coef * sums[1] / total_targets + sums[2] / n_micro;
   m.loss = m.ce + m.aux;
   m.grad_norm = std::sqrt(grad_sq_sum(table_));
   m.lr = learning_rate(cfg_.optimizer, t.max_steps, step);

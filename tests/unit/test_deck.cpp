@@ -314,7 +314,7 @@ TEST(Deck, BadChoicesAndRanges) {
 TEST(Deck, BadOverrides) {
   expect_contains(deck_error(kDeck, {"--model.n_head=2"}),
                   {"command line: --model.n_head=2:", "unknown key model.n_head"});
-  expect_contains(deck_error(kDeck, {"--moe.experts=8"}), {"no section [moe]"});
+  expect_contains(deck_error(kDeck, {"--engram.layers=1"}), {"no section [engram]"});
   expect_contains(deck_error(kDeck, {"--train.max_steps"}),
                   {"command line: --train.max_steps", "--section.key=value"});
   expect_contains(deck_error(kDeck, {"--train.max_steps=ten"}),
@@ -380,4 +380,33 @@ TEST(Deck, ReadDeckFromFile) {
 }
 
 }  // namespace
+TEST(Deck, MoeSection) {
+  const Config dense = parse_deck(kDeck, "test.deck");
+  EXPECT_FALSE(dense.moe.enabled());
+  const Config moe = parse_deck(kDeck, "test.deck",
+                                {"--moe.experts=8", "--moe.expert_hidden=32", "--moe.top_k=2",
+                                 "--moe.dense_layers=0", "--moe.shared_experts=1",
+                                 "--moe.shared_hidden=16"});
+  EXPECT_EQ(moe.moe.experts, 8);
+  EXPECT_FALSE(moe.moe.is_moe_layer(0));
+  EXPECT_TRUE(moe.moe.is_moe_layer(1));
+  const Config only1 = parse_deck(kDeck, "t", {"--moe.experts=4", "--moe.expert_hidden=8",
+                                               "--moe.layers=1"});
+  EXPECT_TRUE(only1.moe.is_moe_layer(1));
+  EXPECT_FALSE(only1.moe.is_moe_layer(0));
+  expect_contains(deck_error(kDeck, {"--moe.experts=8"}),
+                  {"moe.expert_hidden must be positive", "(default)"});
+  expect_contains(deck_error(kDeck, {"--moe.experts=4", "--moe.expert_hidden=8", "--moe.top_k=5"}),
+                  {"command line: --moe.top_k=5", "[1, moe.experts = 4]"});
+  expect_contains(deck_error(kDeck, {"--moe.experts=4", "--moe.expert_hidden=8",
+                                     "--moe.score=relu"}),
+                  {"softmax | sigmoid", "'relu'"});
+  expect_contains(deck_error(kDeck, {"--moe.experts=4", "--moe.expert_hidden=8",
+                                     "--moe.layers=7"}),
+                  {"moe.layers entry 7"});
+  expect_contains(deck_error(kDeck, {"--moe.experts=4", "--moe.expert_hidden=8",
+                                     "--moe.shared_experts=1"}),
+                  {"moe.shared_hidden must be positive"});
+}
+
 }  // namespace kmoe

@@ -27,12 +27,12 @@ ModelCfg tiny_model(const std::string& norm, bool tie, int kv_heads) {
 }
 
 // Loss of MODEL.md section 2 for one micro-batch, in double from the stage's sums.
-double loss_of(const LossSums& s, double zc) { return (s.ce + zc * s.z) / s.targets; }
+double loss_of(const LossSums& s, double zc) { return (s.ce + zc * s.z) / s.targets + s.moe_aux; }
 
-void check_gradients(const ModelCfg& m) {
+void check_gradients(const ModelCfg& m, const MoeCfg& e = MoeCfg(), float eps = 1e-2f) {
   const int T = 8, nseq = 2;
   TensorTable table;
-  Stage stage(m, nseq, T, table);
+  Stage stage(m, e, nseq, T, table);
   table.allocate();
   table.initialize(7);
   // Perturb every parameter (norm weights too) so no gradient is trivially symmetric.
@@ -51,12 +51,11 @@ void check_gradients(const ModelCfg& m) {
   stage.backward(table);
   auto hg = Kokkos::create_mirror_view_and_copy(HostSpace(), table.grads);
 
-  const float eps = 1e-2f;
-  for (const auto& e : table.entries()) {
+  for (const auto& t : table.entries()) {
     std::vector<double> fd, an;
-    const int samples = std::min<std::int64_t>(e.size, 12);
+    const int samples = std::min<std::int64_t>(t.size, 12);
     for (int k = 0; k < samples; ++k) {
-      const std::int64_t j = e.offset + (k * 7919) % e.size;
+      const std::int64_t j = t.offset + (k * 7919) % t.size;
       const float saved = hp(j);
       double lp, lm;
       hp(j) = saved + eps;
@@ -76,7 +75,7 @@ void check_gradients(const ModelCfg& m) {
       den += fd[k] * fd[k];
     }
     EXPECT_LT(std::sqrt(num), 1e-2 * std::sqrt(den) + 1e-6)
-        << e.spec.name << ": |fd - analytic| = " << std::sqrt(num) << ", |fd| = " << std::sqrt(den);
+        << t.spec.name << ": |fd - analytic| = " << std::sqrt(num) << ", |fd| = " << std::sqrt(den);
   }
 }
 
@@ -87,6 +86,34 @@ TEST(ModelGradient, PreNormNoQkNorm) {
   auto m = tiny_model("pre", true, 1);
   m.qk_norm = false;
   check_gradients(m);
+}
+
+// MoE blocks: router, experts, LB (through P) and z-loss with large coefficients so their
+// gradients matter; block 0 stays dense.
+MoeCfg tiny_moe(const char* score, bool normalize, double capacity, int shared) {
+  MoeCfg e;
+  e.experts = 4;
+  e.top_k = 2;
+  e.expert_hidden = 12;
+  e.dense_layers = {0};
+  e.score = score;
+  e.normalize_topk = normalize;
+  e.lb_coef = 0.3;
+  e.z_coef = 0.05;
+  e.capacity_factor = capacity;
+  e.shared_experts = shared;
+  e.shared_hidden = 10;
+  return e;
+}
+
+TEST(ModelGradient, MoeSoftmaxRaw) {
+  check_gradients(tiny_model("reordered", false, 2), tiny_moe("softmax", false, 0.0, 0), 3e-3f);
+}
+TEST(ModelGradient, MoeSigmoidNormalizedShared) {
+  check_gradients(tiny_model("pre", false, 2), tiny_moe("sigmoid", true, 0.0, 1), 3e-3f);
+}
+TEST(ModelGradient, MoeCapacityDrops) {
+  check_gradients(tiny_model("reordered", true, 4), tiny_moe("softmax", true, 0.5, 1), 3e-3f);
 }
 
 }  // namespace

@@ -556,8 +556,8 @@ TEST(ModelSize, MatchesBuiltStage) {
     m.n_kv_heads = var.kv_heads;
     m.block_norm = var.block_norm;
     TensorTable table;
-    Stage stage(m, max_seqs, T, table);
-    const ModelSize s = model_size(m, max_seqs, T);
+    Stage stage(m, MoeCfg(), max_seqs, T, table);
+    const ModelSize s = model_size(m, MoeCfg(), max_seqs, T);
     const std::int64_t V = m.vocab_size, D = m.d_model, L = m.n_layers;
     EXPECT_EQ(s.total_params, table.total_elements());
     EXPECT_EQ(s.active_params, s.total_params);  // dense
@@ -568,6 +568,29 @@ TEST(ModelSize, MatchesBuiltStage) {
     EXPECT_EQ(s.state_bytes, 16 * s.total_params);
     EXPECT_GT(s.activation_bytes, 0);
   }
+}
+
+// With MoE layers (block 0 dense, block 1 MoE with a shared expert): total = the table; active
+// counts k of the E experts.
+TEST(ModelSize, MoeCountsMatchBuiltStage) {
+  ModelCfg m = small_model();
+  MoeCfg e;
+  e.experts = 4;
+  e.top_k = 2;
+  e.expert_hidden = 8;
+  e.dense_layers = {0};
+  e.shared_experts = 1;
+  e.shared_hidden = 6;
+  TensorTable table;
+  Stage stage(m, e, 2, 16, table);
+  const ModelSize s = model_size(m, e, 2, 16);
+  const std::int64_t D = m.d_model;
+  EXPECT_EQ(s.total_params, table.total_elements());
+  EXPECT_EQ(s.total_params - s.active_params, 3 * (e.experts - e.top_k) * e.expert_hidden * D);
+  EXPECT_GE(table.find("blocks.1.moe.experts.w1"), 0);
+  EXPECT_GE(table.find("blocks.1.moe.shared.w2"), 0);
+  EXPECT_GE(table.find("blocks.0.mlp.w1"), 0);
+  EXPECT_LT(table.find("blocks.1.mlp.w1"), 0);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -607,7 +630,7 @@ std::map<std::string, Expected> expected_tensors(const ModelCfg& m) {
 
 void check_names_and_shapes(const ModelCfg& m) {
   TensorTable table;
-  Stage stage(m, 2, 16, table);
+  Stage stage(m, MoeCfg(), 2, 16, table);
   const auto expected = expected_tensors(m);
   std::map<std::string, int> seen;
   for (int i = 0; i < table.size(); ++i) {

@@ -1,0 +1,286 @@
+#include "modules/moe/moe.hpp"
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+
+#include "core/error.hpp"
+#include "core/gemm.hpp"
+
+namespace kmoe {
+
+MoeScratch::MoeScratch(const ModelCfg& m, const MoeCfg& e, std::int64_t max_tokens)
+    : d_rows("moe::d_rows", max_tokens * e.top_k * m.d_model),
+      d_act("moe::d_act", max_tokens * e.top_k * e.expert_hidden),
+      d_up1("moe::d_up1", max_tokens * e.top_k * e.expert_hidden),
+      d_up3("moe::d_up3", max_tokens * e.top_k * e.expert_hidden),
+      d_weights("moe::d_weights", max_tokens * e.top_k),
+      d_logits("moe::d_logits", max_tokens * e.experts),
+      shared(e.shared_experts > 0 ? max_tokens : 0,
+             e.shared_experts > 0 ? e.shared_experts * e.shared_hidden : 0) {}
+
+MoeLayer::MoeLayer(const ModelCfg& m, const MoeCfg& e, const std::string& prefix,
+                   std::int64_t max_tokens, TensorTable& table)
+    : D_(m.d_model), E_(e.experts), k_(e.top_k), Fe_(e.expert_hidden), cfg_(e),
+      buckets_(max_tokens * e.top_k, e.experts) {
+  KMOE_REQUIRE(e.bias_update_rate == 0.0,
+               "moe.bias_update_rate > 0 (aux-loss-free balancing) is not available in this "
+               "build yet");
+  const double std = m.init_std;
+  router_ = table.add({prefix + "router", {E_, D_}, InitKind::Normal, std, true, 1.0});
+  w1_ = table.add({prefix + "experts.w1", {E_, Fe_, D_}, InitKind::Normal, std, true, 1.0});
+  w3_ = table.add({prefix + "experts.w3", {E_, Fe_, D_}, InitKind::Normal, std, true, 1.0});
+  w2_ = table.add({prefix + "experts.w2", {E_, D_, Fe_}, InitKind::Normal, std, true, 1.0});
+  if (e.shared_experts > 0)
+    shared_ = std::make_unique<SwigluMlp>(prefix + "shared.", D_,
+                                          e.shared_experts * e.shared_hidden, std, max_tokens,
+                                          table);
+  const std::int64_t slots = max_tokens * k_;
+  logits_ = View1F("moe::logits", max_tokens * E_);
+  probs_ = View1F("moe::probs", max_tokens * E_);
+  lse_ = View1F("moe::lse", max_tokens);
+  sel_ = View1I("moe::sel", slots);
+  weights_ = View1F("moe::weights", slots);
+  slot_row_ = View1I("moe::slot_row", slots);
+  row_slot_ = View1I("moe::row_slot", slots);
+  row_offsets_ = View1I("moe::row_offsets", E_ + 1);
+  rows_in_ = View1F("moe::rows_in", slots * D_);
+  up1_ = View1F("moe::up1", slots * Fe_);
+  up3_ = View1F("moe::up3", slots * Fe_);
+  act_ = View1F("moe::act", slots * Fe_);
+  rows_out_ = View1F("moe::rows_out", slots * D_);
+}
+
+MoeStats MoeLayer::forward(const TensorTable& table, ConstMat x, Mat y) {
+  const int N = x.extent(0), E = E_, k = k_, D = D_, Fe = Fe_;
+  N_ = N;
+  const bool softmax = cfg_.score == "softmax", normalize = cfg_.normalize_topk;
+
+  // Router logits (N, E), then per token: logsumexp, scores, top-k of the scores (strictly
+  // greater wins, so ties go to the lower expert index), and the k weights.
+  Mat z = as_mat(logits_.data(), N, E);
+  gemm(Trans::N, Trans::T, 1.0f, x, as_cmat(table.param(router_), E, D), 0.0f, z);
+  auto p = as_mat(probs_.data(), N, E);
+  auto lse = lse_;
+  auto sel = sel_;
+  auto w = weights_;
+  Kokkos::parallel_for(
+      "moe::route", Range(0, N), KOKKOS_LAMBDA(int t) {
+        float mx = z(t, 0);
+        for (int e = 1; e < E; ++e) mx = z(t, e) > mx ? z(t, e) : mx;
+        float sum = 0.0f;
+        for (int e = 0; e < E; ++e) sum += math::exp(z(t, e) - mx);
+        const float l = mx + math::log(sum);
+        lse(t) = l;
+        for (int e = 0; e < E; ++e)
+          p(t, e) = softmax ? math::exp(z(t, e) - l) : 1.0f / (1.0f + math::exp(-z(t, e)));
+        float wsum = 0.0f;
+        for (int j = 0; j < k; ++j) {
+          int best = -1;
+          for (int e = 0; e < E; ++e) {
+            bool taken = false;
+            for (int i = 0; i < j; ++i) taken = taken || sel(t * k + i) == e;
+            if (!taken && (best < 0 || p(t, e) > p(t, best))) best = e;
+          }
+          sel(t * k + j) = best;
+          w(t * k + j) = p(t, best);
+          wsum += p(t, best);
+        }
+        if (normalize)
+          for (int j = 0; j < k; ++j) w(t * k + j) /= wsum;
+      });
+
+  // Dispatch: slots grouped per expert in token order; with a capacity, each expert keeps its
+  // first `cap` slots (token order) and drops the rest.
+  const int slots = N * k;
+  buckets_.build(ConstIVec(sel_.data(), slots));
+  auto counts_host = Kokkos::create_mirror_view_and_copy(HostSpace(), buckets_.offsets);
+  const int cap = cfg_.capacity_factor > 0
+                      ? static_cast<int>(std::ceil(cfg_.capacity_factor * double(N) * k / E))
+                      : INT_MAX;
+  MoeStats stats;
+  stats.load.resize(E);
+  host_offsets_.assign(E + 1, 0);
+  for (int e = 0; e < E; ++e) {
+    const int c = counts_host(e + 1) - counts_host(e);
+    stats.load[e] = c;
+    stats.dropped += std::max(0, c - cap);
+    host_offsets_[e + 1] = host_offsets_[e] + std::min(c, cap);
+  }
+  {
+    auto h = Kokkos::create_mirror_view(row_offsets_);
+    for (int e = 0; e <= E; ++e) h(e) = host_offsets_[e];
+    Kokkos::deep_copy(row_offsets_, h);
+  }
+  auto off = buckets_.offsets;
+  auto ord = buckets_.order;
+  auto roff = row_offsets_;
+  auto slot_row = slot_row_, row_slot = row_slot_;
+  Kokkos::parallel_for(
+      "moe::assign_rows", Range(0, E), KOKKOS_LAMBDA(int e) {
+        for (int a = off(e); a < off(e + 1); ++a) {
+          const int rank = a - off(e), slot = ord(a);
+          if (rank < cap) {
+            slot_row(slot) = roff(e) + rank;
+            row_slot(roff(e) + rank) = slot;
+          } else {
+            slot_row(slot) = -1;
+          }
+        }
+      });
+  const int R = host_offsets_[E];
+  Mat rows_in = as_mat(rows_in_.data(), R, D);
+  Kokkos::parallel_for(
+      "moe::gather", Range2({0, 0}, {R, D}),
+      KOKKOS_LAMBDA(int r, int d) { rows_in(r, d) = x(row_slot(r) / k, d); });
+
+  // Experts: one contiguous row block and three GEMMs each.
+  for (int e = 0; e < E; ++e) {
+    const int r0 = host_offsets_[e], n = host_offsets_[e + 1] - r0;
+    if (n == 0) continue;
+    auto in = as_cmat(rows_in_.data() + std::int64_t(r0) * D, n, D);
+    Mat u1 = as_mat(up1_.data() + std::int64_t(r0) * Fe, n, Fe);
+    Mat u3 = as_mat(up3_.data() + std::int64_t(r0) * Fe, n, Fe);
+    Mat a = as_mat(act_.data() + std::int64_t(r0) * Fe, n, Fe);
+    const std::int64_t wsz = std::int64_t(Fe) * D;
+    gemm(Trans::N, Trans::T, 1.0f, in, as_cmat(table.param(w1_) + e * wsz, Fe, D), 0.0f, u1);
+    gemm(Trans::N, Trans::T, 1.0f, in, as_cmat(table.param(w3_) + e * wsz, Fe, D), 0.0f, u3);
+    swiglu_activate(u1.data(), u3.data(), Fe, a);
+    gemm(Trans::N, Trans::T, 1.0f, as_cmat(a), as_cmat(table.param(w2_) + e * wsz, D, Fe), 0.0f,
+         as_mat(rows_out_.data() + std::int64_t(r0) * D, n, D));
+  }
+
+  // Combine: y = shared(x) + sum_j w_j expert_j(x), slots in order (dropped ones give 0).
+  if (shared_)
+    shared_->forward(table, x, y);
+  else
+    Kokkos::deep_copy(Kokkos::View<float**, Layout, MemSpace, Unmanaged>(y.data(), N, D), 0.0f);
+  auto out = as_cmat(rows_out_.data(), std::max(R, 1), D);
+  Kokkos::parallel_for(
+      "moe::combine", Range2({0, 0}, {N, D}), KOKKOS_LAMBDA(int t, int d) {
+        float acc = y(t, d);
+        for (int j = 0; j < k; ++j) {
+          const int r = slot_row(t * k + j);
+          if (r >= 0) acc += w(t * k + j) * out(r, d);
+        }
+        y(t, d) = acc;
+      });
+
+  // LB = (E/k) sum_e (c_e / N) P_e with P_e = mean_t p_te; RZ = mean_t lse_t^2.
+  View1D sums("moe::aux_sums", E + 1);
+  Kokkos::parallel_for(
+      "moe::aux_sums", Range(0, E + 1), KOKKOS_LAMBDA(int e) {
+        double acc = 0.0;
+        for (int t = 0; t < N; ++t) acc += e < E ? double(p(t, e)) : double(lse(t)) * lse(t);
+        sums(e) = acc;
+      });
+  auto hs = Kokkos::create_mirror_view_and_copy(HostSpace(), sums);
+  for (int e = 0; e < E; ++e) stats.lb += double(stats.load[e]) / N * (hs(e) / N);
+  stats.lb *= double(E) / k;
+  stats.rz = hs(E) / N;
+  return stats;
+}
+
+void MoeLayer::backward(TensorTable& table, ConstMat x, ConstMat dy, Mat dx, MoeScratch& s,
+                        float aux_scale) {
+  const int N = N_, E = E_, k = k_, D = D_, Fe = Fe_, R = host_offsets_[E];
+  const bool softmax = cfg_.score == "softmax", normalize = cfg_.normalize_topk;
+
+  if (shared_)
+    shared_->backward(table, x, dy, dx, s.shared);
+  else
+    Kokkos::deep_copy(Kokkos::View<float**, Layout, MemSpace, Unmanaged>(dx.data(), N, D), 0.0f);
+
+  // Per expert row: the gradient of its output (w * dy of its token) and of its weight
+  // (<dy, output>); dropped slots contributed 0 and get weight gradient 0.
+  auto w = weights_;
+  auto slot_row = slot_row_, row_slot = row_slot_;
+  auto dwt = s.d_weights;
+  Mat d_rows = as_mat(s.d_rows.data(), std::max(R, 1), D);
+  auto out = as_cmat(rows_out_.data(), std::max(R, 1), D);
+  Kokkos::parallel_for(
+      "moe::dropped_weight_grad", Range(0, N * k),
+      KOKKOS_LAMBDA(int slot) { if (slot_row(slot) < 0) dwt(slot) = 0.0f; });
+  Kokkos::parallel_for(
+      "moe::row_grads", Range(0, R), KOKKOS_LAMBDA(int r) {
+        const int slot = row_slot(r), t = slot / k;
+        const float wv = w(slot);
+        float dot = 0.0f;
+        for (int d = 0; d < D; ++d) {
+          d_rows(r, d) = wv * dy(t, d);
+          dot += dy(t, d) * out(r, d);
+        }
+        dwt(slot) = dot;
+      });
+
+  // Experts backward; an expert without rows leaves its (zeroed) gradients untouched.
+  for (int e = 0; e < E; ++e) {
+    const int r0 = host_offsets_[e], n = host_offsets_[e + 1] - r0;
+    if (n == 0) continue;
+    const std::int64_t wsz = std::int64_t(Fe) * D;
+    Mat g = as_mat(s.d_rows.data() + std::int64_t(r0) * D, n, D);
+    auto in = as_cmat(rows_in_.data() + std::int64_t(r0) * D, n, D);
+    const float* u1 = up1_.data() + std::int64_t(r0) * Fe;
+    const float* u3 = up3_.data() + std::int64_t(r0) * Fe;
+    Mat da = as_mat(s.d_act.data(), n, Fe);
+    Mat du1 = as_mat(s.d_up1.data(), n, Fe), du3 = as_mat(s.d_up3.data(), n, Fe);
+    gemm(Trans::N, Trans::N, 1.0f, as_cmat(g), as_cmat(table.param(w2_) + e * wsz, D, Fe), 0.0f,
+         da);
+    gemm(Trans::T, Trans::N, 1.0f, as_cmat(g), as_cmat(act_.data() + std::int64_t(r0) * Fe, n, Fe),
+         1.0f, as_mat(table.grad(w2_) + e * wsz, D, Fe));
+    swiglu_activate_backward(u1, u3, Fe, as_cmat(da), du1.data(), du3.data(), Fe);
+    gemm(Trans::T, Trans::N, 1.0f, as_cmat(du1), in, 1.0f, as_mat(table.grad(w1_) + e * wsz, Fe, D));
+    gemm(Trans::T, Trans::N, 1.0f, as_cmat(du3), in, 1.0f, as_mat(table.grad(w3_) + e * wsz, Fe, D));
+    // The row block now holds the gradient w.r.t. the expert's inputs.
+    gemm(Trans::N, Trans::N, 1.0f, as_cmat(du1), as_cmat(table.param(w1_) + e * wsz, Fe, D), 0.0f,
+         g);
+    gemm(Trans::N, Trans::N, 1.0f, as_cmat(du3), as_cmat(table.param(w3_) + e * wsz, Fe, D), 1.0f,
+         g);
+  }
+  Kokkos::parallel_for(
+      "moe::scatter_inputs", Range2({0, 0}, {N, D}), KOKKOS_LAMBDA(int t, int d) {
+        float acc = dx(t, d);
+        for (int j = 0; j < k; ++j) {
+          const int r = slot_row(t * k + j);
+          if (r >= 0) acc += d_rows(r, d);
+        }
+        dx(t, d) = acc;
+      });
+
+  // Router: d scores from the weights and the LB term, then through softmax/sigmoid, plus the
+  // z-loss; dlogits -> router weight and input gradients.
+  auto z = as_cmat(logits_.data(), N, E);
+  auto p = as_cmat(probs_.data(), N, E);
+  auto lse = lse_;
+  auto sel = sel_;
+  auto off = buckets_.offsets;
+  Mat dz = as_mat(s.d_logits.data(), N, E);
+  const float lb_scale = aux_scale * cfg_.lb_coef * float(E) / k / (float(N) * N);
+  const float rz_scale = aux_scale * cfg_.z_coef * 2.0f / N;
+  Kokkos::parallel_for(
+      "moe::router_backward", Range(0, N), KOKKOS_LAMBDA(int t) {
+        for (int e = 0; e < E; ++e) dz(t, e) = lb_scale * float(off(e + 1) - off(e));
+        if (normalize) {
+          float sum = 0.0f, ws = 0.0f;
+          for (int j = 0; j < k; ++j) {
+            sum += p(t, sel(t * k + j));
+            ws += dwt(t * k + j) * w(t * k + j);
+          }
+          for (int j = 0; j < k; ++j) dz(t, sel(t * k + j)) += (dwt(t * k + j) - ws) / sum;
+        } else {
+          for (int j = 0; j < k; ++j) dz(t, sel(t * k + j)) += dwt(t * k + j);
+        }
+        if (softmax) {
+          float dot = 0.0f;
+          for (int e = 0; e < E; ++e) dot += p(t, e) * dz(t, e);
+          for (int e = 0; e < E; ++e) dz(t, e) = p(t, e) * (dz(t, e) - dot);
+        } else {
+          for (int e = 0; e < E; ++e) dz(t, e) *= p(t, e) * (1.0f - p(t, e));
+        }
+        for (int e = 0; e < E; ++e) dz(t, e) += rz_scale * lse(t) * math::exp(z(t, e) - lse(t));
+      });
+  gemm(Trans::T, Trans::N, 1.0f, as_cmat(dz), x, 1.0f, as_mat(table.grad(router_), E, D));
+  gemm(Trans::N, Trans::N, 1.0f, as_cmat(dz), as_cmat(table.param(router_), E, D), 1.0f, dx);
+}
+
+}  // namespace kmoe

@@ -1,0 +1,75 @@
+// Mixture-of-experts FFN (MODEL.md section 3): router (softmax or sigmoid scores), top-k with
+// lower-index tie-break, raw or normalized weights, load-balancing and router z-losses, dropless
+// dispatch (token-slots grouped per expert with KeyBuckets, one contiguous row block and
+// GEMMs per expert), optional capacity with a deterministic tail drop, weighted combine, shared
+// experts. Forward and backward; every sum has a fixed order.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/bucket_sort.hpp"
+#include "core/kokkos_types.hpp"
+#include "io/config.hpp"
+#include "modules/mlp/swiglu.hpp"
+#include "train/tensor_table.hpp"
+
+namespace kmoe {
+
+// What one MoE layer reports for one micro-batch.
+struct MoeStats {
+  double lb = 0.0;                 // load-balancing loss LB
+  double rz = 0.0;                 // router z-loss RZ
+  std::vector<std::int64_t> load;  // (E) assignments per expert, before any capacity drop
+  std::int64_t dropped = 0;        // assignments beyond capacity
+};
+
+// Backward temporaries shared by the MoE layers of a stage.
+struct MoeScratch {
+  View1F d_rows;      // (N*k, D): gradient w.r.t. expert outputs, then w.r.t. expert inputs
+  View1F d_act;       // (N*k, Fe)
+  View1F d_up1, d_up3;  // (N*k, Fe)
+  View1F d_weights;   // (N*k)
+  View1F d_logits;    // (N, E)
+  MlpScratch shared;
+  MoeScratch(const ModelCfg& m, const MoeCfg& e, std::int64_t max_tokens);
+};
+
+class MoeLayer {
+ public:
+  // Declares <prefix>router [E, D], experts.w1/w3 [E, Fe, D], experts.w2 [E, D, Fe] and, with
+  // shared experts, shared.w1/w3 [S*Fs, D], shared.w2 [D, S*Fs].
+  MoeLayer(const ModelCfg& m, const MoeCfg& e, const std::string& prefix,
+           std::int64_t max_tokens, TensorTable& table);
+
+  // x: (N, D) -> y: (N, D); saves what backward needs.
+  MoeStats forward(const TensorTable& table, ConstMat x, Mat y);
+  // dy: (N, D) -> dx: (N, D) (assigned). aux_scale weights this micro-batch's LB and RZ terms in
+  // the step loss (1 / micro-batches per step).
+  void backward(TensorTable& table, ConstMat x, ConstMat dy, Mat dx, MoeScratch& s,
+                float aux_scale);
+
+  // Routing of the last forward: (N, k) expert ids.
+  ConstIVec selected() const { return ConstIVec(sel_.data(), sel_.extent(0)); }
+
+ private:
+  int D_, E_, k_, Fe_;
+  MoeCfg cfg_;
+  int router_, w1_, w3_, w2_;
+  std::unique_ptr<SwigluMlp> shared_;
+  KeyBuckets buckets_;
+  // Saved for backward, sized for max_tokens.
+  View1F logits_, probs_;  // (N, E)
+  View1F lse_;             // (N) logsumexp of the logits
+  View1I sel_;             // (N*k) selected expert per slot (slot = t*k + j)
+  View1F weights_;         // (N*k)
+  View1I slot_row_;        // (N*k) row of the slot in the expert blocks, -1 if dropped
+  View1I row_slot_;        // (N*k) slot of each expert row
+  View1I row_offsets_;     // (E+1) first row of each expert's block
+  std::vector<int> host_offsets_;  // the same on the host: GEMM extents
+  View1F rows_in_, up1_, up3_, act_, rows_out_;  // (N*k, D|Fe): gathered inputs ... outputs
+  int N_ = 0;
+};
+
+}  // namespace kmoe

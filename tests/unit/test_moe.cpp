@@ -1,0 +1,191 @@
+// The MoE layer's routing and dispatch facts (MODEL.md section 3): E=1, k=1 is the dense SwiGLU
+// layer; an expert without tokens gets exactly zero gradient and no stale rows; capacity drops
+// the tail of each expert's assignments in token order, deterministically. Gradients are
+// checked against finite differences in test_model_grad.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "modules/moe/moe.hpp"
+
+namespace kmoe {
+namespace {
+
+using HostVec = Kokkos::View<float*, HostSpace>;
+
+ModelCfg model(int D) {
+  ModelCfg m;
+  m.d_model = D;
+  m.init_std = 0.3;
+  return m;
+}
+
+MoeCfg moe(int E, int k, int Fe) {
+  MoeCfg e;
+  e.experts = E;
+  e.top_k = k;
+  e.expert_hidden = Fe;
+  e.lb_coef = 0.0;
+  e.z_coef = 0.0;
+  return e;
+}
+
+View2F random_input(int N, int D, unsigned seed) {
+  View2F x("x", N, D);
+  auto h = Kokkos::create_mirror_view(x);
+  std::mt19937 gen(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (int i = 0; i < N; ++i)
+    for (int d = 0; d < D; ++d) h(i, d) = nd(gen);
+  Kokkos::deep_copy(x, h);
+  return x;
+}
+
+std::vector<float> to_host(const View2F& v) {
+  auto h = Kokkos::create_mirror_view_and_copy(HostSpace(), v);
+  return std::vector<float>(h.data(), h.data() + h.size());
+}
+
+TEST(Moe, OneExpertTopOneIsTheDenseLayer) {
+  const int N = 24, D = 16, F = 20;
+  const ModelCfg m = model(D);
+  TensorTable table;
+  SwigluMlp dense("dense.", D, F, m.init_std, N, table);
+  MoeLayer layer(m, moe(1, 1, F), "moe.", N, table);
+  table.allocate();
+  table.initialize(5);
+  // Copy the dense weights into the single expert: w1 [1, F, D], w3, w2 [1, D, F].
+  for (const char* w : {"w1", "w3", "w2"}) {
+    const auto& src = table.entry(table.find(std::string("dense.") + w));
+    const auto& dst = table.entry(table.find(std::string("moe.experts.") + w));
+    Kokkos::deep_copy(Kokkos::subview(table.params, Kokkos::make_pair(dst.offset, dst.offset + dst.size)),
+                      Kokkos::subview(table.params, Kokkos::make_pair(src.offset, src.offset + src.size)));
+  }
+  View2F x = random_input(N, D, 1), y_dense("yd", N, D), y_moe("ym", N, D);
+  dense.forward(table, as_cmat(x), as_mat(y_dense));
+  layer.forward(table, as_cmat(x), as_mat(y_moe));
+  const auto a = to_host(y_dense), b = to_host(y_moe);
+  for (std::size_t i = 0; i < a.size(); ++i) ASSERT_NEAR(a[i], b[i], 1e-6f * (1 + std::fabs(a[i])));
+
+  // Gradients: the expert's equal the dense layer's; the router gets none (p = 1 always).
+  View2F dy = random_input(N, D, 2), dx_dense("dxd", N, D), dx_moe("dxm", N, D);
+  MlpScratch ms(N, F);
+  MoeScratch mos(m, moe(1, 1, F), N);
+  Kokkos::deep_copy(table.grads, 0.0f);
+  dense.backward(table, as_cmat(x), as_cmat(dy), as_mat(dx_dense), ms);
+  layer.backward(table, as_cmat(x), as_cmat(dy), as_mat(dx_moe), mos, 1.0f);
+  const auto c = to_host(dx_dense), d = to_host(dx_moe);
+  for (std::size_t i = 0; i < c.size(); ++i) ASSERT_NEAR(c[i], d[i], 1e-5f * (1 + std::fabs(c[i])));
+  auto g = Kokkos::create_mirror_view_and_copy(HostSpace(), table.grads);
+  for (const char* w : {"w1", "w3", "w2"}) {
+    const auto& src = table.entry(table.find(std::string("dense.") + w));
+    const auto& dst = table.entry(table.find(std::string("moe.experts.") + w));
+    for (std::int64_t i = 0; i < src.size; ++i)
+      ASSERT_NEAR(g(src.offset + i), g(dst.offset + i), 1e-5f * (1 + std::fabs(g(src.offset + i))))
+          << w << " " << i;
+  }
+  const auto& router = table.entry(table.find("moe.router"));
+  for (std::int64_t i = 0; i < router.size; ++i) EXPECT_NEAR(g(router.offset + i), 0.0f, 1e-6f);
+}
+
+// Router rows 0 and 1 are opposite and large, rows 2 and 3 zero: with k = 1 every token goes to
+// expert 0 or 1, so experts 2 and 3 receive nothing.
+void route_to_first_two(TensorTable& table, int D) {
+  auto p = Kokkos::create_mirror_view_and_copy(HostSpace(), table.params);
+  const auto& r = table.entry(table.find("moe.router"));
+  for (int d = 0; d < D; ++d) {
+    p(r.offset + d) = 2.0f + 0.1f * d;
+    p(r.offset + D + d) = -(2.0f + 0.1f * d);
+    p(r.offset + 2 * D + d) = 0.0f;
+    p(r.offset + 3 * D + d) = 0.0f;
+  }
+  Kokkos::deep_copy(table.params, p);
+}
+
+TEST(Moe, ExpertWithoutTokensGetsExactlyZeroGradientAndNoStaleRows) {
+  const int N = 32, D = 8, Fe = 6;
+  const ModelCfg m = model(D);
+  MoeCfg e = moe(4, 1, Fe);
+  e.lb_coef = 0.1;
+  TensorTable table;
+  MoeLayer layer(m, e, "moe.", N, table);
+  table.allocate();
+  table.initialize(3);
+  View2F x = random_input(N, D, 4), y("y", N, D), dy = random_input(N, D, 5), dx("dx", N, D);
+  MoeScratch s(m, e, N);
+  // First a batch routed over all experts (random router), leaving rows behind ...
+  layer.forward(table, as_cmat(x), as_mat(y));
+  // ... then the routing that starves experts 2 and 3.
+  route_to_first_two(table, D);
+  Kokkos::deep_copy(table.grads, 1.0f);
+  Kokkos::deep_copy(table.grads, 0.0f);  // the trainer zeroes gradients every step
+  const MoeStats st = layer.forward(table, as_cmat(x), as_mat(y));
+  EXPECT_EQ(st.load[2], 0);
+  EXPECT_EQ(st.load[3], 0);
+  EXPECT_EQ(st.load[0] + st.load[1], N);
+  layer.backward(table, as_cmat(x), as_cmat(dy), as_mat(dx), s, 1.0f);
+  auto g = Kokkos::create_mirror_view_and_copy(HostSpace(), table.grads);
+  for (const char* w : {"w1", "w3", "w2"}) {
+    const auto& t = table.entry(table.find(std::string("moe.experts.") + w));
+    const std::int64_t per = t.size / 4;
+    double used = 0.0;
+    for (std::int64_t i = 0; i < 2 * per; ++i) used += std::fabs(g(t.offset + i));
+    EXPECT_GT(used, 0.0) << w;
+    for (std::int64_t i = 2 * per; i < t.size; ++i) ASSERT_EQ(g(t.offset + i), 0.0f) << w << " " << i;
+  }
+  // A fresh layer with the same weights gives the same output: nothing stale was read.
+  TensorTable fresh_table;
+  MoeLayer fresh(m, e, "moe.", N, fresh_table);
+  fresh_table.allocate();
+  Kokkos::deep_copy(fresh_table.params, table.params);
+  View2F y2("y2", N, D);
+  fresh.forward(fresh_table, as_cmat(x), as_mat(y2));
+  EXPECT_EQ(to_host(y), to_host(y2));
+}
+
+TEST(Moe, CapacityDropsTheTailInTokenOrderDeterministically) {
+  const int N = 40, D = 8, Fe = 6, E = 4, k = 2;
+  const ModelCfg m = model(D);
+  MoeCfg dropless = moe(E, k, Fe);
+  MoeCfg capped = dropless;
+  capped.capacity_factor = 0.6;  // ceil(0.6 * 40 * 2 / 4) = 12 per expert
+  TensorTable table;
+  MoeLayer a(m, dropless, "moe.", N, table);
+  TensorTable table_b;
+  MoeLayer b(m, capped, "moe.", N, table_b);
+  table.allocate();
+  table.initialize(11);
+  table_b.allocate();
+  Kokkos::deep_copy(table_b.params, table.params);
+  View2F x = random_input(N, D, 6), y_all("ya", N, D), y_cap("yc", N, D), y_cap2("yc2", N, D);
+  a.forward(table, as_cmat(x), as_mat(y_all));
+  const MoeStats st = b.forward(table_b, as_cmat(x), as_mat(y_cap));
+  const int cap = 12;
+  std::int64_t expected_drops = 0;
+  for (int e = 0; e < E; ++e) expected_drops += std::max<std::int64_t>(0, st.load[e] - cap);
+  EXPECT_GT(expected_drops, 0) << "the test routing must overflow some expert";
+  EXPECT_EQ(st.dropped, expected_drops);
+
+  // Which tokens lost a slot: per expert, its assignments beyond the first `cap` in token order.
+  auto sel = Kokkos::create_mirror_view_and_copy(HostSpace(), Kokkos::View<const int*, Layout, MemSpace, Unmanaged>(b.selected().data(), N * k));
+  std::vector<int> seen(E, 0);
+  std::vector<bool> lost(N, false);
+  for (int t = 0; t < N; ++t)
+    for (int j = 0; j < k; ++j)
+      if (++seen[sel(t * k + j)] > cap) lost[t] = true;
+  const auto ya = to_host(y_all), yc = to_host(y_cap);
+  for (int t = 0; t < N; ++t) {
+    bool differs = false;
+    for (int d = 0; d < D; ++d) differs = differs || ya[t * D + d] != yc[t * D + d];
+    EXPECT_EQ(differs, lost[t]) << "token " << t;
+  }
+  const MoeStats st2 = b.forward(table_b, as_cmat(x), as_mat(y_cap2));
+  EXPECT_EQ(st2.dropped, st.dropped);
+  EXPECT_EQ(to_host(y_cap), to_host(y_cap2));
+}
+
+}  // namespace
+}  // namespace kmoe
