@@ -20,6 +20,9 @@ void write_step_dump(const Config& cfg, const ProcessGrid& grid, const TensorTab
   f.set_attr("/", "grad_norm", d.grad_norm);
   f.set_attr("/", "lr", d.lr);
   f.write_i32("/batch/tokens", {d.global_batch, d.seq_len}, d.tokens.data(), writer);
+  for (const auto& [block, route] : d.routes)
+    f.write_i32("/route/" + std::to_string(block),
+                {std::int64_t(d.global_batch) * d.seq_len, d.top_k}, route.data(), writer);
   for (const auto& e : table.entries())
     f.write_f32("/grad/" + tensor_path(e.spec.name), e.spec.shape, grads.data() + e.offset, writer);
   f.close();

@@ -11,7 +11,8 @@ const char* MetricsWriter::csv_header() {
          "mfu,step_time_s,mem_hwm_mib,val_loss";
 }
 
-MetricsWriter::MetricsWriter(const std::string& dir, bool append) {
+MetricsWriter::MetricsWriter(const std::string& dir, bool append,
+                             const std::vector<std::string>& extra_columns) {
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   KMOE_REQUIRE(!ec, "output.dir = " << dir << ": cannot create directory: " << ec.message());
@@ -19,7 +20,11 @@ MetricsWriter::MetricsWriter(const std::string& dir, bool append) {
   const bool fresh = !append || !std::filesystem::exists(path);
   csv_ = std::fopen(path.c_str(), fresh ? "w" : "a");
   KMOE_REQUIRE(csv_, "cannot open " << path << " for writing");
-  if (fresh) std::fprintf(csv_, "%s\n", csv_header());
+  if (fresh) {
+    std::fprintf(csv_, "%s", csv_header());
+    for (const auto& c : extra_columns) std::fprintf(csv_, ",%s", c.c_str());
+    std::fprintf(csv_, "\n");
+  }
 }
 
 MetricsWriter::~MetricsWriter() {
@@ -32,6 +37,7 @@ void MetricsWriter::write(const StepMetrics& m) {
   if (m.mfu) std::fprintf(csv_, "%.6g", *m.mfu);
   std::fprintf(csv_, ",%.6g,%.6g,", m.step_time_s, m.mem_hwm_mib);
   if (m.val_loss) std::fprintf(csv_, "%.17g", *m.val_loss);
+  for (const auto& [name, value] : m.extra) std::fprintf(csv_, ",%.9g", value);
   std::fprintf(csv_, "\n");
   std::fflush(csv_);
 }
@@ -53,6 +59,11 @@ std::string MetricsWriter::console_line(const StepMetrics& m) {
   line.append(buf, n);
   if (m.val_loss) {
     n = std::snprintf(buf, sizeof buf, " | val_loss %.4f", *m.val_loss);
+    line.append(buf, n);
+  }
+  if (!m.extra.empty()) line += " |";
+  for (const auto& [name, value] : m.extra) {
+    n = std::snprintf(buf, sizeof buf, " %s %.3f", name.c_str(), value);
     line.append(buf, n);
   }
   return line;

@@ -5,6 +5,8 @@
 #include <cstdio>
 #include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace kmoe {
 
@@ -17,12 +19,16 @@ struct StepMetrics {
   double step_time_s = 0;
   double mem_hwm_mib = 0;     // max over ranks
   std::optional<double> val_loss;
+  // Model-specific columns after val_loss, e.g. per MoE layer (name, value), in a fixed order.
+  std::vector<std::pair<std::string, double>> extra;
 };
 
 class MetricsWriter {
  public:
   // Opens (truncating, or appending when `append`) <dir>/metrics.csv; creates `dir`.
-  MetricsWriter(const std::string& dir, bool append);
+  // `extra_columns` names StepMetrics::extra, in order.
+  MetricsWriter(const std::string& dir, bool append,
+                const std::vector<std::string>& extra_columns = {});
   ~MetricsWriter();
   MetricsWriter(const MetricsWriter&) = delete;
   MetricsWriter& operator=(const MetricsWriter&) = delete;

@@ -38,6 +38,7 @@ class Block {
   bool is_moe() const { return moe_ != nullptr; }
   // The MoE layer's report of the last forward (empty for a dense block).
   const MoeStats& moe_stats() const { return moe_stats_; }
+  ConstIVec moe_routes() const { return moe_->selected(); }
 
  private:
   Mat buf(const View1F& v, int rows) const { return as_mat(v.data(), rows, D_); }

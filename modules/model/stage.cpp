@@ -22,7 +22,8 @@ Stage::Stage(const ModelCfg& m, const MoeCfg& e, int max_seqs, int T, TensorTabl
       d_x_("stage::d_x", std::int64_t(max_seqs) * T * m.d_model),
       d_y_("stage::d_y", std::int64_t(max_seqs) * T * m.d_model),
       lb_coef_(e.lb_coef),
-      z_coef_(e.z_coef) {
+      z_coef_(e.z_coef),
+      top_k_(e.top_k) {
   for (int l = 0; l <= m.n_layers; ++l)
     resid_.emplace_back("stage::resid", std::int64_t(max_seqs) * T * m.d_model);
 }
@@ -50,6 +51,15 @@ LossSums Stage::forward(const TensorTable& table, const std::int32_t* tokens, in
     sums.moe.emplace_back(static_cast<int>(l), st);
   }
   return sums;
+}
+
+std::vector<std::pair<int, ConstIVec>> Stage::moe_routes() const {
+  std::vector<std::pair<int, ConstIVec>> routes;
+  const int slots = nseq_ * T_ * top_k_;
+  for (std::size_t l = 0; l < blocks_.size(); ++l)
+    if (blocks_[l]->is_moe())
+      routes.emplace_back(static_cast<int>(l), ConstIVec(blocks_[l]->moe_routes().data(), slots));
+  return routes;
 }
 
 void Stage::backward(TensorTable& table) {

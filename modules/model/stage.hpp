@@ -26,6 +26,10 @@ class Stage {
   // Accumulates parameter gradients of the last forward()'s micro-batch.
   void backward(TensorTable& table);
 
+  // Each MoE block's routing of the last forward(): (block index, (N*k) expert ids).
+  std::vector<std::pair<int, ConstIVec>> moe_routes() const;
+  int top_k() const { return top_k_; }
+
  private:
   Mat resid(int i, int N) { return as_mat(resid_[i].data(), N, D_); }
 
@@ -41,6 +45,7 @@ class Stage {
   int nseq_ = 0;
   float aux_scale_ = 0.0f;
   double lb_coef_, z_coef_;
+  int top_k_;
 };
 
 }  // namespace kmoe

@@ -50,7 +50,7 @@ class MoeLayer {
   void backward(TensorTable& table, ConstMat x, ConstMat dy, Mat dx, MoeScratch& s,
                 float aux_scale);
 
-  // Routing of the last forward: (N, k) expert ids.
+  // Routing of the last forward: (N*k) expert ids, token-major (the buffer's first N*k).
   ConstIVec selected() const { return ConstIVec(sel_.data(), sel_.extent(0)); }
 
  private:

@@ -63,6 +63,10 @@ void Communicator::allreduce_sum(double* data, std::int64_t n) const {
   if (size_ > 1) allreduce_chunks(data, n, MPI_DOUBLE, comm_);
 }
 
+void Communicator::allreduce_sum(std::int32_t* data, std::int64_t n) const {
+  if (size_ > 1) allreduce_chunks(data, n, MPI_INT32_T, comm_);
+}
+
 double Communicator::allreduce_max(double v) const {
   double out = v;
   if (size_ > 1) mpi_check(MPI_Allreduce(&v, &out, 1, MPI_DOUBLE, MPI_MAX, comm_), "MPI_Allreduce");

@@ -30,6 +30,7 @@ class Communicator {
 
   void allreduce_sum(float* data, std::int64_t n) const;   // in place
   void allreduce_sum(double* data, std::int64_t n) const;  // in place
+  void allreduce_sum(std::int32_t* data, std::int64_t n) const;  // in place
   double allreduce_max(double v) const;
   void barrier() const;
 

@@ -44,8 +44,15 @@ Trainer::Trainer(const Config& cfg, ProcessGrid& grid)
       if (!changes.empty()) std::printf("deck changes since the checkpoint:%s\n", changes.c_str());
     }
   }
+  for (int l = 0; l < cfg.model.n_layers; ++l) {
+    if (!cfg.moe.is_moe_layer(l)) continue;
+    moe_layers_.push_back(l);
+    const std::string p = "moe" + std::to_string(l) + "_";
+    for (const char* c : {"lb", "rz", "load_max_mean"}) moe_columns_.push_back(p + c);
+    if (cfg.moe.capacity_factor > 0) moe_columns_.push_back(p + "drop");
+  }
   if (grid_.is_root()) {
-    metrics_ = std::make_unique<MetricsWriter>(cfg.output.dir, /*append=*/resumed_);
+    metrics_ = std::make_unique<MetricsWriter>(cfg.output.dir, /*append=*/resumed_, moe_columns_);
     std::ofstream(cfg.output.dir + "/deck.resolved") << cfg.resolved_text;
   }
 }
@@ -66,7 +73,13 @@ StepMetrics Trainer::train_step(int step) {
   PhaseTimer timer;
 
   Kokkos::deep_copy(table_.grads, 0.0f);
+  const auto& dumps = cfg_.output.dump_step;
+  const bool dump = std::find(dumps.begin(), dumps.end(), step) != dumps.end();
+  StepDump d{step, 0, 0, 0, 0, 0, {}, t.global_batch, T, {}, cfg_.moe.top_k};
   double sums[3] = {0.0, 0.0, 0.0};  // CE, z and MoE aux sums over this rank's micro-batches
+  // Per MoE layer: LB sum, RZ sum, dropped, then E loads (summed over micro-batches).
+  const int E = cfg_.moe.experts, per_layer = 3 + E;
+  std::vector<double> moe_sums(moe_layers_.size() * per_layer, 0.0);
   timer.start();
   for (int j = me; j < n_micro; j += R) {  // micro-batch j of the step goes to replica j mod R
     load_positions(state_.next_position + std::int64_t(j) * b, b);
@@ -75,12 +88,22 @@ StepMetrics Trainer::train_step(int step) {
     timer.stop(phases_.forward);
     stage_->backward(table_);
     timer.stop(phases_.backward);
+    if (dump) record_routes(d, j * b * T);
     sums[0] += s.ce;
     sums[1] += s.z;
     sums[2] += s.moe_aux;
+    for (std::size_t i = 0; i < s.moe.size(); ++i) {
+      const MoeStats& st = s.moe[i].second;
+      double* acc = moe_sums.data() + i * per_layer;
+      acc[0] += st.lb;
+      acc[1] += st.rz;
+      acc[2] += st.dropped;
+      for (int e = 0; e < E; ++e) acc[3 + e] += st.load[e];
+    }
   }
   grid_.stage.allreduce_sum(table_.grads.data(), table_.total_elements());
   grid_.stage.allreduce_sum(sums, 3);
+  grid_.stage.allreduce_sum(moe_sums.data(), moe_sums.size());
   timer.stop(phases_.comm);
 
   const double total_targets = n_micro * targets_per_micro;
@@ -90,6 +113,19 @@ StepMetrics Trainer::train_step(int step) {
   // Step loss = mean over micro-batches of CE_mb + zc Z_mb + MoE aux_mb (MODEL.md section 2).
   m.aux = cfg_.model.output_z_coef * sums[1] / total_targets + sums[2] / n_micro;
   m.loss = m.ce + m.aux;
+  for (std::size_t i = 0; i < moe_layers_.size(); ++i) {
+    const double* acc = moe_sums.data() + i * per_layer;
+    double max_load = 0.0, total = 0.0;
+    for (int e = 0; e < E; ++e) {
+      max_load = std::max(max_load, acc[3 + e]);
+      total += acc[3 + e];
+    }
+    const std::string p = "moe" + std::to_string(moe_layers_[i]) + "_";
+    m.extra.emplace_back(p + "lb", acc[0] / n_micro);
+    m.extra.emplace_back(p + "rz", acc[1] / n_micro);
+    m.extra.emplace_back(p + "load_max_mean", total > 0 ? max_load / (total / E) : 0.0);
+    if (cfg_.moe.capacity_factor > 0) m.extra.emplace_back(p + "drop", acc[2] / total);
+  }
   m.grad_norm = std::sqrt(grad_sq_sum(table_));
   m.lr = learning_rate(cfg_.optimizer, t.max_steps, step);
   if (!std::isfinite(m.loss) || !std::isfinite(m.grad_norm)) {
@@ -99,9 +135,13 @@ StepMetrics Trainer::train_step(int step) {
        << "); stopping without a checkpoint";
     throw NonFiniteError(os.str());
   }
-  const auto& dumps = cfg_.output.dump_step;
-  if (std::find(dumps.begin(), dumps.end(), step) != dumps.end()) {
-    StepDump d{step, m.loss, m.ce, m.aux, m.grad_norm, m.lr, {}, t.global_batch, T};
+  if (dump) {
+    d.loss = m.loss;
+    d.ce = m.ce;
+    d.aux = m.aux;
+    d.grad_norm = m.grad_norm;
+    d.lr = m.lr;
+    for (auto& route : d.routes) grid_.stage.allreduce_sum(route.second.data(), route.second.size());
     load_positions(state_.next_position, t.global_batch);
     d.tokens.assign(host_tokens_.begin(), host_tokens_.end());
     write_step_dump(cfg_, grid_, table_, d);
@@ -126,6 +166,20 @@ StepMetrics Trainer::train_step(int step) {
     m.mfu = m.model_flops_per_s / (cfg_.output.peak_flops * grid_.world.size());
   m.mem_hwm_mib = grid_.world.allreduce_max(peak_rss_mib());
   return m;
+}
+
+void Trainer::record_routes(StepDump& d, std::int64_t first_token) {
+  // Each replica fills its own micro-batches' rows; the others stay 0, so a sum over the stage
+  // assembles the global batch exactly.
+  const auto routes = stage_->moe_routes();
+  if (d.routes.empty())
+    for (const auto& r : routes)
+      d.routes.emplace_back(r.first, std::vector<std::int32_t>(std::size_t(d.global_batch) *
+                                                               d.seq_len * d.top_k, 0));
+  for (std::size_t i = 0; i < routes.size(); ++i) {
+    auto h = Kokkos::create_mirror_view_and_copy(HostSpace(), routes[i].second);
+    std::copy(h.data(), h.data() + h.size(), d.routes[i].second.begin() + first_token * d.top_k);
+  }
 }
 
 void Trainer::run() {

@@ -9,6 +9,7 @@
 #include "core/error.hpp"
 #include "io/checkpoint.hpp"
 #include "io/config.hpp"
+#include "io/dump.hpp"
 #include "io/metrics.hpp"
 #include "io/token_data.hpp"
 #include "modules/model/model_size.hpp"
@@ -35,6 +36,9 @@ class Trainer {
 
  private:
   StepMetrics train_step(int step);
+  // Copies the MoE routes of the last micro-batch (its first token at `first_token` of the
+  // global batch) into a step dump.
+  void record_routes(StepDump& d, std::int64_t first_token);
   // Token ids of stream positions [first, first + count) into host_tokens_.
   void load_positions(std::int64_t first, int count);
 
@@ -48,6 +52,8 @@ class Trainer {
   std::unique_ptr<MetricsWriter> metrics_;  // rank 0 only
   std::vector<std::int32_t> host_tokens_;
   TrainState state_;
+  std::vector<int> moe_layers_;           // MoE block indices
+  std::vector<std::string> moe_columns_;  // their metrics columns
   bool resumed_ = false;
   PhaseTotals phases_;
 };

@@ -3,12 +3,15 @@
 
 1. a 50-step run lowers the loss substantially;
 2. the same deck and seed twice gives bit-identical losses;
-3. data parallelism over 2 ranks computes the same losses (RUNTIME.md section 2 contract);
+3. data parallelism over 2 ranks computes the same losses (RUNTIME.md section 2 contract),
+   dense and MoE (with the same routes and MoE metrics columns);
 4. a bad deck key exits 1 naming the key and its line; a diverging run exits 3 naming the step.
 Usage: train_regression.py BIN_DIR WORK_DIR MPIEXEC
 """
 import os
 import sys
+
+import h5py
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from kmoe_testlib import Harness, counting_documents  # noqa: E402
@@ -61,6 +64,22 @@ one, dp = h.losses("run_1"), h.losses("run_dp")
 rel = [abs(float(x[1]) - float(y[1])) / abs(float(y[1])) for x, y in zip(dp, one)]
 h.check(rel[0] <= 1e-6, f"dp=2 step-1 loss within 1e-6 of 1 rank (rel {rel[0]:.2e})")
 h.check(max(rel) <= 1e-5, f"dp=2 steps 1-3 within 1e-5 of 1 rank (max rel {max(rel):.2e})")
+
+MOE = ["--moe.experts=4", "--moe.expert_hidden=32", "--moe.dense_layers=0",
+       "--moe.shared_experts=1", "--moe.shared_hidden=16", "--moe.capacity_factor=1.0",
+       "--train.max_steps=3", "--output.dump_step=1"]
+train("moe_1", *MOE)
+train("moe_dp", *MOE, "--parallel.dp=2", ranks=2)
+one, dp = h.losses("moe_1"), h.losses("moe_dp")
+rel = [abs(float(x[1]) - float(y[1])) / abs(float(y[1])) for x, y in zip(dp, one)]
+h.check(rel[0] <= 1e-6 and max(rel) <= 1e-5, f"MoE dp=2 matches 1 rank (max rel {max(rel):.2e})")
+cols = h.metrics("moe_1")[0]
+h.check(all(f"moe1_{c}" in cols for c in ("lb", "rz", "load_max_mean", "drop")) and
+        "moe0_lb" not in cols, "MoE metrics columns for block 1 only")
+h.check(0.9 < float(cols["moe1_lb"]) < 2.0, f"LB near 1 at init ({cols['moe1_lb']})")
+with h5py.File(h.path("moe_1", "dump_step1.h5")) as a, h5py.File(h.path("moe_dp", "dump_step1.h5")) as b:
+    h.check(a["route/1"].shape == (8 * 64, 2) and (a["route/1"][:] == b["route/1"][:]).all(),
+            "dumped routes [G*T, k], identical on 1 and 2 ranks")
 
 h.write("bad.deck", DECK.replace("ffn_hidden = 128", "ffn_hidden = 128\nffn_hiden = 5"))
 p = h.run(["kmoe-train", "-i", "bad.deck"], expect_rc=1)
