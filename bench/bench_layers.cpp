@@ -11,6 +11,8 @@
 #include "modules/loss/lm_head.hpp"
 #include "modules/mlp/swiglu.hpp"
 #include "modules/model/stage.hpp"
+#include "modules/moe/moe.hpp"
+#include "core/gemm.hpp"
 #include "modules/norm/rmsnorm.hpp"
 
 using namespace kmoe;
@@ -114,6 +116,54 @@ int main(int argc, char** argv) {
          head_f);
   report("head backward", time_it(reps, [&] { head.backward(table, as_cmat(x), as_mat(y)); }),
          2 * head_f);
+  {
+    // MoE layer (8 experts, top-2, Fe = F/2) against the dense MLP of equal active
+    // parameters, and the share of MoE time outside the expert GEMMs (routing, permutation,
+    // combine): the MoE's nine GEMMs per expert, on the measured row counts, are timed alone.
+    MoeCfg e;
+    e.experts = 8;
+    e.top_k = 2;
+    e.expert_hidden = F / 2;
+    TensorTable t3;
+    MoeLayer moe(m, e, "blocks.0.moe.", N, t3);
+    t3.allocate();
+    t3.initialize(2);
+    MoeScratch mos(m, e, N);
+    MoeStats st;
+    const double t_moe = time_it(reps, [&] {
+      st = moe.forward(t3, as_cmat(x), as_mat(y));
+      moe.backward(t3, as_cmat(x), as_cmat(dx), as_mat(y), mos, 1.0f);
+    });
+    const int Fe = e.expert_hidden;
+    View2F rows("rows", N * e.top_k, D), h1("h1", N * e.top_k, Fe), h2("h2", N * e.top_k, Fe);
+    View2F w13("w13", Fe, D), w2("w2", D, Fe);
+    const double t_gemm = time_it(reps, [&] {
+      for (int ex = 0; ex < e.experts; ++ex) {
+        const int n = st.load[ex];
+        auto in = as_mat(rows.data(), n, D);
+        auto a = as_mat(h1.data(), n, Fe), b = as_mat(h2.data(), n, Fe);
+        gemm(Trans::N, Trans::T, 1.0f, as_cmat(in), as_cmat(w13), 0.0f, a);  // up1
+        gemm(Trans::N, Trans::T, 1.0f, as_cmat(in), as_cmat(w13), 0.0f, b);  // up3
+        gemm(Trans::N, Trans::T, 1.0f, as_cmat(a), as_cmat(w2), 0.0f, in);   // down
+        gemm(Trans::N, Trans::N, 1.0f, as_cmat(in), as_cmat(w2), 0.0f, a);   // d act
+        gemm(Trans::T, Trans::N, 1.0f, as_cmat(in), as_cmat(b), 1.0f, as_mat(w2));  // d w2
+        gemm(Trans::T, Trans::N, 1.0f, as_cmat(a), as_cmat(in), 1.0f, as_mat(w13));  // d w1
+        gemm(Trans::T, Trans::N, 1.0f, as_cmat(b), as_cmat(in), 1.0f, as_mat(w13));  // d w3
+        gemm(Trans::N, Trans::N, 1.0f, as_cmat(a), as_cmat(w13), 0.0f, in);  // d in (w1)
+        gemm(Trans::N, Trans::N, 1.0f, as_cmat(b), as_cmat(w13), 1.0f, in);  // d in (w3)
+      }
+    });
+    const double t_dense = time_it(reps, [&] {
+      mlp.forward(table, as_cmat(x), as_mat(y));
+      mlp.backward(table, as_cmat(x), as_cmat(dx), as_mat(y), ms);
+    });
+    std::printf("  moe layer fwd+bwd (E 8, k 2, Fe %d)   %9.3f ms = %.2f us/token\n", Fe,
+                1e3 * t_moe, 1e6 * t_moe / N);
+    std::printf("  dense mlp fwd+bwd (F %d, equal active) %8.3f ms = %.2f us/token\n", F,
+                1e3 * t_dense, 1e6 * t_dense / N);
+    std::printf("  moe time outside the expert GEMMs: %.0f%% (routing, permutation, combine)\n",
+                100.0 * std::max(0.0, 1.0 - t_gemm / t_moe));
+  }
   {
     ModelCfg full = m;
     full.n_layers = 4;
