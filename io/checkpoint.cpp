@@ -105,6 +105,7 @@ void save_checkpoint(const Config& cfg, const ProcessGrid& grid, const TensorTab
     const auto& e = entries[i];
     const std::string p = tensor_path(e.spec.name);
     f.write_f32("/model/" + p, e.spec.shape, params.data() + e.offset, writer);
+    if (!e.spec.trainable) continue;  // buffers have no moments
     f.write_f32("/optimizer/exp_avg/" + p, e.spec.shape, m.data() + e.offset, writer);
     f.write_f32("/optimizer/exp_avg_sq/" + p, e.spec.shape, v.data() + e.offset, writer);
     if (i == entries.size() / 2 && fault_requested("kill_during_save")) std::raise(SIGKILL);
@@ -190,7 +191,7 @@ TrainState load_checkpoint(const std::string& path, const Config& cfg, const Pro
   for (const auto& e : table.entries()) {
     const std::string p = tensor_path(e.spec.name);
     f.read_f32("/model/" + p, e.spec.shape, params.data() + e.offset);
-    if (with_optimizer) {
+    if (with_optimizer && e.spec.trainable) {
       f.read_f32("/optimizer/exp_avg/" + p, e.spec.shape, m.data() + e.offset);
       f.read_f32("/optimizer/exp_avg_sq/" + p, e.spec.shape, v.data() + e.offset);
     }

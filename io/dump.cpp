@@ -24,7 +24,9 @@ void write_step_dump(const Config& cfg, const ProcessGrid& grid, const TensorTab
     f.write_i32("/route/" + std::to_string(block),
                 {std::int64_t(d.global_batch) * d.seq_len, d.top_k}, route.data(), writer);
   for (const auto& e : table.entries())
-    f.write_f32("/grad/" + tensor_path(e.spec.name), e.spec.shape, grads.data() + e.offset, writer);
+    if (e.spec.trainable)  // buffers have no gradient
+      f.write_f32("/grad/" + tensor_path(e.spec.name), e.spec.shape, grads.data() + e.offset,
+                  writer);
   f.close();
 }
 

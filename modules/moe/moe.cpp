@@ -19,18 +19,35 @@ MoeScratch::MoeScratch(const ModelCfg& m, const MoeCfg& e, std::int64_t max_toke
       shared(e.shared_experts > 0 ? max_tokens : 0,
              e.shared_experts > 0 ? e.shared_experts * e.shared_hidden : 0) {}
 
+void update_router_bias(TensorTable& table, int bias_index, const std::vector<double>& counts,
+                        double gamma) {
+  const int E = static_cast<int>(counts.size());
+  double mean = 0.0;
+  for (double c : counts) mean += c;
+  mean /= E;
+  auto b = Kokkos::View<float*, Layout, MemSpace, Unmanaged>(table.param(bias_index), E);
+  auto h = Kokkos::create_mirror_view_and_copy(HostSpace(), b);
+  for (int e = 0; e < E; ++e) {
+    const double d = mean - counts[e];
+    h(e) += static_cast<float>(gamma * (d > 0 ? 1.0 : (d < 0 ? -1.0 : 0.0)));
+  }
+  Kokkos::deep_copy(b, h);
+}
+
 MoeLayer::MoeLayer(const ModelCfg& m, const MoeCfg& e, const std::string& prefix,
                    std::int64_t max_tokens, TensorTable& table)
     : D_(m.d_model), E_(e.experts), k_(e.top_k), Fe_(e.expert_hidden), cfg_(e),
       buckets_(max_tokens * e.top_k, e.experts) {
-  KMOE_REQUIRE(e.bias_update_rate == 0.0,
-               "moe.bias_update_rate > 0 (aux-loss-free balancing) is not available in this "
-               "build yet");
   const double std = m.init_std;
   router_ = table.add({prefix + "router", {E_, D_}, InitKind::Normal, std, true, 1.0});
   w1_ = table.add({prefix + "experts.w1", {E_, Fe_, D_}, InitKind::Normal, std, true, 1.0});
   w3_ = table.add({prefix + "experts.w3", {E_, Fe_, D_}, InitKind::Normal, std, true, 1.0});
   w2_ = table.add({prefix + "experts.w2", {E_, D_, Fe_}, InitKind::Normal, std, true, 1.0});
+  if (e.bias_update_rate > 0) {
+    TensorSpec bias{prefix + "router_bias", {E_}, InitKind::Zeros, 0.0, false, 1.0};
+    bias.trainable = false;
+    bias_ = table.add(bias);
+  }
   if (e.shared_experts > 0)
     shared_ = std::make_unique<SwigluMlp>(prefix + "shared.", D_,
                                           e.shared_experts * e.shared_hidden, std, max_tokens,
@@ -64,6 +81,7 @@ MoeStats MoeLayer::forward(const TensorTable& table, ConstMat x, Mat y) {
   auto lse = lse_;
   auto sel = sel_;
   auto w = weights_;
+  const float* bias = bias_ >= 0 ? table.param(bias_) : nullptr;  // selection only
   Kokkos::parallel_for(
       "moe::route", Range(0, N), KOKKOS_LAMBDA(int t) {
         float mx = z(t, 0);
@@ -77,10 +95,15 @@ MoeStats MoeLayer::forward(const TensorTable& table, ConstMat x, Mat y) {
         float wsum = 0.0f;
         for (int j = 0; j < k; ++j) {
           int best = -1;
+          float best_score = 0.0f;
           for (int e = 0; e < E; ++e) {
             bool taken = false;
             for (int i = 0; i < j; ++i) taken = taken || sel(t * k + i) == e;
-            if (!taken && (best < 0 || p(t, e) > p(t, best))) best = e;
+            const float score = p(t, e) + (bias ? bias[e] : 0.0f);
+            if (!taken && (best < 0 || score > best_score)) {
+              best = e;
+              best_score = score;
+            }
           }
           sel(t * k + j) = best;
           w(t * k + j) = p(t, best);

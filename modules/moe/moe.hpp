@@ -36,6 +36,11 @@ struct MoeScratch {
   MoeScratch(const ModelCfg& m, const MoeCfg& e, std::int64_t max_tokens);
 };
 
+// Aux-loss-free balancing (DeepSeek-V3), after each optimizer step: with C_e the expert's
+// assignments over the whole global batch, bias_e += gamma * sign(mean(C) - C_e).
+void update_router_bias(TensorTable& table, int bias_index, const std::vector<double>& counts,
+                        double gamma);
+
 class MoeLayer {
  public:
   // Declares <prefix>router [E, D], experts.w1/w3 [E, Fe, D], experts.w2 [E, D, Fe] and, with
@@ -50,13 +55,16 @@ class MoeLayer {
   void backward(TensorTable& table, ConstMat x, ConstMat dy, Mat dx, MoeScratch& s,
                 float aux_scale);
 
+  // The router_bias buffer's table index, or -1 without aux-loss-free balancing.
+  int bias_index() const { return bias_; }
+
   // Routing of the last forward: (N*k) expert ids, token-major (the buffer's first N*k).
   ConstIVec selected() const { return ConstIVec(sel_.data(), sel_.extent(0)); }
 
  private:
   int D_, E_, k_, Fe_;
   MoeCfg cfg_;
-  int router_, w1_, w3_, w2_;
+  int router_, w1_, w3_, w2_, bias_ = -1;
   std::unique_ptr<SwigluMlp> shared_;
   KeyBuckets buckets_;
   // Saved for backward, sized for max_tokens.

@@ -33,6 +33,7 @@ void adamw_step(const OptimizerCfg& o, TensorTable& table, int t, double lr, dou
   const float gs = clip_scale;
   auto p = table.params, g = table.grads, m = table.exp_avg, v = table.exp_avg_sq;
   for (const auto& e : table.entries()) {
+    if (!e.spec.trainable) continue;
     const float lr_g = lr * e.spec.lr_mult;
     const float wd = e.spec.weight_decay ? o.weight_decay : 0.0;
     Kokkos::parallel_for(

@@ -21,6 +21,9 @@ struct TensorSpec {
   double init_std = 0.02;            // for InitKind::Normal (truncated at 3 std)
   bool weight_decay = false;         // AdamW decoupled decay applies
   double lr_mult = 1.0;              // group learning rate = lr(s) * lr_mult
+  // false: a buffer (e.g. moe.router_bias): checkpointed with the model, but no gradient, no
+  // optimizer update and no AdamW moments in checkpoints.
+  bool trainable = true;
 };
 
 struct TensorEntry {

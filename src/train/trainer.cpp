@@ -10,6 +10,7 @@
 #include "core/memory.hpp"
 #include "core/timer.hpp"
 #include "io/dump.hpp"
+#include "modules/moe/moe.hpp"
 #include "train/optimizer.hpp"
 
 namespace kmoe {
@@ -150,6 +151,14 @@ StepMetrics Trainer::train_step(int step) {
   const double clip = cfg_.optimizer.clip;
   const double clip_scale = clip > 0 ? std::min(1.0, clip / (m.grad_norm + 1e-6)) : 1.0;
   adamw_step(cfg_.optimizer, table_, step, m.lr, clip_scale);
+  if (cfg_.moe.bias_update_rate > 0) {
+    // Every rank holds the same global counts, so the replicated biases stay identical.
+    for (std::size_t i = 0; i < moe_layers_.size(); ++i) {
+      const double* acc = moe_sums.data() + i * per_layer + 3;
+      const int idx = table_.find("blocks." + std::to_string(moe_layers_[i]) + ".moe.router_bias");
+      update_router_bias(table_, idx, std::vector<double>(acc, acc + E), cfg_.moe.bias_update_rate);
+    }
+  }
   timer.stop(phases_.optimizer);
 
   state_.step = step;

@@ -9,6 +9,7 @@
 Usage: train_regression.py BIN_DIR WORK_DIR MPIEXEC
 """
 import os
+import shutil
 import sys
 
 import h5py
@@ -80,6 +81,23 @@ h.check(0.9 < float(cols["moe1_lb"]) < 2.0, f"LB near 1 at init ({cols['moe1_lb'
 with h5py.File(h.path("moe_1", "dump_step1.h5")) as a, h5py.File(h.path("moe_dp", "dump_step1.h5")) as b:
     h.check(a["route/1"].shape == (8 * 64, 2) and (a["route/1"][:] == b["route/1"][:]).all(),
             "dumped routes [G*T, k], identical on 1 and 2 ranks")
+
+# Aux-loss-free balancing: the router bias is a checkpointed buffer without AdamW moments, and a
+# resume continues bit for bit.
+BIAS = MOE[:-2] + ["--moe.bias_update_rate=0.01", "--checkpoint.every=2"]
+train("bias_full", *BIAS, "--train.max_steps=4")
+with h5py.File(h.path("bias_full", "checkpoints", "step00000004.h5")) as f:
+    b = f["model/blocks/1/moe/router_bias"][:]
+    h.check(b.shape == (4,) and abs(b).max() > 0 and
+            "router_bias" not in f["optimizer/exp_avg/blocks/1/moe"] and
+            "router" in f["optimizer/exp_avg/blocks/1/moe"],
+            f"router_bias saved ({b}), without AdamW moments")
+shutil.copytree(h.path("bias_full", "checkpoints"), h.path("bias_resume", "checkpoints"))
+os.remove(h.path("bias_resume", "checkpoints", "step00000004.h5"))
+h.write("bias_resume/checkpoints/latest", "step00000002.h5\n")
+train("bias_resume", *BIAS, "--train.max_steps=4")
+h.check(h.losses("bias_resume") == h.losses("bias_full")[2:],
+        "resume with router biases continues bit for bit")
 
 h.write("bad.deck", DECK.replace("ffn_hidden = 128", "ffn_hidden = 128\nffn_hiden = 5"))
 p = h.run(["kmoe-train", "-i", "bad.deck"], expect_rc=1)

@@ -187,5 +187,35 @@ TEST(Moe, CapacityDropsTheTailInTokenOrderDeterministically) {
   EXPECT_EQ(to_host(y_cap), to_host(y_cap2));
 }
 
+// Aux-loss-free balancing: with the starving router above and no load-balancing loss, the bias
+// updates (bias_e += gamma sign(mean C - C_e)) bring the idle experts into use.
+TEST(Moe, RouterBiasMovesTowardBalance) {
+  const int N = 64, D = 8, Fe = 6, E = 4;
+  const ModelCfg m = model(D);
+  MoeCfg e = moe(E, 1, Fe);
+  e.bias_update_rate = 0.05;
+  TensorTable table;
+  MoeLayer layer(m, e, "moe.", N, table);
+  table.allocate();
+  table.initialize(3);
+  ASSERT_GE(layer.bias_index(), 0);
+  EXPECT_FALSE(table.entry(layer.bias_index()).spec.trainable);
+  route_to_first_two(table, D);
+  View2F x = random_input(N, D, 4), y("y", N, D);
+  auto imbalance = [&](const MoeStats& st) {
+    return double(*std::max_element(st.load.begin(), st.load.end())) / (double(N) / E);
+  };
+  const MoeStats first = layer.forward(table, as_cmat(x), as_mat(y));
+  EXPECT_EQ(first.load[2] + first.load[3], 0);
+  MoeStats st = first;
+  for (int step = 0; step < 60; ++step) {
+    update_router_bias(table, layer.bias_index(),
+                       std::vector<double>(st.load.begin(), st.load.end()), e.bias_update_rate);
+    st = layer.forward(table, as_cmat(x), as_mat(y));
+  }
+  EXPECT_GT(st.load[2] + st.load[3], 0);
+  EXPECT_LT(imbalance(st), imbalance(first));
+}
+
 }  // namespace
 }  // namespace kmoe
