@@ -82,6 +82,11 @@ with h5py.File(h.path("moe_1", "dump_step1.h5")) as a, h5py.File(h.path("moe_dp"
     h.check(a["route/1"].shape == (8 * 64, 2) and (a["route/1"][:] == b["route/1"][:]).all(),
             "dumped routes [G*T, k], identical on 1 and 2 ranks")
 
+p = h.run(["kmoe-eval", "-i", "small.deck", *MOE[:-2], "--checkpoint",
+           "moe_1/checkpoints/step00000003.h5"])
+h.check(p.stdout.split()[-3] == h.metrics("moe_1")[-1]["val_loss"],
+        "kmoe-eval on an MoE checkpoint reproduces the trainer's val_loss")
+
 # Aux-loss-free balancing: the router bias is a checkpointed buffer without AdamW moments, and a
 # resume continues bit for bit.
 BIAS = MOE[:-2] + ["--moe.bias_update_rate=0.01", "--checkpoint.every=2"]
