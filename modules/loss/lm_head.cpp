@@ -20,6 +20,7 @@ LmHead::LmHead(const ModelCfg& m, int max_tokens, int embed_weight, TensorTable&
   d_normed_ = View1F("head::d_normed", std::int64_t(max_tokens) * D_);
   row_ce_ = View1F("head::row_ce", max_tokens);
   row_z_ = View1F("head::row_z", max_tokens);
+  seq_sums_ = View1D("head::seq_sums", 2 * max_tokens);
 }
 
 LossSums LmHead::forward(const TensorTable& table, ConstMat x, ConstIVec tokens, int T,
@@ -67,7 +68,7 @@ LossSums LmHead::forward(const TensorTable& table, ConstMat x, ConstIVec tokens,
       });
 
   // Per-sequence sums in position order, in double: deterministic whatever the backend.
-  View1D seq_sums("head::seq_sums", 2 * nseq);
+  auto seq_sums = seq_sums_;
   Kokkos::parallel_for(
       "head::sequence_sums", Range(0, nseq), KOKKOS_LAMBDA(int s) {
         double ce = 0.0, z = 0.0;
@@ -78,7 +79,8 @@ LossSums LmHead::forward(const TensorTable& table, ConstMat x, ConstIVec tokens,
         seq_sums(2 * s) = ce;
         seq_sums(2 * s + 1) = z;
       });
-  auto h = Kokkos::create_mirror_view_and_copy(HostSpace(), seq_sums);
+  auto h = Kokkos::create_mirror_view_and_copy(
+      HostSpace(), Kokkos::subview(seq_sums, Kokkos::make_pair(0, 2 * nseq)));
   LossSums out;
   out.seq_ce.resize(nseq);
   for (int s = 0; s < nseq; ++s) {

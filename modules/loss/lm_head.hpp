@@ -48,6 +48,7 @@ class LmHead {
   View1F logits_;   // (N, V), then its gradient
   View1F d_normed_; // (N, D)
   View1F row_ce_, row_z_;  // (N)
+  View1D seq_sums_;        // (2 * nseq) CE and z sums per sequence
 };
 
 }  // namespace kmoe

@@ -66,6 +66,7 @@ MoeLayer::MoeLayer(const ModelCfg& m, const MoeCfg& e, const std::string& prefix
   up3_ = View1F("moe::up3", slots * Fe_);
   act_ = View1F("moe::act", slots * Fe_);
   rows_out_ = View1F("moe::rows_out", slots * D_);
+  aux_sums_ = View1D("moe::aux_sums", E_ + 1);
 }
 
 MoeStats MoeLayer::forward(const TensorTable& table, ConstMat x, Mat y) {
@@ -190,7 +191,7 @@ MoeStats MoeLayer::forward(const TensorTable& table, ConstMat x, Mat y) {
       });
 
   // LB = (E/k) sum_e (c_e / N) P_e with P_e = mean_t p_te; RZ = mean_t lse_t^2.
-  View1D sums("moe::aux_sums", E + 1);
+  auto sums = aux_sums_;
   Kokkos::parallel_for(
       "moe::aux_sums", Range(0, E + 1), KOKKOS_LAMBDA(int e) {
         double acc = 0.0;

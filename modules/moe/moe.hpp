@@ -77,6 +77,7 @@ class MoeLayer {
   View1I row_offsets_;     // (E+1) first row of each expert's block
   std::vector<int> host_offsets_;  // the same on the host: GEMM extents
   View1F rows_in_, up1_, up3_, act_, rows_out_;  // (N*k, D|Fe): gathered inputs ... outputs
+  View1D aux_sums_;                              // (E+1): sum_t p_te, then sum_t lse_t^2
   int N_ = 0;
 };
 
