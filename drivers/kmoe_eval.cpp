@@ -39,6 +39,8 @@ int main(int argc, char** argv) {
     const kmoe::Config cfg = kmoe::read_deck(deck, overrides);
     KMOE_REQUIRE(!cfg.data.val_paths.empty(),
                  deck << ": data.val_paths is empty: nothing to evaluate");
+    KMOE_REQUIRE(!cfg.engram.enabled(),
+                 "engram.layers: Engram layers are not available in this build yet");
     kmoe::ProcessGrid grid(cfg.parallel, MPI_COMM_WORLD);
     kmoe::TokenDataset val(cfg.data.val_paths, cfg.data.dtype, cfg.train.seq_len,
                            cfg.model.vocab_size, "data.val_paths");

@@ -54,6 +54,24 @@ struct MoeCfg {
   }
 };
 
+// Engram conditional memory (MODEL.md section 4). No layers: no Engram.
+struct EngramCfg {
+  std::vector<int> layers;
+  int max_ngram = 3;
+  int heads = 8;
+  int embed_per_ngram = 512;
+  std::vector<int> table_size;  // per order n = 2..max_ngram; empty: 5 * V' each
+  std::uint64_t seed = 0;
+  int kernel = 4;
+  int pad_id = 0;
+  std::string gate = "sigmoid";  // sigmoid | signed_sqrt
+  double lr_mult = 5.0;
+  std::string compression_map;   // empty: identity
+  double init_std = 0.02;        // resolved: model.init_std when not given
+
+  bool enabled() const { return !layers.empty(); }
+};
+
 struct TrainCfg {
   int seq_len = 0;
   int global_batch = 0;
@@ -113,6 +131,7 @@ struct OutputCfg {
 struct Config {
   ModelCfg model;
   MoeCfg moe;
+  EngramCfg engram;
   TrainCfg train;
   OptimizerCfg optimizer;
   DataCfg data;

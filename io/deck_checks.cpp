@@ -183,7 +183,32 @@ void check_moe(const MoeCfg& e, const ModelCfg& m, int ep, const Locate& locate)
   }
 }
 
+void check_engram(const EngramCfg& g, const ModelCfg& m, const Locate& locate) {
+  for (int l : g.layers)
+    KMOE_DECK_REQUIRE(l >= 0 && l < m.n_layers, "engram.layers",
+                      "engram.layers entry " << l << " is not a block in [0, " << m.n_layers << ")");
+  KMOE_DECK_REQUIRE(g.max_ngram >= 2, "engram.max_ngram", "engram.max_ngram must be at least 2");
+  KMOE_DECK_REQUIRE(g.heads >= 1, "engram.heads", "engram.heads must be positive");
+  KMOE_DECK_REQUIRE(g.embed_per_ngram >= 1 && g.embed_per_ngram % g.heads == 0,
+                    "engram.embed_per_ngram",
+                    "engram.embed_per_ngram must be a positive multiple of engram.heads ("
+                        << g.heads << ")");
+  KMOE_DECK_REQUIRE(g.table_size.empty() || int(g.table_size.size()) == g.max_ngram - 1,
+                    "engram.table_size",
+                    "engram.table_size needs one entry per order 2.." << g.max_ngram << " ("
+                                                                      << g.max_ngram - 1
+                                                                      << " entries)");
+  for (int t : g.table_size)
+    KMOE_DECK_REQUIRE(t >= 2, "engram.table_size", "engram.table_size entries must be >= 2");
+  KMOE_DECK_REQUIRE(g.kernel >= 1, "engram.kernel", "engram.kernel must be positive");
+  KMOE_DECK_REQUIRE(g.pad_id >= 0 && g.pad_id < m.vocab_size, "engram.pad_id",
+                    "engram.pad_id must be a token id in [0, " << m.vocab_size << ")");
+  require_one_of(locate, "engram.gate", g.gate, {"sigmoid", "signed_sqrt"});
+  KMOE_DECK_REQUIRE(g.lr_mult > 0, "engram.lr_mult", "engram.lr_mult must be positive");
+}
+
 void check_consistency(const Config& cfg, const Locate& locate) {
+  check_engram(cfg.engram, cfg.model, locate);
   check_model(cfg.model, locate);
   check_moe(cfg.moe, cfg.model, cfg.parallel.ep, locate);
   check_train(cfg.train, locate);

@@ -242,6 +242,24 @@ Schema::Schema(Config& c) : options_("kmoe input deck") {
   key(c.moe.bias_update_rate, "bias_update_rate", 0.0,
       "aux-loss-free balancing rate gamma (DeepSeek-V3); 0 = off");
 
+  section("engram", "Engram conditional memory (MODEL.md section 4); no layers = none");
+  key(c.engram.layers, "layers", std::vector<int>{}, "Engram blocks, comma-separated; empty = none");
+  key(c.engram.max_ngram, "max_ngram", 3, "largest n-gram order N (orders 2..N)");
+  key(c.engram.heads, "heads", 8, "hash heads K per order");
+  key(c.engram.embed_per_ngram, "embed_per_ngram", 512, "memory width De per order (multiple of heads)");
+  key(c.engram.table_size, "table_size", std::vector<int>{},
+      "base rows per order n = 2..N, comma-separated; empty = 5 * V' each");
+  key(c.engram.seed, "seed", std::uint64_t{0}, "seed of the hash multipliers");
+  key(c.engram.kernel, "kernel", 4, "taps of the causal dilated depthwise convolution");
+  key(c.engram.pad_id, "pad_id", 0, "token id that pads n-grams before the sequence start");
+  key(c.engram.gate, "gate", "sigmoid", "gate: sigmoid | signed_sqrt");
+  key(c.engram.lr_mult, "lr_mult", 5.0, "learning-rate multiplier of the tables");
+  key(c.engram.compression_map, "compression_map", "",
+      "file of V canonical token ids (uint32 or .npy); empty = identity");
+  derived<double>(
+      c.engram.init_std, "init_std", "model.init_std", [&c] { return c.model.init_std; },
+      "std of the table and projection init");
+
   section("train", "sequence length, batch and steps");
   required(c.train.seq_len, "seq_len", "tokens per sequence T (T-1 targets)");
   required(c.train.global_batch, "global_batch",

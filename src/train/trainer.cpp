@@ -18,6 +18,8 @@ namespace kmoe {
 Trainer::Trainer(const Config& cfg, ProcessGrid& grid)
     : cfg_(cfg), grid_(grid), size_(model_size(cfg.model, cfg.moe, cfg.train.micro_batch, cfg.train.seq_len)) {
   const auto& t = cfg.train;
+  KMOE_REQUIRE(!cfg.engram.enabled(),
+               "engram.layers: Engram layers are not available in this build yet");
   train_data_ = std::make_unique<TokenDataset>(cfg.data.paths, cfg.data.dtype, t.seq_len,
                                                cfg.model.vocab_size, "data.paths");
   KMOE_REQUIRE(train_data_->num_instances() >= t.global_batch,

@@ -314,7 +314,7 @@ TEST(Deck, BadChoicesAndRanges) {
 TEST(Deck, BadOverrides) {
   expect_contains(deck_error(kDeck, {"--model.n_head=2"}),
                   {"command line: --model.n_head=2:", "unknown key model.n_head"});
-  expect_contains(deck_error(kDeck, {"--engram.layers=1"}), {"no section [engram]"});
+  expect_contains(deck_error(kDeck, {"--mtp.depth=1"}), {"no section [mtp]"});
   expect_contains(deck_error(kDeck, {"--train.max_steps"}),
                   {"command line: --train.max_steps", "--section.key=value"});
   expect_contains(deck_error(kDeck, {"--train.max_steps=ten"}),
@@ -380,6 +380,24 @@ TEST(Deck, ReadDeckFromFile) {
 }
 
 }  // namespace
+TEST(Deck, EngramSection) {
+  const Config none = parse_deck(kDeck, "test.deck");
+  EXPECT_FALSE(none.engram.enabled());
+  EXPECT_EQ(none.engram.init_std, none.model.init_std);
+  const Config g = parse_deck(kDeck, "t", {"--engram.layers=1", "--engram.heads=4",
+                                           "--engram.embed_per_ngram=32",
+                                           "--engram.table_size=100,200", "--model.init_std=0.01"});
+  EXPECT_TRUE(g.engram.enabled());
+  EXPECT_EQ(g.engram.table_size, (std::vector<int>{100, 200}));
+  EXPECT_EQ(g.engram.init_std, 0.01);
+  expect_contains(deck_error(kDeck, {"--engram.layers=1", "--engram.embed_per_ngram=30"}),
+                  {"engram.embed_per_ngram", "multiple of engram.heads (8)"});
+  expect_contains(deck_error(kDeck, {"--engram.table_size=100"}),
+                  {"engram.table_size needs one entry per order 2..3 (2 entries)"});
+  expect_contains(deck_error(kDeck, {"--engram.gate=tanh"}), {"sigmoid | signed_sqrt"});
+  expect_contains(deck_error(kDeck, {"--engram.max_ngram=1"}), {"at least 2"});
+}
+
 TEST(Deck, MoeSection) {
   const Config dense = parse_deck(kDeck, "test.deck");
   EXPECT_FALSE(dense.moe.enabled());
