@@ -1,0 +1,252 @@
+#include "modules/engram/engram.hpp"
+
+#include <cmath>
+
+#include "core/error.hpp"
+#include "core/gemm.hpp"
+#include "modules/norm/rmsnorm.hpp"
+
+namespace kmoe {
+
+namespace {
+
+// Column sums in row order: dst[d] += sum_t src[t, d].
+void add_column_sums(ConstMat src, float* dst_data) {
+  const int N = src.extent(0), D = src.extent(1);
+  Vec dst(dst_data, D);
+  Kokkos::parallel_for(
+      "engram::column_sums", Range(0, D), KOKKOS_LAMBDA(int d) {
+        float acc = 0.0f;
+        for (int t = 0; t < N; ++t) acc += src(t, d);
+        dst(d) += acc;
+      });
+}
+
+// Bias add: y[t, d] += b[d].
+void add_bias(Mat y, const float* b_data) {
+  ConstVec b(b_data, y.extent(1));
+  Kokkos::parallel_for(
+      "engram::bias", Range2({0, 0}, {int(y.extent(0)), int(y.extent(1))}),
+      KOKKOS_LAMBDA(int t, int d) { y(t, d) += b(d); });
+}
+
+}  // namespace
+
+EngramLayer::EngramLayer(const ModelCfg& m, const EngramCfg& g, const EngramHashPlan& plan,
+                         const std::string& prefix, int max_tokens, int seq_len,
+                         TensorTable& table)
+    : D_(m.d_model),
+      T_(seq_len),
+      Nn_(g.max_ngram),
+      kernel_(g.kernel),
+      heads_total_((g.max_ngram - 1) * g.heads),
+      dh_(g.embed_per_ngram / g.heads),
+      d_mem_((g.max_ngram - 1) * g.embed_per_ngram),
+      R_(plan.rows),
+      signed_sqrt_(g.gate == "signed_sqrt"),
+      eps_(static_cast<float>(m.norm_eps)),
+      hasher_(plan, g.max_ngram, g.heads, g.pad_id),
+      buckets_(max_tokens * heads_total_, static_cast<int>(plan.rows)) {
+  KMOE_REQUIRE(g.compression_map.empty(),
+               "engram.compression_map is not available in this build yet");
+  const double std = g.init_std;
+  auto add = [&](const std::string& n, std::vector<std::int64_t> shape, InitKind init, bool wd,
+                 double lr_mult = 1.0) {
+    return table.add({prefix + n, std::move(shape), init, std, wd, lr_mult});
+  };
+  table_ = add("table", {R_, dh_}, InitKind::Normal, false, g.lr_mult);
+  wk_ = add("wk", {D_, d_mem_}, InitKind::Normal, true);
+  wv_ = add("wv", {D_, d_mem_}, InitKind::Normal, true);
+  bk_ = add("bk", {D_}, InitKind::Zeros, false);
+  bv_ = add("bv", {D_}, InitKind::Zeros, false);
+  q_norm_ = add("q_norm.weight", {D_}, InitKind::Ones, false);
+  k_norm_ = add("k_norm.weight", {D_}, InitKind::Ones, false);
+  c_norm_ = add("conv_norm.weight", {D_}, InitKind::Ones, false);
+  conv_ = add("conv", {D_, kernel_}, InitKind::Zeros, false);
+
+  const std::int64_t N = max_tokens;
+  rows_ = Kokkos::View<int**, Layout, MemSpace>("engram::rows", N, heads_total_);
+  mem_ = View1F("engram::mem", N * d_mem_);
+  for (View1F* v : {&key_, &val_, &kn_, &qn_, &v_, &u_, &c_, &d_a_, &d_b_})
+    *v = View1F("engram::act", N * D_);
+  for (View1F* v : {&rstd_k_, &rstd_q_, &rstd_c_, &score_, &gate_, &d_gate_})
+    *v = View1F("engram::row", N);
+  d_mem_buf_ = View1F("engram::d_mem", N * d_mem_);
+}
+
+void EngramLayer::forward(const TensorTable& table, ConstMat x, ConstIVec tokens, Mat out) {
+  const int N = x.extent(0), D = D_, T = T_, dh = dh_, dm = d_mem_;
+  const int Nn = Nn_, ker = kernel_;
+  N_ = N;
+  auto rows = Kokkos::subview(rows_, Kokkos::make_pair(0, N), Kokkos::ALL);
+  hasher_.rows(tokens, T, rows_);
+
+  // Lookup: mem[t, j*dh + i] = table[row(t, j), i].
+  Mat mem = as_mat(mem_.data(), N, dm);
+  auto tab = as_cmat(table.param(table_), R_, dh);
+  Kokkos::parallel_for(
+      "engram::lookup", Range2({0, 0}, {N, dm}),
+      KOKKOS_LAMBDA(int t, int c) { mem(t, c) = tab(rows(t, c / dh), c % dh); });
+
+  Mat key = as_mat(key_.data(), N, D), val = as_mat(val_.data(), N, D);
+  gemm(Trans::N, Trans::T, 1.0f, as_cmat(mem), as_cmat(table.param(wk_), D, dm), 0.0f, key);
+  gemm(Trans::N, Trans::T, 1.0f, as_cmat(mem), as_cmat(table.param(wv_), D, dm), 0.0f, val);
+  add_bias(key, table.param(bk_));
+  add_bias(val, table.param(bv_));
+
+  // Gate: alpha = g(sum_d RMSNorm_k(key) RMSNorm_q(x) / sqrt(D)).
+  Mat kn = as_mat(kn_.data(), N, D), qn = as_mat(qn_.data(), N, D);
+  rmsnorm_forward(as_cmat(key), ConstVec(table.param(k_norm_), D), eps_, ConstMat(), kn,
+                  Vec(rstd_k_.data(), N));
+  rmsnorm_forward(x, ConstVec(table.param(q_norm_), D), eps_, ConstMat(), qn,
+                  Vec(rstd_q_.data(), N));
+  auto score = score_, gate = gate_;
+  const float inv_sqrt_d = 1.0f / std::sqrt(static_cast<float>(D));
+  const bool signed_sqrt = signed_sqrt_;
+  Mat v = as_mat(v_.data(), N, D);
+  Kokkos::parallel_for(
+      "engram::gate", Range(0, N), KOKKOS_LAMBDA(int t) {
+        float s = 0.0f;
+        for (int d = 0; d < D; ++d) s += kn(t, d) * qn(t, d);
+        s *= inv_sqrt_d;
+        float a = s;
+        if (signed_sqrt) {
+          const float m = math::sqrt(math::fmax(math::fabs(s), 1e-6f));
+          a = s < 0.0f ? -m : m;
+        }
+        const float alpha = 1.0f / (1.0f + math::exp(-a));
+        score(t) = s;
+        gate(t) = alpha;
+        for (int d = 0; d < D; ++d) v(t, d) = alpha * val(t, d);
+      });
+
+  // u = RMSNorm_c(v); causal depthwise conv with dilation N within each sequence;
+  // out = v + silu(c).
+  Mat u = as_mat(u_.data(), N, D), c = as_mat(c_.data(), N, D);
+  rmsnorm_forward(as_cmat(v), ConstVec(table.param(c_norm_), D), eps_, ConstMat(), u,
+                  Vec(rstd_c_.data(), N));
+  auto wc = as_cmat(table.param(conv_), D, ker);
+  Kokkos::parallel_for(
+      "engram::conv", Range2({0, 0}, {N, D}), KOKKOS_LAMBDA(int r, int d) {
+        const int t = r % T;
+        float acc = 0.0f;
+        for (int i = 0; i < ker; ++i) {
+          const int back = (ker - 1 - i) * Nn;
+          if (t - back >= 0) acc += wc(d, i) * u(r - back, d);
+        }
+        c(r, d) = acc;
+        out(r, d) = v(r, d) + math::silu(acc);
+      });
+}
+
+void EngramLayer::backward(TensorTable& table, ConstMat x, ConstMat dout, Mat dx) {
+  const int N = N_, D = D_, T = T_, dh = dh_, dm = d_mem_, Nn = Nn_, ker = kernel_;
+  auto u = as_cmat(u_.data(), N, D), c = as_cmat(c_.data(), N, D);
+  auto v = as_cmat(v_.data(), N, D), val = as_cmat(val_.data(), N, D);
+  auto wc = as_cmat(table.param(conv_), D, ker);
+  Mat dc = as_mat(d_a_.data(), N, D), du = as_mat(d_b_.data(), N, D);
+
+  // dc = dout * silu'(c); conv weight gradient (per (d, i), rows in order); du by gathering
+  // the taps that read each position.
+  Kokkos::parallel_for(
+      "engram::silu_backward", Range2({0, 0}, {N, D}), KOKKOS_LAMBDA(int r, int d) {
+        const float z = c(r, d), sg = 1.0f / (1.0f + math::exp(-z));
+        dc(r, d) = dout(r, d) * sg * (1.0f + z * (1.0f - sg));
+      });
+  auto dwc = as_mat(table.grad(conv_), D, ker);
+  Kokkos::parallel_for(
+      "engram::conv_weight_grad", Range2({0, 0}, {D, ker}), KOKKOS_LAMBDA(int d, int i) {
+        const int back = (ker - 1 - i) * Nn;
+        float acc = 0.0f;
+        for (int r = 0; r < N; ++r)
+          if (r % T - back >= 0) acc += dc(r, d) * u(r - back, d);
+        dwc(d, i) += acc;
+      });
+  Kokkos::parallel_for(
+      "engram::conv_input_grad", Range2({0, 0}, {N, D}), KOKKOS_LAMBDA(int r, int d) {
+        const int t = r % T;
+        float acc = 0.0f;
+        for (int i = 0; i < ker; ++i) {
+          const int fwd = (ker - 1 - i) * Nn;
+          if (t + fwd < T) acc += wc(d, i) * dc(r + fwd, d);
+        }
+        du(r, d) = acc;
+      });
+  // dv = dout + RMSNorm_c backward of du (into dc, free again).
+  Mat dv = dc;
+  rmsnorm_backward(v, ConstVec(table.param(c_norm_), D), ConstVec(rstd_c_.data(), N),
+                   as_cmat(du), dout, dv, Vec(table.grad(c_norm_), D));
+
+  // v = alpha * val: dval = alpha dv (into du, consumed above); dalpha = <dv, val>, then
+  // through the gate to d score. Saved buffers whose last reader is done are reused below.
+  auto gate = gate_, score = score_, dgate = d_gate_;
+  const bool signed_sqrt = signed_sqrt_;
+  const float inv_sqrt_d = 1.0f / std::sqrt(static_cast<float>(D));
+  Mat dval = du;
+  Kokkos::parallel_for(
+      "engram::gate_backward", Range(0, N), KOKKOS_LAMBDA(int t) {
+        const float alpha = gate(t);
+        float dalpha = 0.0f;
+        for (int d = 0; d < D; ++d) {
+          dalpha += dv(t, d) * val(t, d);
+          dval(t, d) = alpha * dv(t, d);
+        }
+        float ds = dalpha * alpha * (1.0f - alpha);
+        if (signed_sqrt) {
+          const float a = math::fabs(score(t));
+          ds = a > 1e-6f ? ds * 0.5f / math::sqrt(a) : 0.0f;
+        }
+        dgate(t) = ds * inv_sqrt_d;  // d score / d (kn . qn) folded in
+      });
+  // dkn = dgate * qn, dqn = dgate * kn; written into the freed key/val-sized buffers.
+  auto kn = as_cmat(kn_.data(), N, D), qn = as_cmat(qn_.data(), N, D);
+  Mat dkn = as_mat(v_.data(), N, D), dqn = as_mat(u_.data(), N, D);  // v, u no longer needed
+  Kokkos::parallel_for(
+      "engram::score_backward", Range2({0, 0}, {N, D}), KOKKOS_LAMBDA(int t, int d) {
+        dkn(t, d) = dgate(t) * qn(t, d);
+        dqn(t, d) = dgate(t) * kn(t, d);
+      });
+  rmsnorm_backward(x, ConstVec(table.param(q_norm_), D), ConstVec(rstd_q_.data(), N),
+                   as_cmat(dqn), ConstMat(), dx, Vec(table.grad(q_norm_), D));
+  Mat dkey = as_mat(c_.data(), N, D);  // c no longer needed
+  rmsnorm_backward(as_cmat(key_.data(), N, D), ConstVec(table.param(k_norm_), D),
+                   ConstVec(rstd_k_.data(), N), as_cmat(dkn), ConstMat(), dkey,
+                   Vec(table.grad(k_norm_), D));
+
+  // Projections: dW += d^T mem, db += column sums, dmem = dkey Wk + dval Wv.
+  auto mem = as_cmat(mem_.data(), N, dm);
+  gemm(Trans::T, Trans::N, 1.0f, as_cmat(dkey), mem, 1.0f, as_mat(table.grad(wk_), D, dm));
+  gemm(Trans::T, Trans::N, 1.0f, as_cmat(dval), mem, 1.0f, as_mat(table.grad(wv_), D, dm));
+  add_column_sums(as_cmat(dkey), table.grad(bk_));
+  add_column_sums(as_cmat(dval), table.grad(bv_));
+  Mat dmem = as_mat(d_mem_buf_.data(), N, dm);
+  gemm(Trans::N, Trans::N, 1.0f, as_cmat(dkey), as_cmat(table.param(wk_), D, dm), 0.0f, dmem);
+  gemm(Trans::N, Trans::N, 1.0f, as_cmat(dval), as_cmat(table.param(wv_), D, dm), 1.0f, dmem);
+
+  // Table rows: (token, head) items grouped by row, summed in item order.
+  const int Kt = heads_total_;
+  buckets_.build(ConstIVec(rows_.data(), N * Kt));
+  auto off = buckets_.offsets;
+  auto ord = buckets_.order;
+  auto dtab = as_mat(table.grad(table_), R_, dh);
+  Kokkos::parallel_for(
+      "engram::table_grad", Range2({0, 0}, {int(R_), dh}), KOKKOS_LAMBDA(int row, int i) {
+        if (off(row + 1) == off(row)) return;
+        float acc = 0.0f;
+        for (int a = off(row); a < off(row + 1); ++a) {
+          const int item = ord(a), t = item / Kt, j = item % Kt;
+          acc += dmem(t, j * dh + i);
+        }
+        dtab(row, i) += acc;
+      });
+}
+
+double EngramLayer::mean_gate() const {
+  auto h = Kokkos::create_mirror_view_and_copy(
+      HostSpace(), Kokkos::subview(gate_, Kokkos::make_pair(0, N_)));
+  double s = 0.0;
+  for (int t = 0; t < N_; ++t) s += h(t);
+  return N_ > 0 ? s / N_ : 0.0;
+}
+
+}  // namespace kmoe

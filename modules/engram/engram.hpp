@@ -1,0 +1,53 @@
+// Engram conditional memory, single branch (MODEL.md section 4): hashed n-gram lookup
+// (engram_hash), key/value projections, the RMSNorm gate against the residual stream, a causal
+// dilated depthwise convolution, Engram(x) = v + silu(conv). Forward and backward; table rows
+// receive gradient only where looked up, summed in a fixed order (sort-then-reduce).
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "core/bucket_sort.hpp"
+#include "core/kokkos_types.hpp"
+#include "io/config.hpp"
+#include "modules/engram/engram_hash.hpp"
+#include "train/tensor_table.hpp"
+
+namespace kmoe {
+
+class EngramLayer {
+ public:
+  // Declares <prefix>table [R, dh_e], wk, wv [D, d_mem], bk, bv [D], q_norm.weight,
+  // k_norm.weight, conv_norm.weight [D], conv [D, kernel].
+  EngramLayer(const ModelCfg& m, const EngramCfg& g, const EngramHashPlan& plan,
+              const std::string& prefix, int max_tokens, int seq_len, TensorTable& table);
+
+  // x: (N, D) residual stream, tokens: (N) compressed ids -> out: (N, D) = Engram(x).
+  void forward(const TensorTable& table, ConstMat x, ConstIVec tokens, Mat out);
+  // dout: (N, D) -> dx: (N, D) gradient through the gate's RMSNorm_q(x) (assigned). Once per
+  // forward: it reuses saved buffers as temporaries.
+  void backward(TensorTable& table, ConstMat x, ConstMat dout, Mat dx);
+
+  // Mean gate value of the last forward.
+  double mean_gate() const;
+
+ private:
+  int D_, T_, Nn_, kernel_, heads_total_, dh_, d_mem_;
+  std::int64_t R_;
+  bool signed_sqrt_;
+  float eps_;
+  int table_, wk_, wv_, bk_, bv_, q_norm_, k_norm_, c_norm_, conv_;
+  EngramHasher hasher_;
+  KeyBuckets buckets_;
+  Kokkos::View<int**, Layout, MemSpace> rows_;  // (N, heads_total)
+  View1F mem_;                       // (N, d_mem) looked-up rows
+  View1F key_, val_, kn_, qn_;       // (N, D)
+  View1F rstd_k_, rstd_q_, rstd_c_;  // (N)
+  View1F score_, gate_;              // (N)
+  View1F v_, u_, c_;                 // (N, D)
+  View1F d_a_, d_b_, d_mem_buf_;     // backward temporaries (N, D), (N, D), (N, d_mem)
+  View1F d_gate_;                    // (N)
+  int N_ = 0;
+};
+
+}  // namespace kmoe
