@@ -11,14 +11,15 @@ BlockScratch::BlockScratch(const ModelCfg& m, const MoeCfg& e, int max_seqs, int
       moe(e.enabled() ? std::make_unique<MoeScratch>(m, e, std::int64_t(max_seqs) * T) : nullptr),
       d_h("block::d_h", std::int64_t(max_seqs) * T * m.d_model),
       d_a("block::d_a", std::int64_t(max_seqs) * T * m.d_model),
-      d_b("block::d_b", std::int64_t(max_seqs) * T * m.d_model) {}
+      d_b("block::d_b", std::int64_t(max_seqs) * T * m.d_model),
+      d_engram("block::d_engram", std::int64_t(max_seqs) * T * m.d_model) {}
 
 namespace {
 std::string block_prefix(int layer) { return "blocks." + std::to_string(layer) + "."; }
 }  // namespace
 
-Block::Block(const ModelCfg& m, const MoeCfg& e, int layer, int max_seqs, int T,
-             TensorTable& table)
+Block::Block(const ModelCfg& m, const MoeCfg& e, const EngramCfg& g, const EngramHashPlan* plan,
+             int layer, int max_seqs, int T, TensorTable& table)
     : D_(m.d_model),
       reordered_(m.block_norm == "reordered"),
       eps_(static_cast<float>(m.norm_eps)),
@@ -28,6 +29,11 @@ Block::Block(const ModelCfg& m, const MoeCfg& e, int layer, int max_seqs, int T,
           {block_prefix(layer) + "ffn_norm.weight", {D_}, InitKind::Ones, 0.0, false, 1.0})),
       attn_(m, block_prefix(layer) + "attn.", max_seqs, T, table) {
   const std::int64_t N = std::int64_t(max_seqs) * T;
+  if (plan) {
+    engram_ = std::make_unique<EngramLayer>(m, g, *plan, block_prefix(layer) + "engram.", N, T,
+                                            table);
+    x_engram_ = View1F("block::x_engram", N * D_);
+  }
   if (e.is_moe_layer(layer))
     moe_ = std::make_unique<MoeLayer>(m, e, block_prefix(layer) + "moe.", N, table);
   else
@@ -44,9 +50,16 @@ Block::Block(const ModelCfg& m, const MoeCfg& e, int layer, int max_seqs, int T,
   rstd_ffn_ = View1F("block::rstd_ffn", N);
 }
 
-void Block::forward(const TensorTable& table, const RopeTables& rope, ConstMat x_in, Mat x_out,
-                    BlockScratch& s) {
-  const int N = x_in.extent(0);
+void Block::forward(const TensorTable& table, const RopeTables& rope, ConstMat x_block,
+                    ConstIVec tokens, Mat x_out, BlockScratch& s) {
+  const int N = x_block.extent(0);
+  ConstMat x_in = x_block;
+  if (engram_) {  // x_in = x + Engram(x, tokens)
+    Mat xe = buf(x_engram_, N);
+    engram_->forward(table, x_block, tokens, xe);
+    add(x_block, as_cmat(xe), xe);
+    x_in = as_cmat(xe);
+  }
   ConstVec g_attn(table.param(attn_norm_), D_), g_ffn(table.param(ffn_norm_), D_);
   Vec rstd_attn(rstd_attn_.data(), N), rstd_ffn(rstd_ffn_.data(), N);
   Mat attn_out = buf(attn_out_, N), h = buf(h_, N), ffn_out = buf(ffn_out_, N);
@@ -81,9 +94,12 @@ void Block::ffn_backward(TensorTable& table, ConstMat in, ConstMat dy, Mat dx, B
     mlp_->backward(table, in, dy, dx, s.mlp);
 }
 
-void Block::backward(TensorTable& table, const RopeTables& rope, ConstMat x_in, ConstMat dx_out,
-                     Mat dx_in, BlockScratch& s, float aux_scale) {
-  const int N = x_in.extent(0);
+void Block::backward(TensorTable& table, const RopeTables& rope, ConstMat x_block,
+                     ConstMat dx_out, Mat dx_block, BlockScratch& s, float aux_scale) {
+  const int N = x_block.extent(0);
+  const ConstMat x_in = engram_ ? as_cmat(buf(x_engram_, N)) : x_block;
+  // With Engram the body's input gradient goes to a temporary, then through Engram.
+  Mat dx_in = engram_ ? buf(s.d_engram, N) : dx_block;
   ConstVec g_attn(table.param(attn_norm_), D_), g_ffn(table.param(ffn_norm_), D_);
   Vec dg_attn(table.grad(attn_norm_), D_), dg_ffn(table.grad(ffn_norm_), D_);
   ConstVec rstd_attn(rstd_attn_.data(), N), rstd_ffn(rstd_ffn_.data(), N);
@@ -101,6 +117,11 @@ void Block::backward(TensorTable& table, const RopeTables& rope, ConstMat x_in, 
     rmsnorm_backward(as_cmat(buf(h_, N)), g_ffn, rstd_ffn, as_cmat(d_a), dx_out, d_h, dg_ffn);
     attn_.backward(table, rope, as_cmat(buf(attn_in_, N)), as_cmat(d_h), d_a, s.attn);
     rmsnorm_backward(x_in, g_attn, rstd_attn, as_cmat(d_a), as_cmat(d_h), dx_in, dg_attn);
+  }
+  if (engram_) {  // dx = dx_e + Engram backward (through RMSNorm_q(x))
+    Mat dq = buf(s.d_a, N);
+    engram_->backward(table, x_block, as_cmat(dx_in), dq);
+    add(as_cmat(dx_in), as_cmat(dq), dx_block);
   }
 }
 

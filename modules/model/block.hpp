@@ -7,6 +7,7 @@
 #include <string>
 
 #include "modules/attention/attention.hpp"
+#include "modules/engram/engram.hpp"
 #include "modules/mlp/swiglu.hpp"
 #include "modules/moe/moe.hpp"
 
@@ -18,24 +19,28 @@ struct BlockScratch {
   MlpScratch mlp;
   std::unique_ptr<MoeScratch> moe;  // with MoE layers only
   View1F d_h, d_a, d_b;  // (N, D)
+  View1F d_engram;       // (N, D): gradient w.r.t. x + Engram(x)
   BlockScratch(const ModelCfg& m, const MoeCfg& e, int max_seqs, int seq_len);
 };
 
 class Block {
  public:
-  // The FFN is an MoE layer when e.is_moe_layer(layer), else the dense SwiGLU MLP.
-  Block(const ModelCfg& m, const MoeCfg& e, int layer, int max_seqs, int seq_len,
-        TensorTable& table);
+  // The FFN is an MoE layer when e.is_moe_layer(layer), else the dense SwiGLU MLP. With an
+  // Engram plan for this block, x + Engram(x, tokens) enters the block instead of x.
+  Block(const ModelCfg& m, const MoeCfg& e, const EngramCfg& g, const EngramHashPlan* plan,
+        int layer, int max_seqs, int seq_len, TensorTable& table);
 
-  // x_in, x_out: (N, D). Saves what backward needs (x_in itself is kept by the caller).
-  void forward(const TensorTable& table, const RopeTables& rope, ConstMat x_in, Mat x_out,
-               BlockScratch& s);
+  // x_in, x_out: (N, D); tokens: (N) ids (Engram). Saves what backward needs (x_in itself is
+  // kept by the caller).
+  void forward(const TensorTable& table, const RopeTables& rope, ConstMat x_in, ConstIVec tokens,
+               Mat x_out, BlockScratch& s);
   // dx_out -> dx_in (assigned; may not alias dx_out); parameter gradients accumulate.
   // aux_scale: the weight of this micro-batch's MoE auxiliary losses in the step loss.
   void backward(TensorTable& table, const RopeTables& rope, ConstMat x_in, ConstMat dx_out,
                 Mat dx_in, BlockScratch& s, float aux_scale);
 
   bool is_moe() const { return moe_ != nullptr; }
+  const EngramLayer* engram() const { return engram_.get(); }
   // The MoE layer's report of the last forward (empty for a dense block).
   const MoeStats& moe_stats() const { return moe_stats_; }
   ConstIVec moe_routes() const { return moe_->selected(); }
@@ -53,6 +58,8 @@ class Block {
   Attention attn_;
   std::unique_ptr<SwigluMlp> mlp_;  // exactly one of mlp_ and moe_
   std::unique_ptr<MoeLayer> moe_;
+  std::unique_ptr<EngramLayer> engram_;
+  View1F x_engram_;  // (N, D): x + Engram(x), the attention input of an Engram block
   MoeStats moe_stats_;
   // Saved (N, D): attn_in/ffn_in (pre only: the normed inputs), attn_out, h, ffn_out; rstds (N).
   View1F attn_in_, attn_out_, h_, ffn_in_, ffn_out_;

@@ -4,16 +4,23 @@
 
 namespace kmoe {
 
-Stage::Stage(const ModelCfg& m, const MoeCfg& e, int max_seqs, int T, TensorTable& table)
+Stage::Stage(const ModelCfg& m, const MoeCfg& e, int max_seqs, int T, TensorTable& table,
+             const EngramCfg& g)
     : D_(m.d_model),
       T_(T),
       max_seqs_(max_seqs),
       rope_(T, m.head_dim(), m.rope_theta),
       embed_(m.vocab_size, m.d_model, m.init_std, max_seqs * T, table),
       blocks_([&] {
+        // Engram's primes are drawn over all Engram layers of the model, in block order.
+        const auto plans = engram_hash_plans(g, m.vocab_size);
         std::vector<std::unique_ptr<Block>> b;
-        for (int l = 0; l < m.n_layers; ++l)
-          b.push_back(std::make_unique<Block>(m, e, l, max_seqs, T, table));
+        for (int l = 0; l < m.n_layers; ++l) {
+          const EngramHashPlan* plan = nullptr;
+          for (const auto& p : plans)
+            if (p.layer == l) plan = &p;
+          b.push_back(std::make_unique<Block>(m, e, g, plan, l, max_seqs, T, table));
+        }
         return b;
       }()),
       head_(m, max_seqs * T, embed_.weight_index(), table),
@@ -41,7 +48,7 @@ LossSums Stage::forward(const TensorTable& table, const std::int32_t* tokens, in
 
   embed_.forward(table, tok, resid(0, N));
   for (std::size_t l = 0; l < blocks_.size(); ++l)
-    blocks_[l]->forward(table, rope_, as_cmat(resid(l, N)), resid(l + 1, N), scratch_);
+    blocks_[l]->forward(table, rope_, as_cmat(resid(l, N)), tok, resid(l + 1, N), scratch_);
   LossSums sums = head_.forward(table, as_cmat(resid(blocks_.size(), N)), tok, T_, grad_scale);
   aux_scale_ = static_cast<float>(double(grad_scale) * sums.targets);
   for (std::size_t l = 0; l < blocks_.size(); ++l) {
@@ -51,6 +58,13 @@ LossSums Stage::forward(const TensorTable& table, const std::int32_t* tokens, in
     sums.moe.emplace_back(static_cast<int>(l), st);
   }
   return sums;
+}
+
+std::vector<std::pair<int, const EngramLayer*>> Stage::engram_layers() const {
+  std::vector<std::pair<int, const EngramLayer*>> out;
+  for (std::size_t l = 0; l < blocks_.size(); ++l)
+    if (blocks_[l]->engram()) out.emplace_back(static_cast<int>(l), blocks_[l]->engram());
+  return out;
 }
 
 std::vector<std::pair<int, ConstIVec>> Stage::moe_routes() const {

@@ -16,7 +16,11 @@ class Stage {
  public:
   // Declares every tensor of blocks [first_block, last_block) into `table` (plus embedding and
   // head); buffers are sized for micro-batches of up to max_seqs sequences of seq_len tokens.
-  Stage(const ModelCfg& m, const MoeCfg& e, int max_seqs, int seq_len, TensorTable& table);
+  Stage(const ModelCfg& m, const MoeCfg& e, int max_seqs, int seq_len, TensorTable& table,
+        const EngramCfg& g = EngramCfg());
+
+  // Each Engram block's layer: (block index, layer), for metrics.
+  std::vector<std::pair<int, const EngramLayer*>> engram_layers() const;
 
   // tokens: host ids of nseq <= max_seqs sequences (nseq * T). grad_scale > 0 prepares
   // backward() for this micro-batch's loss with weight grad_scale * targets in the step loss

@@ -18,8 +18,6 @@ namespace kmoe {
 Trainer::Trainer(const Config& cfg, ProcessGrid& grid)
     : cfg_(cfg), grid_(grid), size_(model_size(cfg.model, cfg.moe, cfg.train.micro_batch, cfg.train.seq_len)) {
   const auto& t = cfg.train;
-  KMOE_REQUIRE(!cfg.engram.enabled(),
-               "engram.layers: Engram layers are not available in this build yet");
   train_data_ = std::make_unique<TokenDataset>(cfg.data.paths, cfg.data.dtype, t.seq_len,
                                                cfg.model.vocab_size, "data.paths");
   KMOE_REQUIRE(train_data_->num_instances() >= t.global_batch,
@@ -31,7 +29,8 @@ Trainer::Trainer(const Config& cfg, ProcessGrid& grid)
                                                cfg.model.vocab_size, "data.val_paths");
   stream_ = std::make_unique<InstanceStream>(train_data_->num_instances(), t.seed);
 
-  stage_ = std::make_unique<Stage>(cfg.model, cfg.moe, t.micro_batch, t.seq_len, table_);
+  stage_ = std::make_unique<Stage>(cfg.model, cfg.moe, t.micro_batch, t.seq_len, table_,
+                                   cfg.engram);
   table_.allocate();
   table_.initialize(t.seed);
   host_tokens_.resize(std::size_t(t.global_batch) * t.seq_len);
@@ -54,6 +53,9 @@ Trainer::Trainer(const Config& cfg, ProcessGrid& grid)
     for (const char* c : {"lb", "rz", "load_max_mean"}) moe_columns_.push_back(p + c);
     if (cfg.moe.capacity_factor > 0) moe_columns_.push_back(p + "drop");
   }
+  for (int l = 0; l < cfg.model.n_layers; ++l)  // block order, as the stage reports them
+    if (std::find(cfg.engram.layers.begin(), cfg.engram.layers.end(), l) != cfg.engram.layers.end())
+      moe_columns_.push_back("engram" + std::to_string(l) + "_gate");
   if (grid_.is_root()) {
     metrics_ = std::make_unique<MetricsWriter>(cfg.output.dir, /*append=*/resumed_, moe_columns_);
     std::ofstream(cfg.output.dir + "/deck.resolved") << cfg.resolved_text;
@@ -83,6 +85,7 @@ StepMetrics Trainer::train_step(int step) {
   // Per MoE layer: LB sum, RZ sum, dropped, then E loads (summed over micro-batches).
   const int E = cfg_.moe.experts, per_layer = 3 + E;
   std::vector<double> moe_sums(moe_layers_.size() * per_layer, 0.0);
+  std::vector<double> engram_gate(stage_->engram_layers().size(), 0.0);  // summed over micro-batches
   timer.start();
   for (int j = me; j < n_micro; j += R) {  // micro-batch j of the step goes to replica j mod R
     load_positions(state_.next_position + std::int64_t(j) * b, b);
@@ -95,6 +98,8 @@ StepMetrics Trainer::train_step(int step) {
     sums[0] += s.ce;
     sums[1] += s.z;
     sums[2] += s.moe_aux;
+    for (std::size_t i = 0; i < engram_gate.size(); ++i)
+      engram_gate[i] += stage_->engram_layers()[i].second->mean_gate();
     for (std::size_t i = 0; i < s.moe.size(); ++i) {
       const MoeStats& st = s.moe[i].second;
       double* acc = moe_sums.data() + i * per_layer;
@@ -107,6 +112,7 @@ StepMetrics Trainer::train_step(int step) {
   grid_.stage.allreduce_sum(table_.grads.data(), table_.total_elements());
   grid_.stage.allreduce_sum(sums, 3);
   grid_.stage.allreduce_sum(moe_sums.data(), moe_sums.size());
+  grid_.stage.allreduce_sum(engram_gate.data(), engram_gate.size());
   timer.stop(phases_.comm);
 
   const double total_targets = n_micro * targets_per_micro;
@@ -129,6 +135,9 @@ StepMetrics Trainer::train_step(int step) {
     m.extra.emplace_back(p + "load_max_mean", total > 0 ? max_load / (total / E) : 0.0);
     if (cfg_.moe.capacity_factor > 0) m.extra.emplace_back(p + "drop", acc[2] / total);
   }
+  for (std::size_t i = 0; i < engram_gate.size(); ++i)
+    m.extra.emplace_back("engram" + std::to_string(stage_->engram_layers()[i].first) + "_gate",
+                         engram_gate[i] / n_micro);
   m.grad_norm = std::sqrt(grad_sq_sum(table_));
   m.lr = learning_rate(cfg_.optimizer, t.max_steps, step);
   if (!std::isfinite(m.loss) || !std::isfinite(m.grad_norm)) {

@@ -29,10 +29,11 @@ ModelCfg tiny_model(const std::string& norm, bool tie, int kv_heads) {
 // Loss of MODEL.md section 2 for one micro-batch, in double from the stage's sums.
 double loss_of(const LossSums& s, double zc) { return (s.ce + zc * s.z) / s.targets + s.moe_aux; }
 
-void check_gradients(const ModelCfg& m, const MoeCfg& e = MoeCfg(), float eps = 1e-2f) {
+void check_gradients(const ModelCfg& m, const MoeCfg& e = MoeCfg(), float eps = 1e-2f,
+                     const EngramCfg& g = EngramCfg()) {
   const int T = 8, nseq = 2;
   TensorTable table;
-  Stage stage(m, e, nseq, T, table);
+  Stage stage(m, e, nseq, T, table, g);
   table.allocate();
   table.initialize(7);
   // Perturb every parameter (norm weights too) so no gradient is trivially symmetric.
@@ -114,6 +115,23 @@ TEST(ModelGradient, MoeSigmoidNormalizedShared) {
 }
 TEST(ModelGradient, MoeCapacityDrops) {
   check_gradients(tiny_model("reordered", true, 4), tiny_moe("softmax", true, 0.5, 1), 3e-3f);
+}
+
+// Engram at block 1 (small tables: rows collide) together with MoE at block 1: the residual
+// injection before attention, the gate on the block input, and every Engram tensor.
+TEST(ModelGradient, EngramAndMoe) {
+  EngramCfg g;
+  g.layers = {1};
+  g.max_ngram = 3;
+  g.heads = 2;
+  g.embed_per_ngram = 8;
+  g.table_size = {7, 11};
+  g.kernel = 2;
+  g.init_std = 0.3;
+  auto m = tiny_model("reordered", false, 2);
+  check_gradients(m, tiny_moe("softmax", false, 0.0, 0), 3e-3f, g);
+  g.gate = "signed_sqrt";
+  check_gradients(tiny_model("pre", true, 4), MoeCfg(), 3e-3f, g);
 }
 
 }  // namespace
