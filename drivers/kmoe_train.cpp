@@ -49,7 +49,8 @@ Args parse_args(int argc, char** argv) {
 
 void print_dry_run(const kmoe::Config& cfg, const kmoe::ProcessGrid& grid) {
   using namespace kmoe;
-  const ModelSize s = model_size(cfg.model, cfg.moe, cfg.train.micro_batch, cfg.train.seq_len);
+  const ModelSize s =
+      model_size(cfg.model, cfg.moe, cfg.train.micro_batch, cfg.train.seq_len, cfg.engram);
   TokenDataset train(cfg.data.paths, cfg.data.dtype, cfg.train.seq_len, cfg.model.vocab_size,
                      "data.paths");
   KMOE_REQUIRE(train.num_instances() >= cfg.train.global_batch,

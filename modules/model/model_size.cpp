@@ -1,8 +1,10 @@
 #include "modules/model/model_size.hpp"
 
+#include "modules/engram/engram_hash.hpp"
+
 namespace kmoe {
 
-ModelSize model_size(const ModelCfg& m, const MoeCfg& e, int b, int T) {
+ModelSize model_size(const ModelCfg& m, const MoeCfg& e, int b, int T, const EngramCfg& g) {
   const std::int64_t V = m.vocab_size, D = m.d_model, F = m.ffn_hidden, L = m.n_layers;
   const std::int64_t qd = std::int64_t(m.n_heads) * m.head_dim();
   const std::int64_t kd = std::int64_t(m.n_kv_heads) * m.head_dim();
@@ -19,7 +21,15 @@ ModelSize model_size(const ModelCfg& m, const MoeCfg& e, int b, int T) {
   s.active_params = L * attn + (L - moe_layers) * 3 * F * D +
                     moe_layers * (E * D + 3 * k * Fe * D + shared) + outside;
   // The LM head matmul counts (tied or not); the embedding lookup does not.
-  const std::int64_t matmul_params = s.active_params - (m.tie_embeddings ? 0 : V * D);
+  const std::int64_t d_mem = std::int64_t(g.max_ngram - 1) * g.embed_per_ngram;
+  for (const auto& plan : engram_hash_plans(g, V)) {
+    s.total_params += plan.rows * (g.embed_per_ngram / g.heads) + 2 * D * d_mem + 5 * D +
+                      D * g.kernel;
+    s.active_params += d_mem + 2 * D * d_mem + 5 * D + D * g.kernel;
+  }
+  const std::int64_t matmul_params =
+      s.active_params - (m.tie_embeddings ? 0 : V * D) -
+      std::int64_t(g.layers.size()) * d_mem;  // lookups are not matmuls
   s.flops_per_token = 6.0 * matmul_params + 6.0 * L * D * T;
   s.state_bytes = 4 * 4 * s.total_params;
 

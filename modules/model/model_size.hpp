@@ -18,6 +18,9 @@ struct ModelSize {
   std::int64_t activation_bytes = 0;  // saved activations and scratch for one micro-batch
 };
 
-ModelSize model_size(const ModelCfg& m, const MoeCfg& e, int micro_batch, int seq_len);
+// Engram tables count in total_params; per token only their d_mem looked-up entries count as
+// active, and like the embedding the lookup adds no matmul FLOPs.
+ModelSize model_size(const ModelCfg& m, const MoeCfg& e, int micro_batch, int seq_len,
+                     const EngramCfg& g = EngramCfg());
 
 }  // namespace kmoe

@@ -16,7 +16,7 @@
 namespace kmoe {
 
 Trainer::Trainer(const Config& cfg, ProcessGrid& grid)
-    : cfg_(cfg), grid_(grid), size_(model_size(cfg.model, cfg.moe, cfg.train.micro_batch, cfg.train.seq_len)) {
+    : cfg_(cfg), grid_(grid), size_(model_size(cfg.model, cfg.moe, cfg.train.micro_batch, cfg.train.seq_len, cfg.engram)) {
   const auto& t = cfg.train;
   train_data_ = std::make_unique<TokenDataset>(cfg.data.paths, cfg.data.dtype, t.seq_len,
                                                cfg.model.vocab_size, "data.paths");

@@ -591,6 +591,17 @@ TEST(ModelSize, MoeCountsMatchBuiltStage) {
   EXPECT_GE(table.find("blocks.1.moe.shared.w2"), 0);
   EXPECT_GE(table.find("blocks.0.mlp.w1"), 0);
   EXPECT_LT(table.find("blocks.1.mlp.w1"), 0);
+
+  // With Engram at both blocks: the tables and projections count in the total.
+  EngramCfg g;
+  g.layers = {0, 1};
+  g.heads = 2;
+  g.embed_per_ngram = 8;
+  g.table_size = {50, 60};
+  TensorTable t2;
+  Stage s2(m, e, 2, 16, t2, g);
+  EXPECT_EQ(model_size(m, e, 2, 16, g).total_params, t2.total_elements());
+  EXPECT_GE(t2.find("blocks.0.engram.table"), 0);
 }
 
 // ---------------------------------------------------------------------------------------------
