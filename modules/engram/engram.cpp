@@ -45,10 +45,8 @@ EngramLayer::EngramLayer(const ModelCfg& m, const EngramCfg& g, const EngramHash
       R_(plan.rows),
       signed_sqrt_(g.gate == "signed_sqrt"),
       eps_(static_cast<float>(m.norm_eps)),
-      hasher_(plan, g.max_ngram, g.heads, g.pad_id),
+      hasher_(plan, g.max_ngram, g.heads, plan.pad_c),
       buckets_(max_tokens * heads_total_, static_cast<int>(plan.rows)) {
-  KMOE_REQUIRE(g.compression_map.empty(),
-               "engram.compression_map is not available in this build yet");
   const double std = g.init_std;
   auto add = [&](const std::string& n, std::vector<std::int64_t> shape, InitKind init, bool wd,
                  double lr_mult = 1.0) {
@@ -72,6 +70,7 @@ EngramLayer::EngramLayer(const ModelCfg& m, const EngramCfg& g, const EngramHash
   for (View1F* v : {&rstd_k_, &rstd_q_, &rstd_c_, &score_, &gate_, &d_gate_})
     *v = View1F("engram::row", N);
   d_mem_buf_ = View1F("engram::d_mem", N * d_mem_);
+  touched_ = View1I("engram::touched", R_);
 }
 
 void EngramLayer::forward(const TensorTable& table, ConstMat x, ConstIVec tokens, Mat out) {
@@ -80,6 +79,10 @@ void EngramLayer::forward(const TensorTable& table, ConstMat x, ConstIVec tokens
   N_ = N;
   auto rows = Kokkos::subview(rows_, Kokkos::make_pair(0, N), Kokkos::ALL);
   hasher_.rows(tokens, T, rows_);
+  auto touched = touched_;
+  Kokkos::parallel_for(
+      "engram::count_lookups", Range2({0, 0}, {N, heads_total_}),
+      KOKKOS_LAMBDA(int t, int j) { Kokkos::atomic_add(&touched(rows(t, j)), 1); });
 
   // Lookup: mem[t, j*dh + i] = table[row(t, j), i].
   Mat mem = as_mat(mem_.data(), N, dm);

@@ -22,7 +22,7 @@ class EngramLayer {
   EngramLayer(const ModelCfg& m, const EngramCfg& g, const EngramHashPlan& plan,
               const std::string& prefix, int max_tokens, int seq_len, TensorTable& table);
 
-  // x: (N, D) residual stream, tokens: (N) compressed ids -> out: (N, D) = Engram(x).
+  // x: (N, D) residual stream, tokens: (N) compressed ids (EngramCompression) -> out: (N, D).
   void forward(const TensorTable& table, ConstMat x, ConstIVec tokens, Mat out);
   // dout: (N, D) -> dx: (N, D) gradient through the gate's RMSNorm_q(x) (assigned). Once per
   // forward: it reuses saved buffers as temporaries.
@@ -30,6 +30,10 @@ class EngramLayer {
 
   // Mean gate value of the last forward.
   double mean_gate() const;
+
+  // Lookups per table row since the last reset (R): the touched-rows metric.
+  void reset_touched() const { Kokkos::deep_copy(touched_, 0); }
+  View1I touched() const { return touched_; }
 
  private:
   int D_, T_, Nn_, kernel_, heads_total_, dh_, d_mem_;
@@ -47,6 +51,7 @@ class EngramLayer {
   View1F v_, u_, c_;                 // (N, D)
   View1F d_a_, d_b_, d_mem_buf_;     // backward temporaries (N, D), (N, D), (N, d_mem)
   View1F d_gate_;                    // (N)
+  View1I touched_;                   // (R) lookup counts
   int N_ = 0;
 };
 

@@ -5,6 +5,7 @@
 #include <set>
 
 #include "core/error.hpp"
+#include "io/token_data.hpp"
 
 namespace kmoe {
 
@@ -36,6 +37,31 @@ std::vector<std::uint64_t> engram_multipliers(std::uint64_t seed, int layer, int
     m[k] = 2 * (r % half) + 1;
   }
   return m;
+}
+
+EngramCompression load_engram_compression(const EngramCfg& cfg, int vocab_size) {
+  EngramCompression c;
+  c.map.resize(vocab_size);
+  if (cfg.compression_map.empty()) {
+    for (int v = 0; v < vocab_size; ++v) c.map[v] = v;
+    c.vocab_c = vocab_size;
+    return c;
+  }
+  // The token-file reader parses headerless arrays and .npy alike; one "instance" per id.
+  const TokenDataset file({cfg.compression_map}, "uint32", 1, std::numeric_limits<int>::max(),
+                          "engram.compression_map");
+  KMOE_REQUIRE(file.num_instances() == vocab_size,
+               "engram.compression_map = " << cfg.compression_map << " holds "
+                                           << file.num_instances()
+                                           << " ids; it needs one per token id (model.vocab_size = "
+                                           << vocab_size << ")");
+  std::int32_t max_id = 0;
+  for (int v = 0; v < vocab_size; ++v) {
+    file.read_instance(v, &c.map[v]);
+    max_id = std::max(max_id, c.map[v]);
+  }
+  c.vocab_c = std::int64_t(max_id) + 1;
+  return c;
 }
 
 std::vector<EngramHashPlan> engram_hash_plans(const EngramCfg& cfg, std::int64_t vocab_c) {

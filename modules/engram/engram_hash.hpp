@@ -19,6 +19,7 @@ struct EngramHashPlan {
   std::vector<std::int64_t> primes;       // p_j, j = (n-2)*K + h: order-2 heads first
   std::vector<std::int64_t> offsets;      // o_j = sum_{i<j} p_i
   std::int64_t rows = 0;                  // R = sum_j p_j
+  int pad_c = 0;                          // compress(engram.pad_id); set by the model builder
 };
 
 // m_k of `layer`: splitmix64 draws from state seed + 10007*layer; M = floor((2^63-1)/V'),
@@ -29,6 +30,15 @@ std::vector<std::uint64_t> engram_multipliers(std::uint64_t seed, int layer, int
 // Plans of every Engram layer in increasing block order (the order primes are drawn in).
 // table_size empty: 5 * V' per order.
 std::vector<EngramHashPlan> engram_hash_plans(const EngramCfg& cfg, std::int64_t vocab_c);
+
+// Token compression (step 1): the canonical id of each of the V token ids, read from
+// engram.compression_map (headerless little-endian uint32, or .npy of uint32), or the identity
+// when it is empty. V' = 1 + the largest canonical id.
+struct EngramCompression {
+  std::vector<std::int32_t> map;  // (V)
+  std::int64_t vocab_c = 0;       // V'
+};
+EngramCompression load_engram_compression(const EngramCfg& cfg, int vocab_size);
 
 // Device-side addressing of one layer: rows(t, j) for compressed token ids of sequences of
 // length T (n-grams never reach into the previous sequence; before the start: pad_c).

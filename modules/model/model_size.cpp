@@ -22,7 +22,7 @@ ModelSize model_size(const ModelCfg& m, const MoeCfg& e, int b, int T, const Eng
                     moe_layers * (E * D + 3 * k * Fe * D + shared) + outside;
   // The LM head matmul counts (tied or not); the embedding lookup does not.
   const std::int64_t d_mem = std::int64_t(g.max_ngram - 1) * g.embed_per_ngram;
-  for (const auto& plan : engram_hash_plans(g, V)) {
+  for (const auto& plan : engram_hash_plans(g, load_engram_compression(g, V).vocab_c)) {
     s.total_params += plan.rows * (g.embed_per_ngram / g.heads) + 2 * D * d_mem + 5 * D +
                       D * g.kernel;
     s.active_params += d_mem + 2 * D * d_mem + 5 * D + D * g.kernel;

@@ -10,10 +10,12 @@ Stage::Stage(const ModelCfg& m, const MoeCfg& e, int max_seqs, int T, TensorTabl
       T_(T),
       max_seqs_(max_seqs),
       rope_(T, m.head_dim(), m.rope_theta),
+      compression_(load_engram_compression(g, m.vocab_size)),
       embed_(m.vocab_size, m.d_model, m.init_std, max_seqs * T, table),
       blocks_([&] {
         // Engram's primes are drawn over all Engram layers of the model, in block order.
-        const auto plans = engram_hash_plans(g, m.vocab_size);
+        auto plans = engram_hash_plans(g, compression_.vocab_c);
+        for (auto& p : plans) p.pad_c = compression_.map[g.pad_id];
         std::vector<std::unique_ptr<Block>> b;
         for (int l = 0; l < m.n_layers; ++l) {
           const EngramHashPlan* plan = nullptr;
@@ -31,6 +33,13 @@ Stage::Stage(const ModelCfg& m, const MoeCfg& e, int max_seqs, int T, TensorTabl
       lb_coef_(e.lb_coef),
       z_coef_(e.z_coef),
       top_k_(e.top_k) {
+  if (g.enabled()) {
+    compress_ = View1I("stage::compress", m.vocab_size);
+    auto h = Kokkos::create_mirror_view(compress_);
+    for (int v = 0; v < m.vocab_size; ++v) h(v) = compression_.map[v];
+    Kokkos::deep_copy(compress_, h);
+    compressed_ = View1I("stage::compressed_tokens", max_seqs * T);
+  }
   for (int l = 0; l <= m.n_layers; ++l)
     resid_.emplace_back("stage::resid", std::int64_t(max_seqs) * T * m.d_model);
 }
@@ -47,8 +56,17 @@ LossSums Stage::forward(const TensorTable& table, const std::int32_t* tokens, in
   ConstIVec tok(tokens_.data(), N);
 
   embed_.forward(table, tok, resid(0, N));
+  ConstIVec engram_tok = tok;  // Engram reads compressed ids
+  if (compress_.extent(0) > 0) {
+    auto map = compress_;
+    auto out = compressed_;
+    Kokkos::parallel_for(
+        "stage::compress_tokens", Range(0, N), KOKKOS_LAMBDA(int i) { out(i) = map(tok(i)); });
+    engram_tok = ConstIVec(compressed_.data(), N);
+  }
   for (std::size_t l = 0; l < blocks_.size(); ++l)
-    blocks_[l]->forward(table, rope_, as_cmat(resid(l, N)), tok, resid(l + 1, N), scratch_);
+    blocks_[l]->forward(table, rope_, as_cmat(resid(l, N)), engram_tok, resid(l + 1, N),
+                        scratch_);
   LossSums sums = head_.forward(table, as_cmat(resid(blocks_.size(), N)), tok, T_, grad_scale);
   aux_scale_ = static_cast<float>(double(grad_scale) * sums.targets);
   for (std::size_t l = 0; l < blocks_.size(); ++l) {

@@ -39,11 +39,13 @@ class Stage {
 
   int D_, T_, max_seqs_;
   RopeTables rope_;
+  EngramCompression compression_;  // before blocks_: their Engram plans depend on it
   Embedding embed_;
   std::vector<std::unique_ptr<Block>> blocks_;
   LmHead head_;
   BlockScratch scratch_;
   View1I tokens_;                 // (max_seqs * T) device copy of the ids
+  View1I compress_, compressed_;  // Engram: (V) canonical ids, (max_seqs * T) compressed ids
   std::vector<View1F> resid_;     // L+1 residual streams (N, D): block inputs and the output
   View1F d_x_, d_y_;              // (N, D) backward ping-pong
   int nseq_ = 0;

@@ -55,7 +55,8 @@ Trainer::Trainer(const Config& cfg, ProcessGrid& grid)
   }
   for (int l = 0; l < cfg.model.n_layers; ++l)  // block order, as the stage reports them
     if (std::find(cfg.engram.layers.begin(), cfg.engram.layers.end(), l) != cfg.engram.layers.end())
-      moe_columns_.push_back("engram" + std::to_string(l) + "_gate");
+      for (const char* c : {"_gate", "_rows_touched"})
+        moe_columns_.push_back("engram" + std::to_string(l) + c);
   if (grid_.is_root()) {
     metrics_ = std::make_unique<MetricsWriter>(cfg.output.dir, /*append=*/resumed_, moe_columns_);
     std::ofstream(cfg.output.dir + "/deck.resolved") << cfg.resolved_text;
@@ -85,7 +86,9 @@ StepMetrics Trainer::train_step(int step) {
   // Per MoE layer: LB sum, RZ sum, dropped, then E loads (summed over micro-batches).
   const int E = cfg_.moe.experts, per_layer = 3 + E;
   std::vector<double> moe_sums(moe_layers_.size() * per_layer, 0.0);
-  std::vector<double> engram_gate(stage_->engram_layers().size(), 0.0);  // summed over micro-batches
+  const auto engrams = stage_->engram_layers();
+  std::vector<double> engram_gate(engrams.size(), 0.0);  // summed over micro-batches
+  for (const auto& [block, layer] : engrams) layer->reset_touched();
   timer.start();
   for (int j = me; j < n_micro; j += R) {  // micro-batch j of the step goes to replica j mod R
     load_positions(state_.next_position + std::int64_t(j) * b, b);
@@ -99,7 +102,7 @@ StepMetrics Trainer::train_step(int step) {
     sums[1] += s.z;
     sums[2] += s.moe_aux;
     for (std::size_t i = 0; i < engram_gate.size(); ++i)
-      engram_gate[i] += stage_->engram_layers()[i].second->mean_gate();
+      engram_gate[i] += engrams[i].second->mean_gate();
     for (std::size_t i = 0; i < s.moe.size(); ++i) {
       const MoeStats& st = s.moe[i].second;
       double* acc = moe_sums.data() + i * per_layer;
@@ -135,9 +138,16 @@ StepMetrics Trainer::train_step(int step) {
     m.extra.emplace_back(p + "load_max_mean", total > 0 ? max_load / (total / E) : 0.0);
     if (cfg_.moe.capacity_factor > 0) m.extra.emplace_back(p + "drop", acc[2] / total);
   }
-  for (std::size_t i = 0; i < engram_gate.size(); ++i)
-    m.extra.emplace_back("engram" + std::to_string(stage_->engram_layers()[i].first) + "_gate",
-                         engram_gate[i] / n_micro);
+  for (std::size_t i = 0; i < engrams.size(); ++i) {
+    // Distinct rows looked up by the whole global batch: lookup counts summed over the stage.
+    auto counts = Kokkos::create_mirror_view_and_copy(HostSpace(), engrams[i].second->touched());
+    grid_.stage.allreduce_sum(counts.data(), counts.size());
+    std::int64_t used = 0;
+    for (std::size_t r = 0; r < counts.size(); ++r) used += counts(r) > 0;
+    const std::string p = "engram" + std::to_string(engrams[i].first);
+    m.extra.emplace_back(p + "_gate", engram_gate[i] / n_micro);
+    m.extra.emplace_back(p + "_rows_touched", double(used) / counts.size());
+  }
   m.grad_norm = std::sqrt(grad_sq_sum(table_));
   m.lr = learning_rate(cfg_.optimizer, t.max_steps, step);
   if (!std::isfinite(m.loss) || !std::isfinite(m.grad_norm)) {

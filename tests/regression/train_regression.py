@@ -104,6 +104,20 @@ train("bias_resume", *BIAS, "--train.max_steps=4")
 h.check(h.losses("bias_resume") == h.losses("bias_full")[2:],
         "resume with router biases continues bit for bit")
 
+# Engram at block 1 with a compression map (ids folded mod 64): 1 rank against 2.
+with open(h.path("fold64.bin"), "wb") as f:
+    f.write(b"".join((v % 64).to_bytes(4, "little") for v in range(320)))
+ENGRAM = ["--engram.layers=1", "--engram.heads=2", "--engram.embed_per_ngram=16",
+          "--engram.table_size=97,101", "--engram.compression_map=fold64.bin", "--train.max_steps=3"]
+train("engram_1", *ENGRAM)
+train("engram_dp", *ENGRAM, "--parallel.dp=2", ranks=2)
+one, dp = h.losses("engram_1"), h.losses("engram_dp")
+rel = [abs(float(x[1]) - float(y[1])) / abs(float(y[1])) for x, y in zip(dp, one)]
+h.check(rel[0] <= 1e-6 and max(rel) <= 1e-5, f"Engram dp=2 matches 1 rank (max rel {max(rel):.2e})")
+row = h.metrics("engram_1")[-1]
+h.check(0.0 < float(row["engram1_gate"]) < 1.0 and 0.0 < float(row["engram1_rows_touched"]) <= 1.0,
+        f"Engram metrics: gate {row['engram1_gate']}, rows touched {row['engram1_rows_touched']}")
+
 h.write("bad.deck", DECK.replace("ffn_hidden = 128", "ffn_hidden = 128\nffn_hiden = 5"))
 p = h.run(["kmoe-train", "-i", "bad.deck"], expect_rc=1)
 h.check("ffn_hiden" in p.stderr and "bad.deck:9" in p.stderr, "bad key named with file:line")

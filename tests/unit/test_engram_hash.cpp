@@ -3,8 +3,14 @@
 // tests/reference/engram_hash_reference.py), and the facts the spec states.
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
+#include <cstdio>
 #include <set>
+#include <string>
 #include <vector>
+
+#include "core/error.hpp"
 
 #include "modules/engram/engram_hash.hpp"
 
@@ -140,6 +146,37 @@ TEST(EngramHash, CausalPerSequenceAndInRange) {
   const auto other_pad = rows_of(plans[0], c, two, 12, 9);
   EXPECT_NE(other_pad[0], base[0]);
   EXPECT_EQ(other_pad[2], base[2]);
+}
+
+// engram.compression_map: a headerless uint32 file of V canonical ids; V' = 1 + the largest.
+TEST(EngramHash, CompressionMapFile) {
+  EngramCfg c;
+  EXPECT_EQ(load_engram_compression(c, 40).vocab_c, 40);
+  EXPECT_EQ(load_engram_compression(c, 40).map[17], 17);
+  const std::string path = "/tmp/kmoe_compress_" + std::to_string(::getpid()) + ".bin";
+  auto write = [&](int n) {
+    std::FILE* f = std::fopen(path.c_str(), "wb");
+    for (std::uint32_t v = 0; v < std::uint32_t(n); ++v) {
+      const std::uint32_t id = v % 10;
+      std::fwrite(&id, 4, 1, f);
+    }
+    std::fclose(f);
+  };
+  write(40);
+  c.compression_map = path;
+  const EngramCompression comp = load_engram_compression(c, 40);
+  EXPECT_EQ(comp.vocab_c, 10);
+  EXPECT_EQ(comp.map[23], 3);
+  write(39);
+  try {
+    load_engram_compression(c, 40);
+    ADD_FAILURE() << "a short map must be an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("engram.compression_map = " + path + " holds 39 ids"),
+              std::string::npos)
+        << e.what();
+  }
+  std::remove(path.c_str());
 }
 
 }  // namespace
