@@ -15,7 +15,12 @@ may be routed differently only where the scores involved are within 1e-5 (RUNTIM
 Usage: check_reference.py BIN_DIR WORK_DIR [--block-norm reordered|pre] [--kv-heads N] [--tie]
          [--z-coef X] [--experts E --top-k K --expert-hidden FE [--score softmax|sigmoid]
          [--normalize] [--capacity X] [--shared S --shared-hidden FS] [--dense-layers L,..]
-         [--lb-coef X] [--router-z-coef X]] [--reuse]
+         [--lb-coef X] [--router-z-coef X]]
+         [--engram-layers L,.. [--engram-gate sigmoid|signed_sqrt] [--engram-ngram N]
+         [--engram-heads K] [--engram-embed DE] [--engram-table-size S,..] [--engram-kernel W]
+         [--engram-fold M]] [--reuse]
+With --engram-layers the deck gets an [engram] section; --engram-fold M writes a compression map
+folding token ids mod M (engram.compression_map).
 """
 import argparse
 import math
@@ -108,14 +113,24 @@ def main():
     ap.add_argument("--dense-layers", default="", help="moe.dense_layers")
     ap.add_argument("--lb-coef", type=float, help="moe.lb_coef (omitted: kmoe's default)")
     ap.add_argument("--router-z-coef", type=float, help="moe.z_coef (omitted: kmoe's default)")
+    ap.add_argument("--engram-layers", default="", help="engram.layers")
+    ap.add_argument("--engram-gate", default="sigmoid", choices=["sigmoid", "signed_sqrt"])
+    ap.add_argument("--engram-ngram", type=int, default=3, help="engram.max_ngram")
+    ap.add_argument("--engram-heads", type=int, default=2)
+    ap.add_argument("--engram-embed", type=int, default=16, help="engram.embed_per_ngram")
+    ap.add_argument("--engram-table-size", default="", help="engram.table_size (small: collisions)")
+    ap.add_argument("--engram-kernel", type=int, default=4)
+    ap.add_argument("--engram-fold", type=int, default=0, help="compression map: id mod M")
     ap.add_argument("--reuse", action="store_true",
                     help="skip kmoe-prep/kmoe-train and check the outputs already in WORK_DIR")
     args = ap.parse_args()
     global h
-    h = Harness(args.bin_dir, args.work_dir, fresh=not args.reuse)
+    work = os.path.abspath(args.work_dir)
+    h = Harness(args.bin_dir, work, fresh=not args.reuse)
     if not args.reuse:
         prepare_and_train(args)
-    check_outputs(args.work_dir)
+    os.chdir(work)  # deck paths (engram.compression_map) are relative to the run directory
+    check_outputs(work)
 
 
 def moe_section(args):
@@ -133,6 +148,21 @@ def moe_section(args):
         lines.append(f"lb_coef = {args.lb_coef!r}")
     if args.router_z_coef is not None:
         lines.append(f"z_coef = {args.router_z_coef!r}")
+    return "\n".join(lines) + "\n"
+
+
+def engram_section(args):
+    if not args.engram_layers:
+        return ""
+    lines = ["[engram]", f"layers = {args.engram_layers}", f"gate = {args.engram_gate}",
+             f"max_ngram = {args.engram_ngram}", f"heads = {args.engram_heads}",
+             f"embed_per_ngram = {args.engram_embed}", f"kernel = {args.engram_kernel}"]
+    if args.engram_table_size:
+        lines.append(f"table_size = {args.engram_table_size}")
+    if args.engram_fold:
+        with open(h.path("fold.bin"), "wb") as f:
+            f.write(b"".join((v % args.engram_fold).to_bytes(4, "little") for v in range(320)))
+        lines.append("compression_map = fold.bin")
     return "\n".join(lines) + "\n"
 
 
@@ -167,7 +197,7 @@ every = 3
 [output]
 dir = run
 dump_step = 1, 2, 3
-""" + moe_section(args)
+""" + moe_section(args) + engram_section(args)
     h.write("ref.deck", deck)
     if h.run(["kmoe-train", "-i", "ref.deck"]).returncode != 0:
         h.finish()

@@ -2,9 +2,9 @@
 """Independent float64 PyTorch reference of kmoe's model, loss and optimizer.
 
 Written from docs/spec/MODEL.md (sections 1, 2, 3, 5, 6, 7), docs/spec/RUNTIME.md (sections 4-5)
-and docs/CONVENTIONS.md only, never from kmoe's C++ code. It covers the dense model and the
-mixture of experts (`MoE`, without aux-loss-free bias updates); Engram (section 4) is meant to be
-added as a further module class called at the top of `Block.forward`.
+and docs/CONVENTIONS.md only, never from kmoe's C++ code. It covers the dense model, the
+mixture of experts (`MoE`, without aux-loss-free bias updates) and Engram (`Engram`, section 4;
+its hashing comes from engram_hash_reference.py, also written from the spec alone).
 
 The module tree mirrors MODEL.md section 5, so `named_parameters()` yields exactly kmoe's
 parameter names (`blocks.0.attn.wq`, ...) and a checkpoint dataset is `/model/` + name with
@@ -19,6 +19,8 @@ import math
 import numpy as np
 import torch
 from torch import nn
+
+import engram_hash_reference as ehash
 
 DT = torch.float64
 
@@ -64,10 +66,7 @@ class Config:
         assert self.block_norm in ("reordered", "pre"), self.block_norm
 
         self._moe(cp)
-        self.engram_layers = _layers(_get(cp, "engram", "layers", [], list))
-        if self.engram_layers:
-            raise NotImplementedError("the reference does not cover Engram (MODEL.md section 4) yet")
-        self.engram_lr_mult = _get(cp, "engram", "lr_mult", 5.0, float)
+        self._engram(cp)
 
         t = lambda k, d=None, ty=int: _get(cp, "train", k, d, ty)  # noqa: E731
         self.T, self.G, self.b = t("seq_len"), t("global_batch"), t("micro_batch")
@@ -101,6 +100,37 @@ class Config:
         self.Fs = m("shared_hidden", t=int) if self.S > 0 else 0
         if m("bias_update_rate", 0.0, float) > 0:
             raise NotImplementedError("the reference does not cover moe.bias_update_rate > 0 yet")
+
+
+    def _engram(self, cp):
+        """MODEL.md section 4: the [engram] keys, the compression map and the hash moduli."""
+        e = lambda k, d=None, t=str: _get(cp, "engram", k, d, t)  # noqa: E731
+        self.engram_layers = _layers(e("layers", [], list))
+        self.engram_lr_mult = e("lr_mult", 5.0, float)
+        if not self.engram_layers:
+            return
+        self.N, self.Ke = e("max_ngram", 3, int), e("heads", 8, int)
+        self.De = e("embed_per_ngram", 512, int)
+        assert self.De % self.Ke == 0
+        self.dhe, self.d_mem = self.De // self.Ke, (self.N - 1) * self.De
+        self.engram_seed, self.kernel = e("seed", 0, int), e("kernel", 4, int)
+        self.pad_id, self.gate = e("pad_id", 0, int), e("gate", "sigmoid")
+        assert self.gate in ("sigmoid", "signed_sqrt"), self.gate
+        self.engram_std = e("init_std", self.init_std, float)
+        path = e("compression_map", "")
+        self.compress = read_compression_map(path, self.V) if path else None
+        self.Vc = self.V if self.compress is None else 1 + max(self.compress)
+        sizes = [int(v) for v in e("table_size", [], list)] or [5 * self.Vc] * (self.N - 1)
+        assert len(sizes) == self.N - 1, f"engram.table_size needs {self.N - 1} values: {sizes}"
+        self.moduli = ehash.moduli(self.engram_layers, self.N, self.Ke,
+                                   {n: sizes[n - 2] for n in range(2, self.N + 1)})
+
+
+def read_compression_map(path, V):
+    """engram.compression_map: V canonical ids, headerless little-endian uint32 or a .npy."""
+    a = np.load(path) if path.endswith(".npy") else np.fromfile(path, dtype="<u4")
+    assert a.shape == (V,), f"{path}: {a.shape[0]} ids, model.vocab_size is {V}"
+    return [int(v) for v in a]
 
 
 def _layers(items):
@@ -311,6 +341,50 @@ class MoE(nn.Module):
         return given
 
 
+class Engram(nn.Module):
+    """MODEL.md section 4, steps 6-10, for a [b, T, D] block input and its [b, T] tokens."""
+
+    def __init__(self, cfg, layer):
+        super().__init__()
+        self.cfg, self.layer = cfg, layer
+        D, d_mem = cfg.D, cfg.d_mem
+        self.table = nn.Parameter(torch.zeros(cfg.moduli[layer][2], cfg.dhe, dtype=DT))
+        self.wk = nn.Parameter(torch.zeros(D, d_mem, dtype=DT))
+        self.wv = nn.Parameter(torch.zeros(D, d_mem, dtype=DT))
+        self.bk = nn.Parameter(torch.zeros(D, dtype=DT))
+        self.bv = nn.Parameter(torch.zeros(D, dtype=DT))
+        self.q_norm = RMSNorm(D, cfg.norm_eps)
+        self.k_norm = RMSNorm(D, cfg.norm_eps)
+        self.conv_norm = RMSNorm(D, cfg.norm_eps)
+        self.conv = nn.Parameter(torch.zeros(D, cfg.kernel, dtype=DT))
+
+    def rows(self, tokens):
+        """int64 [b, T, (N-1)*K]: steps 1-6's row of every head (each sequence hashed alone)."""
+        c = self.cfg
+        out = [ehash.rows([int(v) for v in seq], self.layer, seed=c.engram_seed, max_ngram=c.N,
+                          heads=c.Ke, vocab_c=c.Vc, pad_id=c.pad_id,
+                          layer_moduli=c.moduli[self.layer], compress=c.compress)[0]
+               for seq in tokens]
+        return torch.tensor(out, dtype=torch.int64)
+
+    def forward(self, x, tokens):
+        c = self.cfg
+        b, T, D = x.shape
+        e = self.table[self.rows(tokens)].reshape(b, T, c.d_mem)  # order-2 heads first
+        key, val = e @ self.wk.T + self.bk, e @ self.wv.T + self.bv
+        s = (self.k_norm(key) * self.q_norm(x)).sum(-1) / math.sqrt(D)
+        if c.gate == "signed_sqrt":
+            s = torch.sign(s) * torch.sqrt(s.abs().clamp_min(1e-6))
+        v = torch.sigmoid(s)[..., None] * val
+        u = self.conv_norm(v)
+        conv = torch.zeros_like(u)
+        for i in range(c.kernel):  # tap i reads u[t - (kernel-1-i)*N]
+            shift = (c.kernel - 1 - i) * c.N
+            if shift < T:
+                conv[:, shift:] = conv[:, shift:] + self.conv[:, i] * u[:, :T - shift]
+        return v + nn.functional.silu(conv)
+
+
 class Block(nn.Module):
     def __init__(self, cfg, layer):
         super().__init__()
@@ -318,6 +392,8 @@ class Block(nn.Module):
         self.attn = Attention(cfg)
         self.attn_norm = RMSNorm(cfg.D, cfg.norm_eps)
         self.ffn_norm = RMSNorm(cfg.D, cfg.norm_eps)
+        if layer in cfg.engram_layers:
+            self.engram = Engram(cfg, layer)
         if layer in cfg.moe_layers:
             self.moe = MoE(cfg, layer)
         else:
@@ -326,7 +402,9 @@ class Block(nn.Module):
     def ffn(self, h, ctx):
         return self.moe(h, ctx) if self.layer in self.cfg.moe_layers else self.mlp(h)
 
-    def forward(self, x, cos, sin, ctx):
+    def forward(self, x, cos, sin, ctx, tokens):
+        if self.layer in self.cfg.engram_layers:  # residual injection before attention
+            x = x + self.engram(x, tokens)
         if self.cfg.block_norm == "reordered":
             h = x + self.attn_norm(self.attn(x, cos, sin))
             return h + self.ffn_norm(self.ffn(h, ctx))
@@ -352,7 +430,7 @@ class Model(nn.Module):
         ctx = ctx if ctx is not None else MoEContext()
         x = self.embed.weight[tokens]
         for blk in self.blocks:
-            x = blk(x, cos, sin, ctx)
+            x = blk(x, cos, sin, ctx, tokens)
         head = self.embed.weight if self.cfg.tie else self.lm_head.weight
         return self.final_norm(x) @ head.T
 
@@ -531,13 +609,16 @@ def init_normal(name, shape, seed, std):
 
 
 def init_model(model, seed):
-    """Section 7 init: matrices truncated normal, norms 1."""
+    """Section 7 init: matrices truncated normal, norms 1; Engram biases and conv 0."""
     with torch.no_grad():
         for n, p in model.named_parameters():
             if n.endswith("norm.weight"):
                 p.fill_(1.0)
+            elif n.endswith(("engram.bk", "engram.bv", "engram.conv")):
+                p.zero_()
             else:
-                p.copy_(init_normal(n, tuple(p.shape), seed, model.cfg.init_std))
+                std = model.cfg.engram_std if ".engram." in n else model.cfg.init_std
+                p.copy_(init_normal(n, tuple(p.shape), seed, std))
 
 
 if __name__ == "__main__":
