@@ -8,6 +8,8 @@
 #include <vector>
 
 #include "modules/attention/attention.hpp"
+#include "modules/engram/engram.hpp"
+#include "modules/engram/engram_hash.hpp"
 #include "modules/loss/lm_head.hpp"
 #include "modules/mlp/swiglu.hpp"
 #include "modules/model/stage.hpp"
@@ -163,6 +165,44 @@ int main(int argc, char** argv) {
                 1e3 * t_dense, 1e6 * t_dense / N);
     std::printf("  moe time outside the expert GEMMs: %.0f%% (routing, permutation, combine)\n",
                 100.0 * std::max(0.0, 1.0 - t_gemm / t_moe));
+  }
+  {
+    // Engram layer of inputs/tiny_engram.deck (N 3, K 8, De 512, table_size 5 V per order):
+    // time per token of the whole layer and the lookup bandwidth (bytes of table rows
+    // gathered per second by steps 1-6: hashing, lookup counts and the gather).
+    EngramCfg g;
+    g.layers = {0};
+    auto plans = engram_hash_plans(g, V);
+    plans[0].pad_c = g.pad_id;
+    TensorTable t4;
+    EngramLayer eng(m, g, plans[0], "blocks.0.engram.", N, T, t4);
+    t4.allocate();
+    t4.initialize(3);
+    View1I ids("ids", N);
+    {
+      auto h = Kokkos::create_mirror_view(ids);
+      std::mt19937 gen(7);
+      for (int i = 0; i < N; ++i) h(i) = gen() % V;
+      Kokkos::deep_copy(ids, h);
+    }
+    const ConstIVec tok(ids.data(), N);
+    const std::int64_t rows = plans[0].rows;
+    const double t_look = time_it(reps, [&] { eng.lookup(t4, tok); });
+    const double t_fwd = time_it(reps, [&] { eng.forward(t4, as_cmat(x), tok, as_mat(y)); });
+    const double t_fb = time_it(reps, [&] {
+      eng.forward(t4, as_cmat(x), tok, as_mat(y));
+      eng.backward(t4, as_cmat(x), as_cmat(dx), as_mat(y));
+    });
+    const double gathered = double(N) * eng.memory_width() * sizeof(float);
+    std::printf("  engram layer (N %d, K %d, De %d, d_mem %d, %lld rows = %.1f MiB table)\n",
+                g.max_ngram, g.heads, g.embed_per_ngram, eng.memory_width(),
+                static_cast<long long>(rows), rows * (g.embed_per_ngram / g.heads) * 4.0 / (1 << 20));
+    std::printf("    lookup (hash + gather)   %9.3f ms = %.2f us/token, %.2f GB/s of rows gathered\n",
+                1e3 * t_look, 1e6 * t_look / N, gathered / t_look / 1e9);
+    std::printf("    forward                  %9.3f ms = %.2f us/token\n", 1e3 * t_fwd,
+                1e6 * t_fwd / N);
+    std::printf("    forward + backward       %9.3f ms = %.2f us/token (projections %.1f GFLOP/s)\n",
+                1e3 * t_fb, 1e6 * t_fb / N, 3 * 2.0 * 2.0 * N * D * eng.memory_width() / t_fb / 1e9);
   }
   {
     ModelCfg full = m;

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The main job: install dependencies, build, prepare the fortunes corpus, train
-# inputs/tiny_moe.deck, and plot its metrics. Extra arguments are deck overrides
+# inputs/tiny_moe_engram.deck, and plot its metrics. Extra arguments are deck overrides
 # (e.g. --train.max_steps=50).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -13,6 +13,6 @@ if [ ! -f data/fortunes/train.bin ] || [ ! -f data/fortunes/val.bin ]; then
 fi
 # Two data-parallel ranks (the deck's parallel.dp = 2), one core and one BLAS thread each.
 # A fresh run each time (checkpoint.resume = none); to continue a run, leave that out.
-mpiexec --allow-run-as-root -n 2 -x OPENBLAS_NUM_THREADS=1 "$bin/kmoe-train" -i inputs/tiny_moe.deck \
+mpiexec --allow-run-as-root -n 2 -x OPENBLAS_NUM_THREADS=1 "$bin/kmoe-train" -i inputs/tiny_moe_engram.deck \
   --checkpoint.resume=none "$@"
-/usr/bin/python3 bench/plot_metrics runs/tiny_moe/metrics.csv -o runs/tiny_moe/metrics.png
+/usr/bin/python3 bench/plot_metrics runs/tiny_moe_engram/metrics.csv -o runs/tiny_moe_engram/metrics.png

@@ -73,27 +73,35 @@ EngramLayer::EngramLayer(const ModelCfg& m, const EngramCfg& g, const EngramHash
   touched_ = View1I("engram::touched", R_);
 }
 
-void EngramLayer::forward(const TensorTable& table, ConstMat x, ConstIVec tokens, Mat out) {
-  const int N = x.extent(0), D = D_, T = T_, dh = dh_, dm = d_mem_;
-  const int Nn = Nn_, ker = kernel_;
-  N_ = N;
+ConstMat EngramLayer::lookup(const TensorTable& table, ConstIVec tokens) {
+  const int N = tokens.extent(0), dh = dh_;
   auto rows = Kokkos::subview(rows_, Kokkos::make_pair(0, N), Kokkos::ALL);
-  hasher_.rows(tokens, T, rows_);
+  hasher_.rows(tokens, T_, rows_);
   auto touched = touched_;
   Kokkos::parallel_for(
       "engram::count_lookups", Range2({0, 0}, {N, heads_total_}),
       KOKKOS_LAMBDA(int t, int j) { Kokkos::atomic_add(&touched(rows(t, j)), 1); });
 
-  // Lookup: mem[t, j*dh + i] = table[row(t, j), i].
-  Mat mem = as_mat(mem_.data(), N, dm);
+  // mem[t, j*dh + i] = table[row(t, j), i].
+  Mat mem = as_mat(mem_.data(), N, d_mem_);
   auto tab = as_cmat(table.param(table_), R_, dh);
   Kokkos::parallel_for(
-      "engram::lookup", Range2({0, 0}, {N, dm}),
-      KOKKOS_LAMBDA(int t, int c) { mem(t, c) = tab(rows(t, c / dh), c % dh); });
+      "engram::lookup", Range2({0, 0}, {N, heads_total_}), KOKKOS_LAMBDA(int t, int j) {
+        const int r = rows(t, j);
+        for (int i = 0; i < dh; ++i) mem(t, j * dh + i) = tab(r, i);
+      });
+  return as_cmat(mem);
+}
+
+void EngramLayer::forward(const TensorTable& table, ConstMat x, ConstIVec tokens, Mat out) {
+  const int N = x.extent(0), D = D_, T = T_, dm = d_mem_;
+  const int Nn = Nn_, ker = kernel_;
+  N_ = N;
+  const ConstMat mem = lookup(table, tokens);
 
   Mat key = as_mat(key_.data(), N, D), val = as_mat(val_.data(), N, D);
-  gemm(Trans::N, Trans::T, 1.0f, as_cmat(mem), as_cmat(table.param(wk_), D, dm), 0.0f, key);
-  gemm(Trans::N, Trans::T, 1.0f, as_cmat(mem), as_cmat(table.param(wv_), D, dm), 0.0f, val);
+  gemm(Trans::N, Trans::T, 1.0f, mem, as_cmat(table.param(wk_), D, dm), 0.0f, key);
+  gemm(Trans::N, Trans::T, 1.0f, mem, as_cmat(table.param(wv_), D, dm), 0.0f, val);
   add_bias(key, table.param(bk_));
   add_bias(val, table.param(bv_));
 

@@ -28,6 +28,11 @@ class EngramLayer {
   // forward: it reuses saved buffers as temporaries.
   void backward(TensorTable& table, ConstMat x, ConstMat dout, Mat dx);
 
+  // Steps 1-6 alone (the first part of forward): hashes the N tokens, counts the lookups and
+  // gathers the rows -> (N, d_mem), valid until the next call. Gathers N * d_mem floats.
+  ConstMat lookup(const TensorTable& table, ConstIVec tokens);
+  int memory_width() const { return d_mem_; }
+
   // Mean gate value of the last forward.
   double mean_gate() const;
 
