@@ -9,6 +9,7 @@
 #include "drivers/driver_main.hpp"
 #include "io/checkpoint.hpp"
 #include "io/deck.hpp"
+#include "train/distribution.hpp"
 #include "train/evaluate.hpp"
 
 namespace {
@@ -39,12 +40,12 @@ int main(int argc, char** argv) {
     const kmoe::Config cfg = kmoe::read_deck(deck, overrides);
     KMOE_REQUIRE(!cfg.data.val_paths.empty(),
                  deck << ": data.val_paths is empty: nothing to evaluate");
-    kmoe::ProcessGrid grid(cfg.parallel, MPI_COMM_WORLD);
+    kmoe::ProcessGrid grid(cfg.parallel, cfg.model.n_layers, MPI_COMM_WORLD);
     kmoe::TokenDataset val(cfg.data.val_paths, cfg.data.dtype, cfg.train.seq_len,
                            cfg.model.vocab_size, "data.val_paths");
     kmoe::TensorTable table;
     kmoe::Stage stage(cfg.model, cfg.moe, cfg.train.micro_batch, cfg.train.seq_len, table,
-                      cfg.engram);
+                      cfg.engram, kmoe::stage_plan(grid), kmoe::layer_comms(cfg, grid));
     table.allocate();
     kmoe::load_checkpoint(checkpoint, cfg, grid, table, /*with_optimizer=*/false, nullptr);
     const kmoe::EvalResult r =

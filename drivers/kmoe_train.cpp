@@ -84,7 +84,7 @@ int main(int argc, char** argv) {
                           [](int argc, char** argv) {
                             const Args args = parse_args(argc, argv);
                             const kmoe::Config cfg = kmoe::read_deck(args.deck, args.overrides);
-                            kmoe::ProcessGrid grid(cfg.parallel, MPI_COMM_WORLD);
+                            kmoe::ProcessGrid grid(cfg.parallel, cfg.model.n_layers, MPI_COMM_WORLD);
                             if (args.dry_run) {
                               print_dry_run(cfg, grid);
                               return;

@@ -13,6 +13,7 @@
 #include "core/error.hpp"
 #include "io/deck.hpp"
 #include "io/hdf5_file.hpp"
+#include "train/distribution.hpp"
 
 namespace kmoe {
 
@@ -83,8 +84,9 @@ void save_checkpoint(const Config& cfg, const ProcessGrid& grid, const TensorTab
   }
   grid.world.barrier();
 
-  // Every element is written once: by the first data replica of the stage (dp 0, ep 0).
-  const bool writer = grid.replica() == 0;
+  // Every element is written once, into its hyperslab, by its owner (RUNTIME.md section 4);
+  // every rank creates every dataset of the model (collective metadata), stage or not.
+  const std::vector<TensorSpec> catalog = global_catalog(table, grid);
   auto params = Kokkos::create_mirror_view_and_copy(HostSpace(), table.params);
   auto m = Kokkos::create_mirror_view_and_copy(HostSpace(), table.exp_avg);
   auto v = Kokkos::create_mirror_view_and_copy(HostSpace(), table.exp_avg_sq);
@@ -100,15 +102,19 @@ void save_checkpoint(const Config& cfg, const ProcessGrid& grid, const TensorTab
   f.set_attr("/data", "next_step", std::int64_t(state.step + 1));
   f.set_attr("/data", "next_position", state.next_position);
   f.set_attr("/optimizer", "step", std::int64_t(state.step));
-  const auto& entries = table.entries();
-  for (std::size_t i = 0; i < entries.size(); ++i) {
-    const auto& e = entries[i];
-    const std::string p = tensor_path(e.spec.name);
-    f.write_f32("/model/" + p, e.spec.shape, params.data() + e.offset, writer);
-    if (!e.spec.trainable) continue;  // buffers have no moments
-    f.write_f32("/optimizer/exp_avg/" + p, e.spec.shape, m.data() + e.offset, writer);
-    f.write_f32("/optimizer/exp_avg_sq/" + p, e.spec.shape, v.data() + e.offset, writer);
-    if (i == entries.size() / 2 && fault_requested("kill_during_save")) std::raise(SIGKILL);
+  for (std::size_t i = 0; i < catalog.size(); ++i) {
+    const TensorSpec& g = catalog[i];
+    const int local = table.find(g.name);
+    const TensorEntry* e = local >= 0 ? &table.entry(local) : nullptr;
+    const bool writer = e && owns(e->spec, grid);
+    const std::int64_t r0 = e ? e->spec.row_begin : 0, nr = e ? e->spec.local_rows() : 0;
+    const std::int64_t off = e ? e->offset : 0;
+    const std::string p = tensor_path(g.name);
+    f.write_rows_f32("/model/" + p, g.shape, r0, nr, params.data() + off, writer);
+    if (!g.trainable) continue;  // buffers have no moments
+    f.write_rows_f32("/optimizer/exp_avg/" + p, g.shape, r0, nr, m.data() + off, writer);
+    f.write_rows_f32("/optimizer/exp_avg_sq/" + p, g.shape, r0, nr, v.data() + off, writer);
+    if (i == catalog.size() / 2 && fault_requested("kill_during_save")) std::raise(SIGKILL);
   }
   // The format attribute goes last: a file without it was never finished.
   f.set_attr("/", "format", std::string(kFormat));
@@ -188,12 +194,14 @@ TrainState load_checkpoint(const std::string& path, const Config& cfg, const Pro
   auto params = Kokkos::create_mirror_view(table.params);
   auto m = Kokkos::create_mirror_view(table.exp_avg);
   auto v = Kokkos::create_mirror_view(table.exp_avg_sq);
+  // Each rank reads exactly its own hyperslabs, whatever layout wrote the file.
   for (const auto& e : table.entries()) {
     const std::string p = tensor_path(e.spec.name);
-    f.read_f32("/model/" + p, e.spec.shape, params.data() + e.offset);
+    const std::int64_t r0 = e.spec.row_begin, nr = e.spec.local_rows();
+    f.read_rows_f32("/model/" + p, e.spec.shape, r0, nr, params.data() + e.offset);
     if (with_optimizer && e.spec.trainable) {
-      f.read_f32("/optimizer/exp_avg/" + p, e.spec.shape, m.data() + e.offset);
-      f.read_f32("/optimizer/exp_avg_sq/" + p, e.spec.shape, v.data() + e.offset);
+      f.read_rows_f32("/optimizer/exp_avg/" + p, e.spec.shape, r0, nr, m.data() + e.offset);
+      f.read_rows_f32("/optimizer/exp_avg_sq/" + p, e.spec.shape, r0, nr, v.data() + e.offset);
     }
   }
   TrainState s;

@@ -109,6 +109,7 @@ struct ParallelCfg {
   std::vector<int> pp_layers;     // empty: even split
   std::string engram_shard = "none";
   int watchdog_seconds = 300;
+  double bucket_mb = 25.0;         // gradient all-reduce bucket size
 
   int world() const { return pp * dp * ep; }
 };

@@ -126,6 +126,7 @@ void check_parallel(const Config& c, const Locate& locate) {
   }
   KMOE_DECK_REQUIRE(p.watchdog_seconds >= 1, "parallel.watchdog_seconds",
                     "parallel.watchdog_seconds must be at least 1");
+  KMOE_DECK_REQUIRE(p.bucket_mb > 0, "parallel.bucket_mb", "parallel.bucket_mb must be positive");
   // Every one of the dp*ep ranks of a stage takes whole micro-batches (RUNTIME.md section 2).
   const std::int64_t b = c.train.micro_batch;
   const std::int64_t unit = b * p.dp * p.ep;

@@ -299,6 +299,8 @@ Schema::Schema(Config& c) : options_("kmoe input deck") {
       "Engram tables: none (replicated) | ep | stage (row-block sharded)");
   key(c.parallel.watchdog_seconds, "watchdog_seconds", 300,
       "abort a rank stuck this long in a collective");
+  key(c.parallel.bucket_mb, "bucket_mb", 25.0,
+      "gradient all-reduce bucket size (MiB); buckets start during the last backward");
 
   section("checkpoint", "HDF5 checkpoints");
   key(c.checkpoint.dir, "dir", "checkpoints", "checkpoint directory");

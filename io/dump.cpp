@@ -4,13 +4,14 @@
 
 #include "io/checkpoint.hpp"
 #include "io/hdf5_file.hpp"
+#include "train/distribution.hpp"
 
 namespace kmoe {
 
 void write_step_dump(const Config& cfg, const ProcessGrid& grid, const TensorTable& table,
                      const StepDump& d) {
   const std::string path = cfg.output.dir + "/dump_step" + std::to_string(d.step) + ".h5";
-  const bool writer = grid.replica() == 0;
+  const bool writer = grid.is_root();  // tokens and routes are whole-batch arrays
   auto grads = Kokkos::create_mirror_view_and_copy(HostSpace(), table.grads);
   H5File f = H5File::create(path, grid.world.comm());
   f.set_attr("/", "step", std::int64_t(d.step));
@@ -23,10 +24,14 @@ void write_step_dump(const Config& cfg, const ProcessGrid& grid, const TensorTab
   for (const auto& [block, route] : d.routes)
     f.write_i32("/route/" + std::to_string(block),
                 {std::int64_t(d.global_batch) * d.seq_len, d.top_k}, route.data(), writer);
-  for (const auto& e : table.entries())
-    if (e.spec.trainable)  // buffers have no gradient
-      f.write_f32("/grad/" + tensor_path(e.spec.name), e.spec.shape, grads.data() + e.offset,
-                  writer);
+  for (const TensorSpec& g : global_catalog(table, grid)) {
+    if (!g.trainable) continue;  // buffers have no gradient
+    const int i = table.find(g.name);
+    const TensorEntry* e = i >= 0 ? &table.entry(i) : nullptr;
+    f.write_rows_f32("/grad/" + tensor_path(g.name), g.shape, e ? e->spec.row_begin : 0,
+                     e ? e->spec.local_rows() : 0, grads.data() + (e ? e->offset : 0),
+                     e && owns(e->spec, grid));
+  }
   f.close();
 }
 

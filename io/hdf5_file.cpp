@@ -109,7 +109,8 @@ std::vector<std::int64_t> H5File::shape(const std::string& dataset) const {
 }
 
 void H5File::write_raw(const std::string& dataset, const std::vector<std::int64_t>& shape,
-                       hid_t type, const void* data, std::size_t elem_bytes, bool write) {
+                       hid_t type, const void* data, std::size_t elem_bytes, bool write,
+                       std::int64_t row_begin, std::int64_t rows) {
   H5Handle lcpl(H5Pcreate(H5P_LINK_CREATE), H5Pclose);
   H5Pset_create_intermediate_group(lcpl.get(), 1);
   const auto dims = dims_of(shape);
@@ -119,14 +120,17 @@ void H5File::write_raw(const std::string& dataset, const std::vector<std::int64_
              H5Dclose);
   KMOE_REQUIRE(d.get() >= 0, path_ << ": cannot create dataset " << dataset);
   if (!write || shape.empty()) return;
-  std::int64_t rows = shape[0], row_elems = 1;
+  std::int64_t row_elems = 1;
   for (std::size_t i = 1; i < shape.size(); ++i) row_elems *= shape[i];
+  KMOE_REQUIRE(row_begin >= 0 && row_begin + rows <= shape[0],
+               path_ << ": rows [" << row_begin << ", " << row_begin + rows << ") of dataset "
+                     << dataset << " outside its " << shape[0] << " rows");
   const std::int64_t block =
       std::max<std::int64_t>(1, kMaxTransferBytes / std::max<std::int64_t>(1, row_elems * elem_bytes));
   for (std::int64_t r0 = 0; r0 < rows; r0 += block) {
     const std::int64_t nr = std::min(block, rows - r0);
     std::vector<hsize_t> start(dims.size(), 0), count = dims;
-    start[0] = r0;
+    start[0] = row_begin + r0;
     count[0] = nr;
     H5Handle fspace(H5Dget_space(d.get()), H5Sclose);
     H5Sselect_hyperslab(fspace.get(), H5S_SELECT_SET, start.data(), nullptr, count.data(), nullptr);
@@ -139,16 +143,29 @@ void H5File::write_raw(const std::string& dataset, const std::vector<std::int64_
 
 void H5File::write_f32(const std::string& dataset, const std::vector<std::int64_t>& shape,
                        const float* data, bool write) {
-  write_raw(dataset, shape, H5T_NATIVE_FLOAT, data, sizeof(float), write);
+  write_raw(dataset, shape, H5T_NATIVE_FLOAT, data, sizeof(float), write, 0,
+            shape.empty() ? 1 : shape[0]);
 }
 
 void H5File::write_i32(const std::string& dataset, const std::vector<std::int64_t>& shape,
                        const std::int32_t* data, bool write) {
-  write_raw(dataset, shape, H5T_NATIVE_INT32, data, sizeof(std::int32_t), write);
+  write_raw(dataset, shape, H5T_NATIVE_INT32, data, sizeof(std::int32_t), write, 0,
+            shape.empty() ? 1 : shape[0]);
+}
+
+void H5File::write_rows_f32(const std::string& dataset, const std::vector<std::int64_t>& shape,
+                            std::int64_t row_begin, std::int64_t rows, const float* data,
+                            bool write) {
+  write_raw(dataset, shape, H5T_NATIVE_FLOAT, data, sizeof(float), write, row_begin, rows);
 }
 
 void H5File::read_f32(const std::string& dataset, const std::vector<std::int64_t>& shape,
                       float* data) const {
+  read_rows_f32(dataset, shape, 0, shape.empty() ? 1 : shape[0], data);
+}
+
+void H5File::read_rows_f32(const std::string& dataset, const std::vector<std::int64_t>& shape,
+                           std::int64_t row_begin, std::int64_t rows, float* data) const {
   const auto actual = this->shape(dataset);
   KMOE_REQUIRE(actual == shape, path_ << ": dataset " << dataset << " has shape "
                                       << shape_text(actual) << ", the deck needs "
@@ -157,7 +174,7 @@ void H5File::read_f32(const std::string& dataset, const std::vector<std::int64_t
   H5Handle type(H5Dget_type(d.get()), H5Tclose);
   KMOE_REQUIRE(H5Tget_class(type.get()) == H5T_FLOAT && H5Tget_size(type.get()) == 4,
                path_ << ": dataset " << dataset << " is not float32");
-  std::int64_t rows = shape.empty() ? 1 : shape[0], row_elems = 1;
+  std::int64_t row_elems = 1;
   for (std::size_t i = 1; i < shape.size(); ++i) row_elems *= shape[i];
   const std::int64_t block =
       std::max<std::int64_t>(1, kMaxTransferBytes / std::max<std::int64_t>(1, row_elems * 4));
@@ -166,7 +183,7 @@ void H5File::read_f32(const std::string& dataset, const std::vector<std::int64_t
     const std::int64_t nr = std::min(block, rows - r0);
     std::vector<hsize_t> start(dims.size(), 0), count = dims;
     if (!dims.empty()) {
-      start[0] = r0;
+      start[0] = row_begin + r0;
       count[0] = nr;
     }
     H5Handle fspace(H5Dget_space(d.get()), H5Sclose);

@@ -51,9 +51,17 @@ class H5File {
                  const float* data, bool write);
   void write_i32(const std::string& dataset, const std::vector<std::int64_t>& shape,
                  const std::int32_t* data, bool write);
+  // The same for a row block: ranks with write == true store rows [row_begin, row_begin + rows)
+  // of dimension 0 (their hyperslab) from `data`.
+  void write_rows_f32(const std::string& dataset, const std::vector<std::int64_t>& shape,
+                      std::int64_t row_begin, std::int64_t rows, const float* data, bool write);
   // Reads the whole dataset (checking its shape equals `shape`) into `data`.
   void read_f32(const std::string& dataset, const std::vector<std::int64_t>& shape,
                 float* data) const;
+  // Reads rows [row_begin, row_begin + rows) of dimension 0 (the dataset's shape must equal
+  // `shape`) into `data`. Independent: only this rank's hyperslab is read.
+  void read_rows_f32(const std::string& dataset, const std::vector<std::int64_t>& shape,
+                     std::int64_t row_begin, std::int64_t rows, float* data) const;
 
   // Attributes on an object ("/" or a group, created if missing). Collective for writes.
   void set_attr(const std::string& object, const std::string& name, const std::string& value);
@@ -69,7 +77,8 @@ class H5File {
  private:
   H5File(std::string path, H5Handle file) : path_(std::move(path)), file_(std::move(file)) {}
   void write_raw(const std::string& dataset, const std::vector<std::int64_t>& shape,
-                 hid_t type, const void* data, std::size_t elem_bytes, bool write);
+                 hid_t type, const void* data, std::size_t elem_bytes, bool write,
+                 std::int64_t row_begin, std::int64_t rows);
   H5Handle open_or_create_group(const std::string& object);
 
   std::string path_;

@@ -38,6 +38,8 @@ class LmHead {
                    float grad_scale);
   // dx: (N, D) gradient w.r.t. the final residual stream (assigned).
   void backward(TensorTable& table, ConstMat x, Mat dx);
+  // The lowest table index of the tensors the head declared (final_norm.weight).
+  int first_tensor() const { return norm_; }
 
  private:
   int V_, D_;

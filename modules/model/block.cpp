@@ -19,7 +19,7 @@ std::string block_prefix(int layer) { return "blocks." + std::to_string(layer) +
 }  // namespace
 
 Block::Block(const ModelCfg& m, const MoeCfg& e, const EngramCfg& g, const EngramHashPlan* plan,
-             int layer, int max_seqs, int T, TensorTable& table)
+             int layer, int max_seqs, int T, TensorTable& table, const LayerComms& comms)
     : D_(m.d_model),
       reordered_(m.block_norm == "reordered"),
       eps_(static_cast<float>(m.norm_eps)),
@@ -35,7 +35,7 @@ Block::Block(const ModelCfg& m, const MoeCfg& e, const EngramCfg& g, const Engra
     x_engram_ = View1F("block::x_engram", N * D_);
   }
   if (e.is_moe_layer(layer))
-    moe_ = std::make_unique<MoeLayer>(m, e, block_prefix(layer) + "moe.", N, table);
+    moe_ = std::make_unique<MoeLayer>(m, e, block_prefix(layer) + "moe.", N, table, comms.ep);
   else
     mlp_ = std::make_unique<SwigluMlp>(block_prefix(layer) + "mlp.", D_, m.ffn_hidden, m.init_std,
                                        N, table);

@@ -10,6 +10,7 @@
 #include "modules/engram/engram.hpp"
 #include "modules/mlp/swiglu.hpp"
 #include "modules/moe/moe.hpp"
+#include "parallel/layer_comms.hpp"
 
 namespace kmoe {
 
@@ -28,7 +29,8 @@ class Block {
   // The FFN is an MoE layer when e.is_moe_layer(layer), else the dense SwiGLU MLP. With an
   // Engram plan for this block, x + Engram(x, tokens) enters the block instead of x.
   Block(const ModelCfg& m, const MoeCfg& e, const EngramCfg& g, const EngramHashPlan* plan,
-        int layer, int max_seqs, int seq_len, TensorTable& table);
+        int layer, int max_seqs, int seq_len, TensorTable& table,
+        const LayerComms& comms = LayerComms());
 
   // x_in, x_out: (N, D); tokens: (N) ids (Engram). Saves what backward needs (x_in itself is
   // kept by the caller).
@@ -40,6 +42,8 @@ class Block {
                 Mat dx_in, BlockScratch& s, float aux_scale);
 
   bool is_moe() const { return moe_ != nullptr; }
+  // The lowest table index among the block's tensors (declared first: attn_norm.weight).
+  int first_tensor() const { return attn_norm_; }
   const EngramLayer* engram() const { return engram_.get(); }
   // The MoE layer's report of the last forward (empty for a dense block).
   const MoeStats& moe_stats() const { return moe_stats_; }

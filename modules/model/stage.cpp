@@ -5,27 +5,15 @@
 namespace kmoe {
 
 Stage::Stage(const ModelCfg& m, const MoeCfg& e, int max_seqs, int T, TensorTable& table,
-             const EngramCfg& g)
+             const EngramCfg& g, const StagePlan& plan, const LayerComms& comms)
     : D_(m.d_model),
       T_(T),
       max_seqs_(max_seqs),
+      first_(plan.first_block),
+      has_embed_(plan.embed),
+      has_head_(plan.head),
       rope_(T, m.head_dim(), m.rope_theta),
       compression_(load_engram_compression(g, m.vocab_size)),
-      embed_(m.vocab_size, m.d_model, m.init_std, max_seqs * T, table),
-      blocks_([&] {
-        // Engram's primes are drawn over all Engram layers of the model, in block order.
-        auto plans = engram_hash_plans(g, compression_.vocab_c);
-        for (auto& p : plans) p.pad_c = compression_.map[g.pad_id];
-        std::vector<std::unique_ptr<Block>> b;
-        for (int l = 0; l < m.n_layers; ++l) {
-          const EngramHashPlan* plan = nullptr;
-          for (const auto& p : plans)
-            if (p.layer == l) plan = &p;
-          b.push_back(std::make_unique<Block>(m, e, g, plan, l, max_seqs, T, table));
-        }
-        return b;
-      }()),
-      head_(m, max_seqs * T, embed_.weight_index(), table),
       scratch_(m, e, max_seqs, T),
       tokens_("stage::tokens", max_seqs * T),
       d_x_("stage::d_x", std::int64_t(max_seqs) * T * m.d_model),
@@ -33,6 +21,32 @@ Stage::Stage(const ModelCfg& m, const MoeCfg& e, int max_seqs, int T, TensorTabl
       lb_coef_(e.lb_coef),
       z_coef_(e.z_coef),
       top_k_(e.top_k) {
+  const int last = plan.last_block < 0 ? m.n_layers : plan.last_block;
+  KMOE_REQUIRE(first_ >= 0 && first_ < last && last <= m.n_layers,
+               "Stage: blocks [" << first_ << ", " << last << ") of " << m.n_layers);
+  // Declaration order is the model's (embedding, blocks, head): checkpoints list it so.
+  if (has_embed_) {
+    embed_ = std::make_unique<Embedding>(m.vocab_size, m.d_model, m.init_std, max_seqs * T, table);
+    embed_weight_ = embed_->weight_index();
+  }
+  // Engram's primes are drawn over all Engram layers of the model, in block order.
+  auto plans = engram_hash_plans(g, compression_.vocab_c);
+  for (auto& p : plans) p.pad_c = compression_.map[g.pad_id];
+  for (int l = first_; l < last; ++l) {
+    const EngramHashPlan* ep = nullptr;
+    for (const auto& p : plans)
+      if (p.layer == l) ep = &p;
+    blocks_.push_back(std::make_unique<Block>(m, e, g, ep, l, max_seqs, T, table, comms));
+  }
+  if (has_head_) {
+    if (m.tie_embeddings && !has_embed_) {  // the last stage's replica of the tied matrix
+      TensorSpec tied{"embed.weight", {m.vocab_size, m.d_model}, InitKind::Normal, m.init_std,
+                      false, 1.0};
+      tied.tied_copy = true;
+      embed_weight_ = table.add(tied);
+    }
+    head_ = std::make_unique<LmHead>(m, max_seqs * T, embed_weight_, table);
+  }
   if (g.enabled()) {
     compress_ = View1I("stage::compress", m.vocab_size);
     auto h = Kokkos::create_mirror_view(compress_);
@@ -40,7 +54,7 @@ Stage::Stage(const ModelCfg& m, const MoeCfg& e, int max_seqs, int T, TensorTabl
     Kokkos::deep_copy(compress_, h);
     compressed_ = View1I("stage::compressed_tokens", max_seqs * T);
   }
-  for (int l = 0; l <= m.n_layers; ++l)
+  for (std::size_t l = 0; l <= blocks_.size(); ++l)
     resid_.emplace_back("stage::resid", std::int64_t(max_seqs) * T * m.d_model);
 }
 
@@ -55,7 +69,7 @@ LossSums Stage::forward(const TensorTable& table, const std::int32_t* tokens, in
   Kokkos::deep_copy(ids, host_ids);
   ConstIVec tok(tokens_.data(), N);
 
-  embed_.forward(table, tok, resid(0, N));
+  if (has_embed_) embed_->forward(table, tok, resid(0, N));
   ConstIVec engram_tok = tok;  // Engram reads compressed ids
   if (compress_.extent(0) > 0) {
     auto map = compress_;
@@ -67,13 +81,14 @@ LossSums Stage::forward(const TensorTable& table, const std::int32_t* tokens, in
   for (std::size_t l = 0; l < blocks_.size(); ++l)
     blocks_[l]->forward(table, rope_, as_cmat(resid(l, N)), engram_tok, resid(l + 1, N),
                         scratch_);
-  LossSums sums = head_.forward(table, as_cmat(resid(blocks_.size(), N)), tok, T_, grad_scale);
-  aux_scale_ = static_cast<float>(double(grad_scale) * sums.targets);
+  LossSums sums;
+  if (has_head_) sums = head_->forward(table, as_cmat(resid(blocks_.size(), N)), tok, T_, grad_scale);
+  aux_scale_ = static_cast<float>(double(grad_scale) * nseq * (T_ - 1));
   for (std::size_t l = 0; l < blocks_.size(); ++l) {
     if (!blocks_[l]->is_moe()) continue;
     const MoeStats& st = blocks_[l]->moe_stats();
     sums.moe_aux += lb_coef_ * st.lb + z_coef_ * st.rz;
-    sums.moe.emplace_back(static_cast<int>(l), st);
+    sums.moe.emplace_back(first_ + static_cast<int>(l), st);
   }
   return sums;
 }
@@ -81,7 +96,7 @@ LossSums Stage::forward(const TensorTable& table, const std::int32_t* tokens, in
 std::vector<std::pair<int, const EngramLayer*>> Stage::engram_layers() const {
   std::vector<std::pair<int, const EngramLayer*>> out;
   for (std::size_t l = 0; l < blocks_.size(); ++l)
-    if (blocks_[l]->engram()) out.emplace_back(static_cast<int>(l), blocks_[l]->engram());
+    if (blocks_[l]->engram()) out.emplace_back(first_ + static_cast<int>(l), blocks_[l]->engram());
   return out;
 }
 
@@ -90,20 +105,28 @@ std::vector<std::pair<int, ConstIVec>> Stage::moe_routes() const {
   const int slots = nseq_ * T_ * top_k_;
   for (std::size_t l = 0; l < blocks_.size(); ++l)
     if (blocks_[l]->is_moe())
-      routes.emplace_back(static_cast<int>(l), ConstIVec(blocks_[l]->moe_routes().data(), slots));
+      routes.emplace_back(first_ + static_cast<int>(l),
+                          ConstIVec(blocks_[l]->moe_routes().data(), slots));
   return routes;
 }
 
-void Stage::backward(TensorTable& table) {
+const float* Stage::backward(TensorTable& table, const std::function<void(int)>& ready) {
   const int N = nseq_ * T_;
   Mat dy = as_mat(d_y_.data(), N, D_), dx = as_mat(d_x_.data(), N, D_);
-  head_.backward(table, as_cmat(resid(blocks_.size(), N)), dy);
+  if (has_head_) {
+    head_->backward(table, as_cmat(resid(blocks_.size(), N)), dy);
+    if (ready) ready(head_->first_tensor());
+  }
   for (int l = static_cast<int>(blocks_.size()) - 1; l >= 0; --l) {
     blocks_[l]->backward(table, rope_, as_cmat(resid(l, N)), as_cmat(dy), dx, scratch_,
                          aux_scale_);
     std::swap(dx, dy);
+    if (ready) ready(l > 0 || has_embed_ ? blocks_[l]->first_tensor() : 0);
   }
-  embed_.backward(table, ConstIVec(tokens_.data(), N), as_cmat(dy));
+  if (!has_embed_) return dy.data();
+  embed_->backward(table, ConstIVec(tokens_.data(), N), as_cmat(dy));
+  if (ready) ready(0);
+  return nullptr;
 }
 
 }  // namespace kmoe

@@ -1,8 +1,11 @@
 // A pipeline stage: the contiguous run of blocks this rank owns, plus the embedding on the
 // first stage and the final norm, LM head and loss on the last. With pp = 1 it is the whole
-// model. forward() keeps every block's activations for backward() of the same micro-batch.
+// model. forward() keeps every block's activations for backward() of the same micro-batch; a
+// pipeline schedule with several micro-batches in flight uses one Stage per activation slot,
+// all bound to the same parameters in the TensorTable (TensorTable::bind).
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -12,41 +15,68 @@
 
 namespace kmoe {
 
+// Which part of the model a stage holds.
+struct StagePlan {
+  int first_block = 0, last_block = -1;  // blocks [first, last); last < 0: to the end
+  bool embed = true, head = true;        // embedding here (first stage), head and loss here
+  static StagePlan whole() { return StagePlan(); }
+};
+
 class Stage {
  public:
-  // Declares every tensor of blocks [first_block, last_block) into `table` (plus embedding and
-  // head); buffers are sized for micro-batches of up to max_seqs sequences of seq_len tokens.
+  // Declares every tensor of its blocks into `table` (plus embedding and head); buffers are
+  // sized for micro-batches of up to max_seqs sequences of seq_len tokens. A last stage without
+  // the embedding but with tied embeddings declares a tied copy of embed.weight for the head.
   Stage(const ModelCfg& m, const MoeCfg& e, int max_seqs, int seq_len, TensorTable& table,
-        const EngramCfg& g = EngramCfg());
+        const EngramCfg& g = EngramCfg(), const StagePlan& plan = StagePlan::whole(),
+        const LayerComms& comms = LayerComms());
 
   // Each Engram block's layer: (block index, layer), for metrics.
   std::vector<std::pair<int, const EngramLayer*>> engram_layers() const;
 
-  // tokens: host ids of nseq <= max_seqs sequences (nseq * T). grad_scale > 0 prepares
-  // backward() for this micro-batch's loss with weight grad_scale * targets in the step loss
-  // (CE gradients scaled by grad_scale, MoE auxiliary losses by grad_scale * targets).
+  // The (N, D) buffer a stage without the embedding receives its input into before forward().
+  float* input_buffer() { return resid_[0].data(); }
+  // The (N, D) output of the last forward() (the next stage's input).
+  const float* output() const { return resid_.back().data(); }
+  // The (N, D) buffer a stage without the head receives d loss / d output into before
+  // backward().
+  float* output_grad_buffer() { return d_y_.data(); }
+
+  // tokens: host ids of nseq <= max_seqs sequences (nseq * T); every stage reads them (Engram
+  // hashes them, the head needs the targets). grad_scale > 0 prepares backward() for this
+  // micro-batch's loss with weight grad_scale * targets in the step loss (CE gradients scaled by
+  // grad_scale, MoE auxiliary losses by grad_scale * targets). The CE and z sums are those of
+  // the head (0 on a stage without it); the MoE terms those of this stage's MoE blocks.
   LossSums forward(const TensorTable& table, const std::int32_t* tokens, int nseq,
                    float grad_scale);
-  // Accumulates parameter gradients of the last forward()'s micro-batch.
-  void backward(TensorTable& table);
+  // Accumulates parameter gradients of the last forward()'s micro-batch; returns d loss / d
+  // input (N, D) for the previous stage (null on a stage with the embedding). `ready(k)`, when
+  // given, hears as backward goes that every tensor with table index >= k is done (the
+  // gradient buckets of the step's last backward start on it).
+  const float* backward(TensorTable& table, const std::function<void(int)>& ready = nullptr);
 
   // Each MoE block's routing of the last forward(): (block index, (N*k) expert ids).
   std::vector<std::pair<int, ConstIVec>> moe_routes() const;
   int top_k() const { return top_k_; }
+  int d_model() const { return D_; }
+  int first_block() const { return first_; }
+  int num_blocks() const { return static_cast<int>(blocks_.size()); }
 
  private:
   Mat resid(int i, int N) { return as_mat(resid_[i].data(), N, D_); }
 
-  int D_, T_, max_seqs_;
+  int D_, T_, max_seqs_, first_;
+  bool has_embed_, has_head_;
   RopeTables rope_;
   EngramCompression compression_;  // before blocks_: their Engram plans depend on it
-  Embedding embed_;
+  std::unique_ptr<Embedding> embed_;
+  int embed_weight_ = -1;  // embed.weight (here or its tied copy), -1 if neither
   std::vector<std::unique_ptr<Block>> blocks_;
-  LmHead head_;
+  std::unique_ptr<LmHead> head_;
   BlockScratch scratch_;
   View1I tokens_;                 // (max_seqs * T) device copy of the ids
   View1I compress_, compressed_;  // Engram: (V) canonical ids, (max_seqs * T) compressed ids
-  std::vector<View1F> resid_;     // L+1 residual streams (N, D): block inputs and the output
+  std::vector<View1F> resid_;     // blocks+1 residual streams (N, D): block inputs and output
   View1F d_x_, d_y_;              // (N, D) backward ping-pong
   int nseq_ = 0;
   float aux_scale_ = 0.0f;

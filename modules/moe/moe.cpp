@@ -34,15 +34,32 @@ void update_router_bias(TensorTable& table, int bias_index, const std::vector<do
   Kokkos::deep_copy(b, h);
 }
 
+namespace {
+// Grows a buffer to at least n elements (never shrinks; contents are not kept).
+void ensure(View1F& v, std::int64_t n, const char* label) {
+  if (std::int64_t(v.extent(0)) < n) v = View1F(std::string(label), n + n / 4);
+}
+}  // namespace
+
 MoeLayer::MoeLayer(const ModelCfg& m, const MoeCfg& e, const std::string& prefix,
-                   std::int64_t max_tokens, TensorTable& table)
-    : D_(m.d_model), E_(e.experts), k_(e.top_k), Fe_(e.expert_hidden), cfg_(e),
-      buckets_(max_tokens * e.top_k, e.experts) {
+                   std::int64_t max_tokens, TensorTable& table, const Communicator* ep)
+    : D_(m.d_model), E_(e.experts), k_(e.top_k), Fe_(e.expert_hidden),
+      P_(ep ? ep->size() : 1), El_(e.experts / P_), e0_(ep ? ep->rank() * El_ : 0),
+      ep_(P_ > 1 ? ep : nullptr), cfg_(e), buckets_(max_tokens * e.top_k, e.experts) {
+  KMOE_REQUIRE(E_ % P_ == 0, "moe.experts (" << E_ << ") must be divisible by parallel.ep ("
+                                             << P_ << ")");
   const double std = m.init_std;
   router_ = table.add({prefix + "router", {E_, D_}, InitKind::Normal, std, true, 1.0});
-  w1_ = table.add({prefix + "experts.w1", {E_, Fe_, D_}, InitKind::Normal, std, true, 1.0});
-  w3_ = table.add({prefix + "experts.w3", {E_, Fe_, D_}, InitKind::Normal, std, true, 1.0});
-  w2_ = table.add({prefix + "experts.w2", {E_, D_, Fe_}, InitKind::Normal, std, true, 1.0});
+  auto expert = [&](const char* name, std::int64_t a, std::int64_t b) {
+    TensorSpec t{prefix + name, {E_, a, b}, InitKind::Normal, std, true, 1.0};
+    t.shard = Shard::Ep;
+    t.row_begin = e0_;
+    t.rows = El_;
+    return table.add(t);
+  };
+  w1_ = expert("experts.w1", Fe_, D_);
+  w3_ = expert("experts.w3", Fe_, D_);
+  w2_ = expert("experts.w2", D_, Fe_);
   if (e.bias_update_rate > 0) {
     TensorSpec bias{prefix + "router_bias", {E_}, InitKind::Zeros, 0.0, false, 1.0};
     bias.trainable = false;
@@ -158,20 +175,20 @@ MoeStats MoeLayer::forward(const TensorTable& table, ConstMat x, Mat y) {
       "moe::gather", Range2({0, 0}, {R, D}),
       KOKKOS_LAMBDA(int r, int d) { rows_in(r, d) = x(row_slot(r) / k, d); });
 
-  // Experts: one contiguous row block and three GEMMs each.
-  for (int e = 0; e < E; ++e) {
-    const int r0 = host_offsets_[e], n = host_offsets_[e + 1] - r0;
-    if (n == 0) continue;
-    auto in = as_cmat(rows_in_.data() + std::int64_t(r0) * D, n, D);
-    Mat u1 = as_mat(up1_.data() + std::int64_t(r0) * Fe, n, Fe);
-    Mat u3 = as_mat(up3_.data() + std::int64_t(r0) * Fe, n, Fe);
-    Mat a = as_mat(act_.data() + std::int64_t(r0) * Fe, n, Fe);
-    const std::int64_t wsz = std::int64_t(Fe) * D;
-    gemm(Trans::N, Trans::T, 1.0f, in, as_cmat(table.param(w1_) + e * wsz, Fe, D), 0.0f, u1);
-    gemm(Trans::N, Trans::T, 1.0f, in, as_cmat(table.param(w3_) + e * wsz, Fe, D), 0.0f, u3);
-    swiglu_activate(u1.data(), u3.data(), Fe, a);
-    gemm(Trans::N, Trans::T, 1.0f, as_cmat(a), as_cmat(table.param(w2_) + e * wsz, D, Fe), 0.0f,
-         as_mat(rows_out_.data() + std::int64_t(r0) * D, n, D));
+  // Experts: one contiguous row block and three GEMMs each, here or on their ep rank.
+  if (!ep_) {
+    experts_forward(table, rows_in_.data(), host_offsets_, up1_.data(), up3_.data(), act_.data(),
+                    rows_out_.data());
+  } else {
+    plan_exchange();
+    const std::int64_t Rx = ex_off_[El_];
+    ensure(ex_in_, Rx * D, "moe::ex_in");
+    ensure(ex_out_, Rx * D, "moe::ex_out");
+    for (View1F* v : {&ex_up1_, &ex_up3_, &ex_act_}) ensure(*v, Rx * Fe, "moe::ex_hidden");
+    dispatch(rows_in_.data(), ex_in_.data());
+    experts_forward(table, ex_in_.data(), ex_off_, ex_up1_.data(), ex_up3_.data(),
+                    ex_act_.data(), ex_out_.data());
+    combine(ex_out_.data(), rows_out_.data());
   }
 
   // Combine: y = shared(x) + sum_j w_j expert_j(x), slots in order (dropped ones give 0).
@@ -207,7 +224,7 @@ MoeStats MoeLayer::forward(const TensorTable& table, ConstMat x, Mat y) {
 
 void MoeLayer::backward(TensorTable& table, ConstMat x, ConstMat dy, Mat dx, MoeScratch& s,
                         float aux_scale) {
-  const int N = N_, E = E_, k = k_, D = D_, Fe = Fe_, R = host_offsets_[E];
+  const int N = N_, E = E_, k = k_, D = D_, R = host_offsets_[E];
   const bool softmax = cfg_.score == "softmax", normalize = cfg_.normalize_topk;
 
   if (shared_)
@@ -237,29 +254,16 @@ void MoeLayer::backward(TensorTable& table, ConstMat x, ConstMat dy, Mat dx, Moe
         dwt(slot) = dot;
       });
 
-  // Experts backward; an expert without rows leaves its (zeroed) gradients untouched.
-  for (int e = 0; e < E; ++e) {
-    const int r0 = host_offsets_[e], n = host_offsets_[e + 1] - r0;
-    if (n == 0) continue;
-    const std::int64_t wsz = std::int64_t(Fe) * D;
-    Mat g = as_mat(s.d_rows.data() + std::int64_t(r0) * D, n, D);
-    auto in = as_cmat(rows_in_.data() + std::int64_t(r0) * D, n, D);
-    const float* u1 = up1_.data() + std::int64_t(r0) * Fe;
-    const float* u3 = up3_.data() + std::int64_t(r0) * Fe;
-    Mat da = as_mat(s.d_act.data(), n, Fe);
-    Mat du1 = as_mat(s.d_up1.data(), n, Fe), du3 = as_mat(s.d_up3.data(), n, Fe);
-    gemm(Trans::N, Trans::N, 1.0f, as_cmat(g), as_cmat(table.param(w2_) + e * wsz, D, Fe), 0.0f,
-         da);
-    gemm(Trans::T, Trans::N, 1.0f, as_cmat(g), as_cmat(act_.data() + std::int64_t(r0) * Fe, n, Fe),
-         1.0f, as_mat(table.grad(w2_) + e * wsz, D, Fe));
-    swiglu_activate_backward(u1, u3, Fe, as_cmat(da), du1.data(), du3.data(), Fe);
-    gemm(Trans::T, Trans::N, 1.0f, as_cmat(du1), in, 1.0f, as_mat(table.grad(w1_) + e * wsz, Fe, D));
-    gemm(Trans::T, Trans::N, 1.0f, as_cmat(du3), in, 1.0f, as_mat(table.grad(w3_) + e * wsz, Fe, D));
-    // The row block now holds the gradient w.r.t. the expert's inputs.
-    gemm(Trans::N, Trans::N, 1.0f, as_cmat(du1), as_cmat(table.param(w1_) + e * wsz, Fe, D), 0.0f,
-         g);
-    gemm(Trans::N, Trans::N, 1.0f, as_cmat(du3), as_cmat(table.param(w3_) + e * wsz, Fe, D), 1.0f,
-         g);
+  // Experts backward (here or on their ep rank): d_rows then holds the input gradients.
+  if (!ep_) {
+    experts_backward(table, s.d_rows.data(), rows_in_.data(), up1_.data(), up3_.data(),
+                     act_.data(), host_offsets_, s);
+  } else {
+    ensure(ex_grad_, std::int64_t(ex_off_[El_]) * D, "moe::ex_grad");
+    dispatch(s.d_rows.data(), ex_grad_.data());
+    experts_backward(table, ex_grad_.data(), ex_in_.data(), ex_up1_.data(), ex_up3_.data(),
+                     ex_act_.data(), ex_off_, s);
+    combine(ex_grad_.data(), s.d_rows.data());
   }
   Kokkos::parallel_for(
       "moe::scatter_inputs", Range2({0, 0}, {N, D}), KOKKOS_LAMBDA(int t, int d) {
@@ -305,6 +309,124 @@ void MoeLayer::backward(TensorTable& table, ConstMat x, ConstMat dy, Mat dx, Moe
       });
   gemm(Trans::T, Trans::N, 1.0f, as_cmat(dz), x, 1.0f, as_mat(table.grad(router_), E, D));
   gemm(Trans::N, Trans::N, 1.0f, as_cmat(dz), as_cmat(table.param(router_), E, D), 1.0f, dx);
+}
+
+void MoeLayer::experts_forward(const TensorTable& table, const float* in_rows,
+                               const std::vector<int>& off, float* up1, float* up3, float* act,
+                               float* out) const {
+  const int D = D_, Fe = Fe_;
+  const std::int64_t wsz = std::int64_t(Fe) * D;
+  for (int le = 0; le < El_; ++le) {
+    const int r0 = off[le], n = off[le + 1] - r0;
+    if (n == 0) continue;
+    auto in = as_cmat(in_rows + std::int64_t(r0) * D, n, D);
+    Mat u1 = as_mat(up1 + std::int64_t(r0) * Fe, n, Fe);
+    Mat u3 = as_mat(up3 + std::int64_t(r0) * Fe, n, Fe);
+    Mat a = as_mat(act + std::int64_t(r0) * Fe, n, Fe);
+    gemm(Trans::N, Trans::T, 1.0f, in, as_cmat(table.param(w1_) + le * wsz, Fe, D), 0.0f, u1);
+    gemm(Trans::N, Trans::T, 1.0f, in, as_cmat(table.param(w3_) + le * wsz, Fe, D), 0.0f, u3);
+    swiglu_activate(u1.data(), u3.data(), Fe, a);
+    gemm(Trans::N, Trans::T, 1.0f, as_cmat(a), as_cmat(table.param(w2_) + le * wsz, D, Fe), 0.0f,
+         as_mat(out + std::int64_t(r0) * D, n, D));
+  }
+}
+
+void MoeLayer::experts_backward(TensorTable& table, float* g_rows, const float* in_rows,
+                                const float* up1, const float* up3, const float* act,
+                                const std::vector<int>& off, MoeScratch& s) const {
+  // An expert without rows leaves its (zeroed) gradients untouched.
+  const int D = D_, Fe = Fe_;
+  const std::int64_t wsz = std::int64_t(Fe) * D;
+  int most = 0;
+  for (int le = 0; le < El_; ++le) most = std::max(most, off[le + 1] - off[le]);
+  for (View1F* v : {&s.d_act, &s.d_up1, &s.d_up3}) ensure(*v, std::int64_t(most) * Fe, "moe::d_hidden");
+  for (int le = 0; le < El_; ++le) {
+    const int r0 = off[le], n = off[le + 1] - r0;
+    if (n == 0) continue;
+    Mat g = as_mat(g_rows + std::int64_t(r0) * D, n, D);
+    auto in = as_cmat(in_rows + std::int64_t(r0) * D, n, D);
+    const float* u1 = up1 + std::int64_t(r0) * Fe;
+    const float* u3 = up3 + std::int64_t(r0) * Fe;
+    Mat da = as_mat(s.d_act.data(), n, Fe);
+    Mat du1 = as_mat(s.d_up1.data(), n, Fe), du3 = as_mat(s.d_up3.data(), n, Fe);
+    gemm(Trans::N, Trans::N, 1.0f, as_cmat(g), as_cmat(table.param(w2_) + le * wsz, D, Fe), 0.0f,
+         da);
+    gemm(Trans::T, Trans::N, 1.0f, as_cmat(g), as_cmat(act + std::int64_t(r0) * Fe, n, Fe), 1.0f,
+         as_mat(table.grad(w2_) + le * wsz, D, Fe));
+    swiglu_activate_backward(u1, u3, Fe, as_cmat(da), du1.data(), du3.data(), Fe);
+    gemm(Trans::T, Trans::N, 1.0f, as_cmat(du1), in, 1.0f, as_mat(table.grad(w1_) + le * wsz, Fe, D));
+    gemm(Trans::T, Trans::N, 1.0f, as_cmat(du3), in, 1.0f, as_mat(table.grad(w3_) + le * wsz, Fe, D));
+    // The row block now holds the gradient w.r.t. the expert's inputs.
+    gemm(Trans::N, Trans::N, 1.0f, as_cmat(du1), as_cmat(table.param(w1_) + le * wsz, Fe, D), 0.0f,
+         g);
+    gemm(Trans::N, Trans::N, 1.0f, as_cmat(du3), as_cmat(table.param(w3_) + le * wsz, Fe, D), 1.0f,
+         g);
+  }
+}
+
+void MoeLayer::plan_exchange() {
+  const int P = P_, El = El_;
+  // Kept rows per global expert (expert-major already), to the ranks that hold them.
+  std::vector<std::int64_t> counts(E_);
+  for (int e = 0; e < E_; ++e) counts[e] = host_offsets_[e + 1] - host_offsets_[e];
+  recv_counts_.assign(std::size_t(P) * El, 0);
+  ep_->all_to_all(counts.data(), recv_counts_.data(), El);
+  send_rows_.assign(P, 0);
+  recv_rows_.assign(P, 0);
+  for (int q = 0; q < P; ++q) {
+    send_rows_[q] = host_offsets_[(q + 1) * El] - host_offsets_[q * El];
+    for (int le = 0; le < El; ++le) recv_rows_[q] += recv_counts_[std::size_t(q) * El + le];
+  }
+  // Received rows are source-major (rank p: its rows for local expert 0, 1, ...); the experts
+  // want them expert-major (expert le: source 0, 1, ...). ex_perm(expert-major row) = received row.
+  ex_off_.assign(El + 1, 0);
+  for (int le = 0; le < El; ++le) {
+    std::int64_t n = 0;
+    for (int p = 0; p < P; ++p) n += recv_counts_[std::size_t(p) * El + le];
+    ex_off_[le + 1] = ex_off_[le] + static_cast<int>(n);
+  }
+  const int Rx = ex_off_[El];
+  if (std::int64_t(ex_perm_.extent(0)) < Rx) ex_perm_ = View1I("moe::ex_perm", Rx + Rx / 4);
+  auto perm = Kokkos::create_mirror_view(ex_perm_);
+  std::vector<int> fill(ex_off_.begin(), ex_off_.end() - 1);
+  int src = 0;
+  for (int p = 0; p < P; ++p)
+    for (int le = 0; le < El; ++le)
+      for (std::int64_t i = 0; i < recv_counts_[std::size_t(p) * El + le]; ++i) perm(fill[le]++) = src++;
+  Kokkos::deep_copy(ex_perm_, perm);
+  ensure(xfer_, std::int64_t(std::max<std::int64_t>(Rx, host_offsets_[E_])) * D_, "moe::xfer");
+}
+
+void MoeLayer::dispatch(const float* rows, float* ex) {
+  const int D = D_, Rx = ex_off_[El_];
+  std::vector<std::int64_t> sc(P_), rc(P_);
+  for (int q = 0; q < P_; ++q) {
+    sc[q] = send_rows_[q] * D;
+    rc[q] = recv_rows_[q] * D;
+  }
+  ep_->all_to_all_v(rows, sc, xfer_.data(), rc);
+  auto perm = ex_perm_;
+  auto from = as_cmat(xfer_.data(), std::max(Rx, 1), D);
+  auto to = as_mat(ex, std::max(Rx, 1), D);
+  Kokkos::parallel_for(
+      "moe::ep_regroup", Range2({0, 0}, {Rx, D}),
+      KOKKOS_LAMBDA(int r, int d) { to(r, d) = from(perm(r), d); });
+}
+
+void MoeLayer::combine(const float* ex, float* rows) {
+  const int D = D_, Rx = ex_off_[El_];
+  auto perm = ex_perm_;
+  auto from = as_cmat(ex, std::max(Rx, 1), D);
+  auto to = as_mat(xfer_.data(), std::max(Rx, 1), D);
+  Kokkos::parallel_for(
+      "moe::ep_ungroup", Range2({0, 0}, {Rx, D}),
+      KOKKOS_LAMBDA(int r, int d) { to(perm(r), d) = from(r, d); });
+  std::vector<std::int64_t> sc(P_), rc(P_);
+  for (int q = 0; q < P_; ++q) {
+    sc[q] = recv_rows_[q] * D;
+    rc[q] = send_rows_[q] * D;
+  }
+  ep_->all_to_all_v(xfer_.data(), sc, rows, rc);
 }
 
 }  // namespace kmoe

@@ -3,6 +3,13 @@
 // dispatch (token-slots grouped per expert with KeyBuckets, one contiguous row block and
 // GEMMs per expert), optional capacity with a deterministic tail drop, weighted combine, shared
 // experts. Forward and backward; every sum has a fixed order.
+//
+// Expert parallelism (RUNTIME.md section 1): with an ep group of P ranks, rank r holds experts
+// [r*E/P, (r+1)*E/P). Routing, capacity and the auxiliary losses stay with the micro-batch's
+// rank; the kept rows go to their experts' rank by all-to-all (per-expert counts first, then the
+// rows), are regrouped expert-major there (source rank order within an expert), run through the
+// expert GEMMs and come back the same way; backward sends the rows' output gradients and
+// returns their input gradients. Dropless: an expert takes every row it receives.
 #pragma once
 
 #include <memory>
@@ -13,6 +20,7 @@
 #include "core/kokkos_types.hpp"
 #include "io/config.hpp"
 #include "modules/mlp/swiglu.hpp"
+#include "parallel/communicator.hpp"
 #include "train/tensor_table.hpp"
 
 namespace kmoe {
@@ -45,8 +53,10 @@ class MoeLayer {
  public:
   // Declares <prefix>router [E, D], experts.w1/w3 [E, Fe, D], experts.w2 [E, D, Fe] and, with
   // shared experts, shared.w1/w3 [S*Fs, D], shared.w2 [D, S*Fs].
+  // `ep`: the expert-parallel group (null or one rank: all experts here). Expert tensors are
+  // declared as this rank's row block [E/P experts] of the global [E, ...] shape.
   MoeLayer(const ModelCfg& m, const MoeCfg& e, const std::string& prefix,
-           std::int64_t max_tokens, TensorTable& table);
+           std::int64_t max_tokens, TensorTable& table, const Communicator* ep = nullptr);
 
   // x: (N, D) -> y: (N, D); saves what backward needs.
   MoeStats forward(const TensorTable& table, ConstMat x, Mat y);
@@ -62,7 +72,23 @@ class MoeLayer {
   ConstIVec selected() const { return ConstIVec(sel_.data(), sel_.extent(0)); }
 
  private:
+  // The local experts' SwiGLUs on rows grouped per local expert (offsets: El+1 row bounds).
+  void experts_forward(const TensorTable& table, const float* in, const std::vector<int>& off,
+                       float* up1, float* up3, float* act, float* out) const;
+  // g: (rows, D) output gradients in, input gradients out; weight gradients accumulate.
+  void experts_backward(TensorTable& table, float* g, const float* in, const float* up1,
+                        const float* up3, const float* act, const std::vector<int>& off,
+                        MoeScratch& s) const;
+  // Expert parallelism: exchanges the per-expert row counts and plans the regrouping.
+  void plan_exchange();
+  // rows (this rank's kept rows, expert-major) -> ex (the local experts' rows, expert-major).
+  void dispatch(const float* rows, float* ex);
+  // ex -> rows: the inverse of dispatch.
+  void combine(const float* ex, float* rows);
+
   int D_, E_, k_, Fe_;
+  int P_ = 1, El_, e0_ = 0;  // ep group size, experts per rank, first local expert
+  const Communicator* ep_ = nullptr;
   MoeCfg cfg_;
   int router_, w1_, w3_, w2_, bias_ = -1;
   std::unique_ptr<SwigluMlp> shared_;
@@ -79,6 +105,12 @@ class MoeLayer {
   View1F rows_in_, up1_, up3_, act_, rows_out_;  // (N*k, D|Fe): gathered inputs ... outputs
   View1D aux_sums_;                              // (E+1): sum_t p_te, then sum_t lse_t^2
   int N_ = 0;
+  // Expert parallelism (P > 1), grown on demand: rows sent to / received from each rank, the
+  // local experts' row bounds, expert-major row -> received row, and the expert-side buffers.
+  std::vector<std::int64_t> send_rows_, recv_rows_, recv_counts_;
+  std::vector<int> ex_off_;
+  View1I ex_perm_;
+  View1F xfer_, ex_in_, ex_up1_, ex_up3_, ex_act_, ex_out_, ex_grad_;
 };
 
 }  // namespace kmoe

@@ -2,7 +2,12 @@
 
 #include <Kokkos_Core.hpp>
 #include <algorithm>
+#include <chrono>
 #include <climits>
+#include <cstdio>
+#include <cstring>
+#include <sstream>
+#include <thread>
 #include <utility>
 
 #include "core/error.hpp"
@@ -17,62 +22,310 @@ void mpi_check(int rc, const char* call) {
   KMOE_FAIL(call << " failed: " << std::string(msg, len));
 }
 
-Communicator::Communicator(MPI_Comm parent, std::string name) : name_(std::move(name)) {
+namespace {
+constexpr int kNoticeTag = 7, kDataTag = 11;
+constexpr std::int64_t kChunk = INT_MAX / 2;  // MPI counts are int: larger buffers are split
+}  // namespace
+
+Communicator::Communicator(MPI_Comm parent, std::string name, double watchdog_seconds)
+    : name_(std::move(name)), watchdog_s_(watchdog_seconds) {
   mpi_check(MPI_Comm_dup(parent, &comm_), "MPI_Comm_dup");
+  mpi_check(MPI_Comm_dup(parent, &notice_), "MPI_Comm_dup");
   MPI_Comm_rank(comm_, &rank_);
   MPI_Comm_size(comm_, &size_);
+  MPI_Group mine, world;
+  MPI_Comm_group(comm_, &mine);
+  MPI_Comm_group(MPI_COMM_WORLD, &world);
+  std::vector<int> local(size_);
+  for (int r = 0; r < size_; ++r) local[r] = r;
+  world_ranks_.resize(size_);
+  MPI_Group_translate_ranks(mine, size_, local.data(), world, world_ranks_.data());
+  MPI_Group_free(&mine);
+  MPI_Group_free(&world);
 }
 
-Communicator::~Communicator() {
+void Communicator::free_comms() {
   int finalized = 0;
   MPI_Finalized(&finalized);
-  if (comm_ != MPI_COMM_NULL && !finalized) MPI_Comm_free(&comm_);
+  if (finalized) return;
+  if (comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
+  if (notice_ != MPI_COMM_NULL) MPI_Comm_free(&notice_);
 }
 
+Communicator::~Communicator() { free_comms(); }
+
 Communicator::Communicator(Communicator&& o) noexcept
-    : comm_(std::exchange(o.comm_, MPI_COMM_NULL)), rank_(o.rank_), size_(o.size_),
-      name_(std::move(o.name_)) {}
+    : comm_(std::exchange(o.comm_, MPI_COMM_NULL)),
+      notice_(std::exchange(o.notice_, MPI_COMM_NULL)),
+      rank_(o.rank_),
+      size_(o.size_),
+      name_(std::move(o.name_)),
+      watchdog_s_(o.watchdog_s_),
+      world_ranks_(std::move(o.world_ranks_)),
+      seq_(o.seq_) {}
 
 Communicator& Communicator::operator=(Communicator&& o) noexcept {
   std::swap(comm_, o.comm_);
+  std::swap(notice_, o.notice_);
   std::swap(rank_, o.rank_);
   std::swap(size_, o.size_);
   std::swap(name_, o.name_);
+  std::swap(watchdog_s_, o.watchdog_s_);
+  std::swap(world_ranks_, o.world_ranks_);
+  std::swap(seq_, o.seq_);
   return *this;
 }
 
+Pending Communicator::begin(const char* op, bool collective, int peer) const {
+  Pending p = std::make_unique<PendingOp>();
+  p->op = op;
+  p->collective = collective;
+  p->peer = peer;
+  return p;
+}
+
+void Communicator::post_notices(PendingOp& p) const {
+  p.mark = ++seq_;
+  p.first_notice = p.reqs.size();
+  p.notices.assign(size_, -1);
+  for (int q = 0; q < size_; ++q) {
+    if (q == rank_) continue;
+    p.reqs.emplace_back();
+    mpi_check(MPI_Irecv(&p.notices[q], 1, MPI_INT64_T, q, kNoticeTag, notice_, &p.reqs.back()),
+              "MPI_Irecv(arrival notice)");
+    p.reqs.emplace_back();
+    mpi_check(MPI_Isend(&p.mark, 1, MPI_INT64_T, q, kNoticeTag, notice_, &p.reqs.back()),
+              "MPI_Isend(arrival notice)");
+  }
+}
+
+void Communicator::complete(Pending& pending) const {
+  if (!pending) return;
+  PendingOp& p = *pending;
+  auto& reqs = p.reqs;
+  if (watchdog_s_ <= 0) {
+    mpi_check(MPI_Waitall(static_cast<int>(reqs.size()), reqs.data(), MPI_STATUSES_IGNORE),
+              p.op);
+  } else {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (;;) {
+      int done = 0;
+      mpi_check(MPI_Testall(static_cast<int>(reqs.size()), reqs.data(), &done,
+                            MPI_STATUSES_IGNORE),
+                p.op);
+      if (done) break;
+      const double waited =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      if (waited > watchdog_s_) {
+        // The members whose arrival notice never came: their receives are still pending.
+        std::ostringstream missing;
+        int n_missing = 0;
+        if (p.collective)
+          for (std::size_t i = p.first_notice; i < reqs.size(); i += 2) {
+            int got = 0;
+            MPI_Test(&reqs[i], &got, MPI_STATUS_IGNORE);
+            if (got) continue;
+            const int j = static_cast<int>((i - p.first_notice) / 2);
+            missing << (n_missing++ ? ", " : "") << world_ranks_[j < rank_ ? j : j + 1];
+          }
+        std::string what;
+        if (!p.collective)
+          what = "world rank " + std::to_string(world_ranks_[p.peer]) + " did not take part";
+        else if (n_missing)
+          what = "world rank(s) " + missing.str() + " did not arrive";
+        else
+          what = "every rank arrived but the transfer did not complete";
+        std::fprintf(stderr,
+                     "kmoe: watchdog: world rank %d waited %.0f s (parallel.watchdog_seconds) "
+                     "in %s on the %s axis (%d ranks, operation #%lld); %s; aborting the job\n",
+                     world_ranks_[rank_], waited, p.op, name_.c_str(), size_,
+                     static_cast<long long>(p.mark), what.c_str());
+        std::fflush(stderr);
+        MPI_Abort(MPI_COMM_WORLD, 1);
+      }
+      std::this_thread::yield();
+    }
+  }
+  if (p.collective)
+    for (int q = 0; q < size_; ++q)
+      KMOE_REQUIRE(q == rank_ || p.notices[q] == p.mark,
+                   "collectives out of order on the " << name_ << " axis: world rank "
+                       << world_ranks_[q] << " is at collective #" << p.notices[q]
+                       << " while world rank " << world_ranks_[rank_] << " is at #" << p.mark
+                       << " (" << p.op << ")");
+  pending.reset();
+}
+
 namespace {
-// MPI counts are int: split large buffers into chunks.
 template <class T>
-void allreduce_chunks(T* data, std::int64_t n, MPI_Datatype type, MPI_Comm comm) {
-  Kokkos::fence();
-  constexpr std::int64_t chunk = INT_MAX / 2;
-  for (std::int64_t off = 0; off < n; off += chunk) {
-    const int count = static_cast<int>(std::min(chunk, n - off));
-    mpi_check(MPI_Allreduce(MPI_IN_PLACE, data + off, count, type, MPI_SUM, comm),
-              "MPI_Allreduce");
+void post_allreduce(const Communicator& c, PendingOp& p, T* data, std::int64_t n,
+                    MPI_Datatype type, MPI_Op mpi_op) {
+  for (std::int64_t off = 0; off < n; off += kChunk) {
+    p.reqs.emplace_back();
+    mpi_check(MPI_Iallreduce(MPI_IN_PLACE, data + off, static_cast<int>(std::min(kChunk, n - off)),
+                             type, mpi_op, c.comm(), &p.reqs.back()),
+              "MPI_Iallreduce");
   }
 }
 }  // namespace
 
+Pending Communicator::start_allreduce_sum(float* data, std::int64_t n) const {
+  if (size_ == 1) return nullptr;
+  Kokkos::fence();
+  Pending p = begin("allreduce_sum(float)", true, -1);
+  post_allreduce(*this, *p, data, n, MPI_FLOAT, MPI_SUM);
+  post_notices(*p);
+  return p;
+}
+
 void Communicator::allreduce_sum(float* data, std::int64_t n) const {
-  if (size_ > 1) allreduce_chunks(data, n, MPI_FLOAT, comm_);
+  run(start_allreduce_sum(data, n));
 }
 
 void Communicator::allreduce_sum(double* data, std::int64_t n) const {
-  if (size_ > 1) allreduce_chunks(data, n, MPI_DOUBLE, comm_);
+  if (size_ == 1) return;
+  Kokkos::fence();
+  Pending p = begin("allreduce_sum(double)", true, -1);
+  post_allreduce(*this, *p, data, n, MPI_DOUBLE, MPI_SUM);
+  post_notices(*p);
+  run(std::move(p));
 }
 
 void Communicator::allreduce_sum(std::int32_t* data, std::int64_t n) const {
-  if (size_ > 1) allreduce_chunks(data, n, MPI_INT32_T, comm_);
+  if (size_ == 1) return;
+  Kokkos::fence();
+  Pending p = begin("allreduce_sum(int32)", true, -1);
+  post_allreduce(*this, *p, data, n, MPI_INT32_T, MPI_SUM);
+  post_notices(*p);
+  run(std::move(p));
 }
 
 double Communicator::allreduce_max(double v) const {
-  double out = v;
-  if (size_ > 1) mpi_check(MPI_Allreduce(&v, &out, 1, MPI_DOUBLE, MPI_MAX, comm_), "MPI_Allreduce");
+  if (size_ == 1) return v;
+  Pending p = begin("allreduce_max", true, -1);
+  post_allreduce(*this, *p, &v, 1, MPI_DOUBLE, MPI_MAX);
+  post_notices(*p);
+  run(std::move(p));
+  return v;
+}
+
+void Communicator::barrier() const {
+  if (size_ == 1) return;
+  Pending p = begin("barrier", true, -1);
+  p->reqs.emplace_back();
+  mpi_check(MPI_Ibarrier(comm_, &p->reqs.back()), "MPI_Ibarrier");
+  post_notices(*p);
+  run(std::move(p));
+}
+
+std::vector<std::string> Communicator::all_gather(const std::string& mine) const {
+  if (size_ == 1) return {mine};
+  std::vector<int> lens(size_), displs(size_, 0);
+  int len = static_cast<int>(mine.size());
+  Pending p = begin("all_gather(lengths)", true, -1);
+  p->reqs.emplace_back();
+  mpi_check(MPI_Iallgather(&len, 1, MPI_INT, lens.data(), 1, MPI_INT, comm_, &p->reqs.back()),
+            "MPI_Iallgather");
+  post_notices(*p);
+  run(std::move(p));
+  for (int p = 1; p < size_; ++p) displs[p] = displs[p - 1] + lens[p - 1];
+  std::string all(std::size_t(displs[size_ - 1]) + lens[size_ - 1], '\0');
+  p = begin("all_gather", true, -1);
+  p->reqs.emplace_back();
+  mpi_check(MPI_Iallgatherv(mine.data(), len, MPI_CHAR, &all[0], lens.data(), displs.data(),
+                            MPI_CHAR, comm_, &p->reqs.back()),
+            "MPI_Iallgatherv");
+  post_notices(*p);
+  run(std::move(p));
+  std::vector<std::string> out(size_);
+  for (int p = 0; p < size_; ++p) out[p] = all.substr(displs[p], lens[p]);
   return out;
 }
 
-void Communicator::barrier() const { mpi_check(MPI_Barrier(comm_), "MPI_Barrier"); }
+void Communicator::all_to_all(const std::int64_t* send, std::int64_t* recv, int per_peer) const {
+  if (size_ == 1) {
+    std::copy(send, send + per_peer, recv);
+    return;
+  }
+  Pending p = begin("all_to_all(counts)", true, -1);
+  p->reqs.emplace_back();
+  mpi_check(MPI_Ialltoall(send, per_peer, MPI_INT64_T, recv, per_peer, MPI_INT64_T, comm_,
+                          &p->reqs.back()),
+            "MPI_Ialltoall");
+  post_notices(*p);
+  run(std::move(p));
+}
+
+namespace {
+void post(std::vector<MPI_Request>& reqs, bool is_send, const float* data, std::int64_t n,
+          int peer, MPI_Comm comm) {
+  for (std::int64_t off = 0; off < n; off += kChunk) {
+    reqs.emplace_back();
+    const int count = static_cast<int>(std::min(kChunk, n - off));
+    if (is_send)
+      mpi_check(MPI_Isend(data + off, count, MPI_FLOAT, peer, kDataTag, comm, &reqs.back()),
+                "MPI_Isend");
+    else
+      mpi_check(MPI_Irecv(const_cast<float*>(data) + off, count, MPI_FLOAT, peer, kDataTag, comm,
+                          &reqs.back()),
+                "MPI_Irecv");
+  }
+}
+}  // namespace
+
+void Communicator::all_to_all_v(const float* send, const std::vector<std::int64_t>& send_counts,
+                                float* recv, const std::vector<std::int64_t>& recv_counts) const {
+  KMOE_REQUIRE(static_cast<int>(send_counts.size()) == size_ &&
+                   static_cast<int>(recv_counts.size()) == size_,
+               "all_to_all_v on the " << name_ << " axis: counts for " << send_counts.size()
+                                      << "/" << recv_counts.size() << " members, the axis has "
+                                      << size_);
+  Kokkos::fence();
+  Pending pend = begin("all_to_all_v", true, -1);
+  auto& reqs = pend->reqs;
+  std::int64_t soff = 0, roff = 0;
+  for (int p = 0; p < size_; ++p) {
+    if (p == rank_) {
+      KMOE_REQUIRE(send_counts[p] == recv_counts[p], "all_to_all_v: " << send_counts[p]
+                                                         << " floats to self, " << recv_counts[p]
+                                                         << " expected");
+      if (send_counts[p] > 0)
+        std::memcpy(recv + roff, send + soff, sizeof(float) * std::size_t(send_counts[p]));
+    } else {
+      post(reqs, false, recv + roff, recv_counts[p], p, comm_);
+      post(reqs, true, send + soff, send_counts[p], p, comm_);
+    }
+    soff += send_counts[p];
+    roff += recv_counts[p];
+  }
+  post_notices(*pend);
+  run(std::move(pend));
+}
+
+Pending Communicator::start_send(const float* data, std::int64_t n, int peer) const {
+  Kokkos::fence();
+  Pending p = begin("send", false, peer);
+  post(p->reqs, true, data, n, peer, comm_);
+  return p;
+}
+
+void Communicator::send(const float* data, std::int64_t n, int peer) const {
+  run(start_send(data, n, peer));
+}
+
+void Communicator::recv(float* data, std::int64_t n, int peer) const {
+  send_recv(nullptr, 0, -1, data, n, peer);
+}
+
+void Communicator::send_recv(const float* send, std::int64_t n_send, int to, float* recv,
+                             std::int64_t n_recv, int from) const {
+  if (to < 0 && from < 0) return;
+  Kokkos::fence();
+  const char* op = to >= 0 && from >= 0 ? "send_recv" : (to >= 0 ? "send" : "recv");
+  Pending p = begin(op, false, from >= 0 ? from : to);
+  if (from >= 0) post(p->reqs, false, recv, n_recv, from, comm_);
+  if (to >= 0) post(p->reqs, true, send, n_send, to, comm_);
+  run(std::move(p));
+}
 
 }  // namespace kmoe

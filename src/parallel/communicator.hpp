@@ -1,22 +1,42 @@
-// A duplicated MPI communicator owned by RAII, with the collectives kmoe uses on contiguous
-// buffers. Callers fence the execution space before handing device data to MPI (done here).
+// A duplicated MPI communicator owned by RAII: one per grid axis and purpose (RUNTIME.md
+// section 1). It runs the collectives kmoe uses on contiguous host-accessible buffers (the
+// control plane: metrics, counts, and on CPU builds the data plane too; DeviceComm wraps it for
+// device buffers). Every collective and point-to-point transfer is nonblocking underneath and
+// waited on by the watchdog: a rank stuck longer than `watchdog_seconds` names the operation,
+// the axis and the ranks that did not arrive, then aborts the job.
 #pragma once
 
 #include <mpi.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
+#include <vector>
 
 namespace kmoe {
 
 // Wraps an MPI call so a failure names the call instead of aborting silently.
 void mpi_check(int rc, const char* call);
 
+// A started nonblocking operation; Communicator::complete() waits for it under the watchdog.
+// Its buffers must stay untouched until then.
+struct PendingOp {
+  std::vector<MPI_Request> reqs;
+  const char* op = "";
+  bool collective = false;
+  int peer = -1;
+  std::int64_t mark = 0;                // the collective's number on its communicator
+  std::size_t first_notice = 0;         // reqs[first_notice..]: arrival notices (recv, send)
+  std::vector<std::int64_t> notices;    // the members' collective numbers, received
+};
+using Pending = std::unique_ptr<PendingOp>;
+
 class Communicator {
  public:
   Communicator() = default;
-  // Duplicates `parent` (so tags never collide with other users); `name` appears in errors.
-  Communicator(MPI_Comm parent, std::string name);
+  // Duplicates `parent` (so tags never collide with other users); `name` (the axis) appears in
+  // errors. watchdog_seconds <= 0 waits forever.
+  Communicator(MPI_Comm parent, std::string name, double watchdog_seconds = 0.0);
   ~Communicator();
   Communicator(const Communicator&) = delete;
   Communicator& operator=(const Communicator&) = delete;
@@ -27,17 +47,59 @@ class Communicator {
   int rank() const { return rank_; }
   int size() const { return size_; }
   const std::string& name() const { return name_; }
+  bool valid() const { return comm_ != MPI_COMM_NULL; }
+  // MPI_COMM_WORLD rank of member r.
+  int world_rank(int r) const { return world_ranks_[r]; }
 
-  void allreduce_sum(float* data, std::int64_t n) const;   // in place
-  void allreduce_sum(double* data, std::int64_t n) const;  // in place
+  void allreduce_sum(float* data, std::int64_t n) const;         // in place
+  void allreduce_sum(double* data, std::int64_t n) const;        // in place
   void allreduce_sum(std::int32_t* data, std::int64_t n) const;  // in place
   double allreduce_max(double v) const;
   void barrier() const;
 
+  // Every member's string, in member order.
+  std::vector<std::string> all_gather(const std::string& mine) const;
+
+  // send: size() * per_peer values, block p to member p; recv the same shape.
+  void all_to_all(const std::int64_t* send, std::int64_t* recv, int per_peer) const;
+  // Variable all-to-all of floats: send_counts[p] floats to member p taken in member order from
+  // `send`, recv_counts[p] from member p stored in member order into `recv`.
+  void all_to_all_v(const float* send, const std::vector<std::int64_t>& send_counts, float* recv,
+                    const std::vector<std::int64_t>& recv_counts) const;
+  // Nonblocking: starts a sum in place over the members (a gradient bucket) or a send of n
+  // floats to `peer`; complete() waits for it.
+  Pending start_allreduce_sum(float* data, std::int64_t n) const;
+  Pending start_send(const float* data, std::int64_t n, int peer) const;
+  void complete(Pending& p) const;
+
+  // Blocking point-to-point transfers of n floats with member `peer`.
+  void send(const float* data, std::int64_t n, int peer) const;
+  void recv(float* data, std::int64_t n, int peer) const;
+  // Both at once (no deadlock when two members exchange): n_send floats to `to` and n_recv
+  // from `from`; a peer of -1 skips that half.
+  void send_recv(const float* send, std::int64_t n_send, int to, float* recv,
+                 std::int64_t n_recv, int from) const;
+
+  // Test-only: the seconds this rank waits before giving up (0: forever).
+  double watchdog_seconds() const { return watchdog_s_; }
+
  private:
+  // A pending operation of kind `op`; a collective also posts this rank's arrival notice to
+  // every member and the receives of theirs: notices still outstanding when the watchdog fires
+  // name the ranks that never arrived.
+  Pending begin(const char* op, bool collective, int peer) const;
+  void post_notices(PendingOp& p) const;
+  // Runs a blocking operation: the requests are already in p.
+  void run(Pending p) const { complete(p); }
+  void free_comms();
+
   MPI_Comm comm_ = MPI_COMM_NULL;
+  MPI_Comm notice_ = MPI_COMM_NULL;  // arrival notices, a separate duplicate
   int rank_ = 0, size_ = 1;
   std::string name_;
+  double watchdog_s_ = 0.0;
+  std::vector<int> world_ranks_{0};
+  mutable std::int64_t seq_ = 0;  // collectives started on this communicator
 };
 
 }  // namespace kmoe

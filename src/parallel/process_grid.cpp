@@ -4,23 +4,50 @@
 
 namespace kmoe {
 
-ProcessGrid::ProcessGrid(const ParallelCfg& cfg, MPI_Comm world_comm)
-    : pp(cfg.pp), dp(cfg.dp), ep(cfg.ep), world(world_comm, "world") {
+namespace {
+Communicator split(const Communicator& parent, int color, int key, const char* name,
+                   double watchdog) {
+  MPI_Comm c;
+  mpi_check(MPI_Comm_split(parent.comm(), color, key, &c), "MPI_Comm_split");
+  if (c == MPI_COMM_NULL) return Communicator();
+  Communicator out(c, name, watchdog);
+  MPI_Comm_free(&c);
+  return out;
+}
+}  // namespace
+
+ProcessGrid::ProcessGrid(const ParallelCfg& cfg, int n_layers, MPI_Comm world_comm)
+    : pp(cfg.pp), dp(cfg.dp), ep(cfg.ep), world(world_comm, "world", cfg.watchdog_seconds) {
   KMOE_REQUIRE(world.size() == cfg.world(),
                "parallel grid pp*dp*ep = " << cfg.pp << "*" << cfg.dp << "*" << cfg.ep << " = "
                                            << cfg.world() << " ranks, but the job was launched on "
                                            << world.size() << " ranks");
-  KMOE_REQUIRE(cfg.pp == 1, "parallel.pp = " << cfg.pp
-                                             << ": pipeline parallelism is not available in this "
-                                                "build yet; use parallel.pp = 1");
+  const double wd = cfg.watchdog_seconds;
   const int r = world.rank();
   ep_rank = r % ep;
   dp_rank = (r / ep) % dp;
   pp_rank = r / (ep * dp);
-  MPI_Comm stage_comm;
-  mpi_check(MPI_Comm_split(world.comm(), pp_rank, r, &stage_comm), "MPI_Comm_split(stage)");
-  stage = Communicator(stage_comm, "stage");
-  MPI_Comm_free(&stage_comm);
+  stage = split(world, pp_rank, r, "stage", wd);
+  dp_axis = split(world, pp_rank * ep + ep_rank, r, "dp", wd);
+  ep_axis = split(world, pp_rank * dp + dp_rank, r, "ep", wd);
+  pipe = split(world, replica(), pp_rank, "pp", wd);
+  const bool tied_end = pp > 1 && (first_stage() || last_stage());
+  tie = split(world, tied_end ? replica() : MPI_UNDEFINED, pp_rank, "tied-embedding", wd);
+
+  bounds_.assign(pp + 1, 0);
+  for (int s = 0; s < pp; ++s)
+    bounds_[s + 1] = bounds_[s] + (cfg.pp_layers.empty()
+                                       ? n_layers / pp + (s < n_layers % pp ? 1 : 0)
+                                       : cfg.pp_layers[s]);
+  KMOE_REQUIRE(bounds_[pp] == n_layers, "parallel.pp_layers covers " << bounds_[pp]
+                                                                     << " blocks, model.n_layers is "
+                                                                     << n_layers);
+}
+
+int ProcessGrid::stage_of_block(int block) const {
+  for (int s = 0; s < pp; ++s)
+    if (block < bounds_[s + 1]) return s;
+  return pp - 1;
 }
 
 }  // namespace kmoe

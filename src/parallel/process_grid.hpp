@@ -1,7 +1,11 @@
 // The 3D process grid of RUNTIME.md section 1: world = pp * dp * ep ranks, ep fastest:
 // rank = (pp_rank * dp + dp_rank) * ep + ep_rank. The dp*ep ranks of one pipeline stage are the
-// stage's data replicas (R = dp * ep); dense gradients are summed over them.
+// stage's data replicas (R = dp * ep); dense gradients are summed over them, expert gradients
+// over the dp ranks that hold the same experts. One duplicated communicator per axis and
+// purpose, each under the watchdog (parallel.watchdog_seconds).
 #pragma once
+
+#include <vector>
 
 #include "io/config.hpp"
 #include "parallel/communicator.hpp"
@@ -10,9 +14,8 @@ namespace kmoe {
 
 class ProcessGrid {
  public:
-  // Throws kmoe::Error (before any allocation) if the world size is not pp*dp*ep, or for a
-  // layout this build cannot run yet.
-  ProcessGrid(const ParallelCfg& cfg, MPI_Comm world);
+  // Throws kmoe::Error (before any allocation) if the world size is not pp*dp*ep.
+  ProcessGrid(const ParallelCfg& cfg, int n_layers, MPI_Comm world);
 
   int pp, dp, ep;
   int pp_rank, dp_rank, ep_rank;
@@ -20,9 +23,24 @@ class ProcessGrid {
   int replicas() const { return dp * ep; }
   int replica() const { return dp_rank * ep + ep_rank; }
   bool is_root() const { return world.rank() == 0; }
+  bool first_stage() const { return pp_rank == 0; }
+  bool last_stage() const { return pp_rank == pp - 1; }
+  // Blocks [first_block(s), first_block(s + 1)) form stage s (parallel.pp_layers or an even
+  // split, the first L % pp stages one block longer).
+  int first_block(int s) const { return bounds_[s]; }
+  int stage_of_block(int block) const;
 
   Communicator world;
   Communicator stage;  // the dp*ep ranks of this rank's pipeline stage
+  Communicator dp_axis;  // same stage and ep rank: replicas of the same experts
+  Communicator ep_axis;  // same stage and dp rank: the expert-parallel group (all-to-all)
+  Communicator pipe;     // same replica, every stage: member s is stage s
+  // pp > 1 with tied embeddings: stage 0 and the last stage of this replica (member 0 and 1);
+  // invalid on the other stages and when pp == 1.
+  Communicator tie;
+
+ private:
+  std::vector<int> bounds_;
 };
 
 }  // namespace kmoe

@@ -7,20 +7,33 @@ namespace kmoe {
 EvalResult evaluate(Stage& stage, const TensorTable& table, const TokenDataset& val,
                     const ProcessGrid& grid, int b, std::int64_t max_instances) {
   const int T = val.seq_len();
+  const std::int64_t D = stage.d_model();
   std::int64_t n = val.num_instances();
   if (max_instances > 0) n = std::min(n, max_instances);
-  // Per-instance sums combine exactly (every other replica contributes 0.0) and are added in
+  // Per-instance sums combine exactly (every other rank contributes 0.0) and are added in
   // instance order.
   std::vector<double> per_instance(n, 0.0);
   std::vector<std::int32_t> tokens(std::size_t(b) * T);
-  const std::int64_t n_batches = (n + b - 1) / b;
-  for (std::int64_t c = grid.replica(); c < n_batches; c += grid.replicas()) {
-    const std::int64_t first = c * b, count = std::min<std::int64_t>(b, n - first);
+  const std::int64_t n_batches = (n + b - 1) / b, R = grid.replicas();
+  // With expert parallelism every replica of a stage takes part in each round's all-to-alls:
+  // a replica without a batch in a round runs instance 0 and discards the result.
+  const bool lockstep = grid.ep > 1;
+  for (std::int64_t round = 0; round * R < n_batches; ++round) {
+    const std::int64_t c = round * R + grid.replica();
+    const bool real = c < n_batches;
+    if (!real && !lockstep) break;
+    const std::int64_t first = real ? c * b : 0;
+    const std::int64_t count = real ? std::min<std::int64_t>(b, n - first) : 1;
     for (std::int64_t i = 0; i < count; ++i) val.read_instance(first + i, tokens.data() + i * T);
+    const std::int64_t acts = count * T * D;
+    if (!grid.first_stage()) grid.pipe.recv(stage.input_buffer(), acts, grid.pp_rank - 1);
     const LossSums s = stage.forward(table, tokens.data(), count, 0.0f);
-    for (std::int64_t i = 0; i < count; ++i) per_instance[first + i] = s.seq_ce[i];
+    if (!grid.last_stage())
+      grid.pipe.send(stage.output(), acts, grid.pp_rank + 1);
+    else if (real)
+      for (std::int64_t i = 0; i < count; ++i) per_instance[first + i] = s.seq_ce[i];
   }
-  grid.stage.allreduce_sum(per_instance.data(), n);
+  grid.world.allreduce_sum(per_instance.data(), n);
   double sum = 0.0;
   for (double v : per_instance) sum += v;
   EvalResult r;

@@ -17,7 +17,8 @@ struct EvalResult {
   std::int64_t tokens = 0;  // instances * (T-1)
 };
 
-// Collective over the stage. Batches of micro_batch instances, batch c on replica c mod R.
+// Collective over the grid. Batches of micro_batch instances, batch c on replica c mod R,
+// forward through the pipeline; the last stage's loss, summed over the world.
 EvalResult evaluate(Stage& stage, const TensorTable& table, const TokenDataset& val,
                     const ProcessGrid& grid, int micro_batch, std::int64_t max_instances);
 

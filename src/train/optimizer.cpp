@@ -18,13 +18,26 @@ double learning_rate(const OptimizerCfg& o, int max_steps, int s) {
   return lr_min + (lr - lr_min) * 0.5 * (1.0 + std::cos(pi * (s - W) / double(max_steps - W)));
 }
 
-double grad_sq_sum(const TensorTable& table) {
+double grad_sq_sum(const TensorTable& table, const std::vector<char>* counted) {
   auto g = table.grads;
-  double sum = 0.0;
-  Kokkos::parallel_reduce(
-      "optim::grad_sq_sum", Range(0, table.total_elements()),
-      KOKKOS_LAMBDA(std::int64_t i, double& acc) { acc += double(g(i)) * g(i); }, sum);
-  return sum;
+  if (!counted) {
+    double sum = 0.0;
+    Kokkos::parallel_reduce(
+        "optim::grad_sq_sum", Range(0, table.total_elements()),
+        KOKKOS_LAMBDA(std::int64_t i, double& acc) { acc += double(g(i)) * g(i); }, sum);
+    return sum;
+  }
+  double total = 0.0;
+  for (int t = 0; t < table.size(); ++t) {
+    if (!(*counted)[t]) continue;
+    const TensorEntry& e = table.entry(t);
+    double sum = 0.0;
+    Kokkos::parallel_reduce(
+        "optim::grad_sq_sum", Range(e.offset, e.offset + e.size),
+        KOKKOS_LAMBDA(std::int64_t i, double& acc) { acc += double(g(i)) * g(i); }, sum);
+    total += sum;
+  }
+  return total;
 }
 
 void adamw_step(const OptimizerCfg& o, TensorTable& table, int t, double lr, double clip_scale) {

@@ -5,12 +5,34 @@
 
 namespace kmoe {
 
+std::int64_t TensorSpec::row_elements() const {
+  std::int64_t n = 1;
+  for (std::size_t i = 1; i < shape.size(); ++i) n *= shape[i];
+  return n;
+}
+
+std::vector<std::int64_t> TensorSpec::local_shape() const {
+  std::vector<std::int64_t> s = shape;
+  if (!s.empty()) s[0] = local_rows();
+  return s;
+}
+
 int TensorTable::add(TensorSpec spec) {
+  if (binding_) {
+    const int i = find(spec.name);
+    KMOE_REQUIRE(i >= 0 && entries_[i].spec.local_shape() == spec.local_shape() &&
+                     entries_[i].spec.row_begin == spec.row_begin,
+                 "TensorTable: " << spec.name << " bound with a different shape or shard");
+    return i;
+  }
   KMOE_REQUIRE(!allocated_, "TensorTable: " << spec.name << " declared after allocation");
   KMOE_REQUIRE(find(spec.name) < 0, "TensorTable: duplicate tensor " << spec.name);
+  KMOE_REQUIRE(spec.row_begin >= 0 && spec.row_begin + spec.local_rows() <= spec.global_rows(),
+               "TensorTable: " << spec.name << " rows [" << spec.row_begin << ", "
+                               << spec.row_begin + spec.local_rows() << ") outside "
+                               << spec.global_rows());
   TensorEntry e;
-  e.size = 1;
-  for (auto d : spec.shape) e.size *= d;
+  e.size = spec.local_rows() * spec.row_elements();
   e.offset = total_;
   e.spec = std::move(spec);
   total_ += e.size;
@@ -60,9 +82,11 @@ void TensorTable::initialize(std::uint64_t seed) {
       case InitKind::Normal: {
         const std::uint64_t key = splitmix64(seed ^ hash_name(e.spec.name));
         const double std_dev = e.spec.init_std;  // rounded to float only with z (CONVENTIONS.md)
+        // Element j of the global tensor, whatever part of it this rank holds.
+        const std::int64_t first = e.spec.row_begin * e.spec.row_elements();
         Kokkos::parallel_for(
             "init::truncated_normal", Range(0, e.size),
-            KOKKOS_LAMBDA(std::int64_t j) { p(j) = truncated_normal(key, j, std_dev); });
+            KOKKOS_LAMBDA(std::int64_t j) { p(j) = truncated_normal(key, first + j, std_dev); });
         break;
       }
     }

@@ -11,6 +11,7 @@
 #include "core/timer.hpp"
 #include "io/dump.hpp"
 #include "modules/moe/moe.hpp"
+#include "train/distribution.hpp"
 #include "train/optimizer.hpp"
 
 namespace kmoe {
@@ -29,10 +30,27 @@ Trainer::Trainer(const Config& cfg, ProcessGrid& grid)
                                                cfg.model.vocab_size, "data.val_paths");
   stream_ = std::make_unique<InstanceStream>(train_data_->num_instances(), t.seed);
 
-  stage_ = std::make_unique<Stage>(cfg.model, cfg.moe, t.micro_batch, t.seq_len, table_,
-                                   cfg.engram);
-  table_.allocate();
-  table_.initialize(t.seed);
+  // This rank's micro-batches per step and the pipeline schedule over them; one activation
+  // slot (a Stage bound to the same parameters) per micro-batch the schedule keeps in flight.
+  const int n_micro = t.global_batch / t.micro_batch;
+  schedule_ = pipeline_schedule(cfg.parallel.schedule, grid.pp, grid.pp_rank,
+                                n_micro / grid.replicas());
+  const StagePlan plan = stage_plan(grid);
+  const LayerComms comms = layer_comms(cfg, grid);
+  const int n_slots = schedule_slots(schedule_);
+  for (int i = 0; i < n_slots; ++i) {
+    slots_.push_back(std::make_unique<Stage>(cfg.model, cfg.moe, t.micro_batch, t.seq_len, table_,
+                                             cfg.engram, plan, comms));
+    if (i == 0) {
+      table_.allocate();
+      table_.initialize(t.seed);
+      table_.bind();
+    }
+  }
+  reducer_ = std::make_unique<GradReducer>(table_, grid, cfg.parallel.bucket_mb,
+                                           cfg.model.tie_embeddings);
+  owned_.resize(table_.size());
+  for (int i = 0; i < table_.size(); ++i) owned_[i] = owns(table_.entry(i).spec, grid);
   host_tokens_.resize(std::size_t(t.global_batch) * t.seq_len);
 
   const std::string from = resume_file(cfg.checkpoint);
@@ -53,10 +71,12 @@ Trainer::Trainer(const Config& cfg, ProcessGrid& grid)
     for (const char* c : {"lb", "rz", "load_max_mean"}) moe_columns_.push_back(p + c);
     if (cfg.moe.capacity_factor > 0) moe_columns_.push_back(p + "drop");
   }
-  for (int l = 0; l < cfg.model.n_layers; ++l)  // block order, as the stage reports them
-    if (std::find(cfg.engram.layers.begin(), cfg.engram.layers.end(), l) != cfg.engram.layers.end())
+  for (int l = 0; l < cfg.model.n_layers; ++l)  // block order
+    if (std::find(cfg.engram.layers.begin(), cfg.engram.layers.end(), l) != cfg.engram.layers.end()) {
+      engram_layers_.push_back(l);
       for (const char* c : {"_gate", "_rows_touched"})
         moe_columns_.push_back("engram" + std::to_string(l) + c);
+    }
   if (grid_.is_root()) {
     metrics_ = std::make_unique<MetricsWriter>(cfg.output.dir, /*append=*/resumed_, moe_columns_);
     std::ofstream(cfg.output.dir + "/deck.resolved") << cfg.resolved_text;
@@ -73,6 +93,7 @@ StepMetrics Trainer::train_step(int step) {
   const auto& t = cfg_.train;
   const int b = t.micro_batch, T = t.seq_len, n_micro = t.global_batch / b;
   const int R = grid_.replicas(), me = grid_.replica();
+  const std::int64_t acts = std::int64_t(b) * T * cfg_.model.d_model;  // floats between stages
   const double targets_per_micro = double(b) * (T - 1);
   const float grad_scale = static_cast<float>(1.0 / (n_micro * targets_per_micro));
   const auto t_step = std::chrono::steady_clock::now();
@@ -83,39 +104,94 @@ StepMetrics Trainer::train_step(int step) {
   const bool dump = std::find(dumps.begin(), dumps.end(), step) != dumps.end();
   StepDump d{step, 0, 0, 0, 0, 0, {}, t.global_batch, T, {}, cfg_.moe.top_k};
   double sums[3] = {0.0, 0.0, 0.0};  // CE, z and MoE aux sums over this rank's micro-batches
-  // Per MoE layer: LB sum, RZ sum, dropped, then E loads (summed over micro-batches).
+  // Per MoE layer of the model: LB sum, RZ sum, dropped, then E loads (summed over
+  // micro-batches; each layer's stage fills its rows, the others leave 0).
   const int E = cfg_.moe.experts, per_layer = 3 + E;
   std::vector<double> moe_sums(moe_layers_.size() * per_layer, 0.0);
-  const auto engrams = stage_->engram_layers();
-  std::vector<double> engram_gate(engrams.size(), 0.0);  // summed over micro-batches
-  for (const auto& [block, layer] : engrams) layer->reset_touched();
+  auto moe_row = [&](int block) {
+    const auto it = std::find(moe_layers_.begin(), moe_layers_.end(), block);
+    return moe_sums.data() + (it - moe_layers_.begin()) * per_layer;
+  };
+  // Per Engram layer of the model: the mean gate summed over micro-batches, then the fraction
+  // of rows touched (filled below).
+  std::vector<double> engram_stats(2 * engram_layers_.size(), 0.0);
+  auto engram_row = [&](int block) {
+    const auto it = std::find(engram_layers_.begin(), engram_layers_.end(), block);
+    return engram_stats.data() + 2 * (it - engram_layers_.begin());
+  };
+  for (auto& slot : slots_)
+    for (const auto& [block, layer] : slot->engram_layers()) layer->reset_touched();
+
+  // The rank's micro-batches i = 0..M-1 are the step's micro-batches j = me + i*R (RUNTIME.md
+  // section 2), run in schedule order; micro-batch i lives in activation slot i mod S.
+  const int S = static_cast<int>(slots_.size());
+  std::vector<Pending> sends(S);  // a slot's outgoing transfer, done before the slot is reused
   timer.start();
-  for (int j = me; j < n_micro; j += R) {  // micro-batch j of the step goes to replica j mod R
-    load_positions(state_.next_position + std::int64_t(j) * b, b);
-    timer.stop(phases_.data);
-    const LossSums s = stage_->forward(table_, host_tokens_.data(), b, grad_scale);
-    timer.stop(phases_.forward);
-    stage_->backward(table_);
-    timer.stop(phases_.backward);
-    if (dump) record_routes(d, j * b * T);
-    sums[0] += s.ce;
-    sums[1] += s.z;
-    sums[2] += s.moe_aux;
-    for (std::size_t i = 0; i < engram_gate.size(); ++i)
-      engram_gate[i] += engrams[i].second->mean_gate();
-    for (std::size_t i = 0; i < s.moe.size(); ++i) {
-      const MoeStats& st = s.moe[i].second;
-      double* acc = moe_sums.data() + i * per_layer;
-      acc[0] += st.lb;
-      acc[1] += st.rz;
-      acc[2] += st.dropped;
-      for (int e = 0; e < E; ++e) acc[3 + e] += st.load[e];
+  for (std::size_t k = 0; k < schedule_.size(); ++k) {
+    const PipeOp op = schedule_[k];
+    Stage& slot = *slots_[op.micro % S];
+    Pending& out = sends[op.micro % S];
+    if (op.forward) {
+      const int j = me + op.micro * R;
+      grid_.pipe.complete(out);
+      load_positions(state_.next_position + std::int64_t(j) * b, b);
+      timer.stop(phases_.data);
+      if (!grid_.first_stage()) {
+        grid_.pipe.recv(slot.input_buffer(), acts, grid_.pp_rank - 1);
+        timer.stop(phases_.comm);
+      }
+      const LossSums s = slot.forward(table_, host_tokens_.data(), b, grad_scale);
+      if (!grid_.last_stage()) out = grid_.pipe.start_send(slot.output(), acts, grid_.pp_rank + 1);
+      timer.stop(phases_.forward);
+      if (dump) record_routes(slot, d, std::int64_t(j) * b * T);
+      sums[0] += s.ce;
+      sums[1] += s.z;
+      sums[2] += s.moe_aux;
+      for (const auto& [block, layer] : slot.engram_layers()) engram_row(block)[0] += layer->mean_gate();
+      for (const auto& [block, st] : s.moe) {
+        double* acc = moe_row(block);
+        acc[0] += st.lb;
+        acc[1] += st.rz;
+        acc[2] += st.dropped;
+        for (int e = 0; e < E; ++e) acc[3 + e] += st.load[e];
+      }
+    } else {
+      if (!grid_.last_stage()) {
+        grid_.pipe.recv(slot.output_grad_buffer(), acts, grid_.pp_rank + 1);
+        timer.stop(phases_.comm);
+      }
+      // The step's last backward finalizes the gradients: buckets start as they complete.
+      const bool last = k + 1 == schedule_.size();
+      const float* dx = slot.backward(
+          table_, last ? std::function<void(int)>([this](int i) { reducer_->ready_from(i); })
+                       : std::function<void(int)>());
+      if (!grid_.first_stage()) out = grid_.pipe.start_send(dx, acts, grid_.pp_rank - 1);
+      timer.stop(phases_.backward);
     }
   }
-  grid_.stage.allreduce_sum(table_.grads.data(), table_.total_elements());
-  grid_.stage.allreduce_sum(sums, 3);
-  grid_.stage.allreduce_sum(moe_sums.data(), moe_sums.size());
-  grid_.stage.allreduce_sum(engram_gate.data(), engram_gate.size());
+  for (auto& p : sends) grid_.pipe.complete(p);
+  reducer_->finish();
+  // Loss terms, MoE and Engram statistics: each rank holds its own micro-batches' share of the
+  // layers on its stage; a sum over the world assembles the global batch.
+  grid_.world.allreduce_sum(sums, 3);
+  grid_.world.allreduce_sum(moe_sums.data(), moe_sums.size());
+  for (const auto& [block, layer] : slots_[0]->engram_layers()) {
+    // Distinct rows looked up by the whole global batch: lookup counts summed over the slots
+    // and the stage's ranks.
+    auto counts = Kokkos::create_mirror_view_and_copy(HostSpace(), layer->touched());
+    for (int i = 1; i < S; ++i) {
+      for (const auto& [b2, other] : slots_[i]->engram_layers()) {
+        if (b2 != block) continue;
+        auto more = Kokkos::create_mirror_view_and_copy(HostSpace(), other->touched());
+        for (std::size_t r = 0; r < counts.size(); ++r) counts(r) += more(r);
+      }
+    }
+    grid_.stage.allreduce_sum(counts.data(), counts.size());
+    std::int64_t used = 0;
+    for (std::size_t r = 0; r < counts.size(); ++r) used += counts(r) > 0;
+    if (grid_.replica() == 0) engram_row(block)[1] = double(used) / counts.size();
+  }
+  grid_.world.allreduce_sum(engram_stats.data(), engram_stats.size());
   timer.stop(phases_.comm);
 
   const double total_targets = n_micro * targets_per_micro;
@@ -138,17 +214,15 @@ StepMetrics Trainer::train_step(int step) {
     m.extra.emplace_back(p + "load_max_mean", total > 0 ? max_load / (total / E) : 0.0);
     if (cfg_.moe.capacity_factor > 0) m.extra.emplace_back(p + "drop", acc[2] / total);
   }
-  for (std::size_t i = 0; i < engrams.size(); ++i) {
-    // Distinct rows looked up by the whole global batch: lookup counts summed over the stage.
-    auto counts = Kokkos::create_mirror_view_and_copy(HostSpace(), engrams[i].second->touched());
-    grid_.stage.allreduce_sum(counts.data(), counts.size());
-    std::int64_t used = 0;
-    for (std::size_t r = 0; r < counts.size(); ++r) used += counts(r) > 0;
-    const std::string p = "engram" + std::to_string(engrams[i].first);
-    m.extra.emplace_back(p + "_gate", engram_gate[i] / n_micro);
-    m.extra.emplace_back(p + "_rows_touched", double(used) / counts.size());
+  for (std::size_t i = 0; i < engram_layers_.size(); ++i) {
+    const std::string p = "engram" + std::to_string(engram_layers_[i]);
+    m.extra.emplace_back(p + "_gate", engram_stats[2 * i] / n_micro);
+    m.extra.emplace_back(p + "_rows_touched", engram_stats[2 * i + 1]);
   }
-  m.grad_norm = std::sqrt(grad_sq_sum(table_));
+  // Every parameter once: each rank sums the squares of what it owns.
+  double sq = grad_sq_sum(table_, &owned_);
+  grid_.world.allreduce_sum(&sq, 1);
+  m.grad_norm = std::sqrt(sq);
   m.lr = learning_rate(cfg_.optimizer, t.max_steps, step);
   if (!std::isfinite(m.loss) || !std::isfinite(m.grad_norm)) {
     std::ostringstream os;
@@ -163,7 +237,7 @@ StepMetrics Trainer::train_step(int step) {
     d.aux = m.aux;
     d.grad_norm = m.grad_norm;
     d.lr = m.lr;
-    for (auto& route : d.routes) grid_.stage.allreduce_sum(route.second.data(), route.second.size());
+    for (auto& route : d.routes) grid_.world.allreduce_sum(route.second.data(), route.second.size());
     load_positions(state_.next_position, t.global_batch);
     d.tokens.assign(host_tokens_.begin(), host_tokens_.end());
     write_step_dump(cfg_, grid_, table_, d);
@@ -198,17 +272,18 @@ StepMetrics Trainer::train_step(int step) {
   return m;
 }
 
-void Trainer::record_routes(StepDump& d, std::int64_t first_token) {
-  // Each replica fills its own micro-batches' rows; the others stay 0, so a sum over the stage
-  // assembles the global batch exactly.
-  const auto routes = stage_->moe_routes();
+void Trainer::record_routes(const Stage& slot, StepDump& d, std::int64_t first_token) {
+  // Each rank fills its own micro-batches' rows of its stage's MoE layers; the others stay 0,
+  // so a sum over the world assembles the global batch exactly.
   if (d.routes.empty())
-    for (const auto& r : routes)
-      d.routes.emplace_back(r.first, std::vector<std::int32_t>(std::size_t(d.global_batch) *
-                                                               d.seq_len * d.top_k, 0));
-  for (std::size_t i = 0; i < routes.size(); ++i) {
-    auto h = Kokkos::create_mirror_view_and_copy(HostSpace(), routes[i].second);
-    std::copy(h.data(), h.data() + h.size(), d.routes[i].second.begin() + first_token * d.top_k);
+    for (int l : moe_layers_)
+      d.routes.emplace_back(l, std::vector<std::int32_t>(std::size_t(d.global_batch) *
+                                                         d.seq_len * d.top_k, 0));
+  for (const auto& [block, route] : slot.moe_routes()) {
+    auto h = Kokkos::create_mirror_view_and_copy(HostSpace(), route);
+    for (auto& r : d.routes)
+      if (r.first == block)
+        std::copy(h.data(), h.data() + h.size(), r.second.begin() + first_token * d.top_k);
   }
 }
 
@@ -229,7 +304,7 @@ void Trainer::run() {
     const bool eval_now = val_data_ && ((t.eval_every > 0 && step % t.eval_every == 0) ||
                                         step == t.max_steps);
     if (eval_now) {
-      m.val_loss = evaluate(*stage_, table_, *val_data_, grid_, t.micro_batch, t.eval_instances).loss;
+      m.val_loss = evaluate(*slots_[0], table_, *val_data_, grid_, t.micro_batch, t.eval_instances).loss;
       timer.stop(phases_.eval);
     }
     if ((c.every > 0 && step % c.every == 0) || step == t.max_steps) {

@@ -1,6 +1,8 @@
-// The training loop (DESIGN.md "one step"): micro-batches of this rank's data replica forward
-// and backward with gradient accumulation, gradient reduction over the stage's replicas,
-// global-norm clipping, AdamW, the schedule, metrics, evaluation, dumps and checkpoints.
+// The training loop (DESIGN.md "one step"): this rank's micro-batches forward and backward
+// through its pipeline stage in schedule order (1F1B or GPipe; activations to the next stage,
+// gradients to the previous), bucketed gradient reduction over the grid, global-norm clipping
+// over every parameter once, AdamW, the learning-rate schedule, metrics, evaluation, dumps and
+// checkpoints.
 #pragma once
 
 #include <memory>
@@ -16,6 +18,8 @@
 #include "modules/model/stage.hpp"
 #include "parallel/process_grid.hpp"
 #include "train/evaluate.hpp"
+#include "train/grad_reducer.hpp"
+#include "train/schedule.hpp"
 
 namespace kmoe {
 
@@ -36,9 +40,9 @@ class Trainer {
 
  private:
   StepMetrics train_step(int step);
-  // Copies the MoE routes of the last micro-batch (its first token at `first_token` of the
-  // global batch) into a step dump.
-  void record_routes(StepDump& d, std::int64_t first_token);
+  // Copies the MoE routes of the micro-batch `slot` last ran forward (its first token at
+  // `first_token` of the global batch) into a step dump.
+  void record_routes(const Stage& slot, StepDump& d, std::int64_t first_token);
   // Token ids of stream positions [first, first + count) into host_tokens_.
   void load_positions(std::int64_t first, int count);
 
@@ -46,13 +50,18 @@ class Trainer {
   ProcessGrid& grid_;
   ModelSize size_;
   TensorTable table_;
-  std::unique_ptr<Stage> stage_;
+  // One Stage per activation slot of the pipeline schedule, all on the same parameters.
+  std::vector<std::unique_ptr<Stage>> slots_;
+  std::vector<PipeOp> schedule_;
+  std::unique_ptr<GradReducer> reducer_;
+  std::vector<char> owned_;  // per tensor: counted in the gradient norm here
   std::unique_ptr<TokenDataset> train_data_, val_data_;
   std::unique_ptr<InstanceStream> stream_;
   std::unique_ptr<MetricsWriter> metrics_;  // rank 0 only
   std::vector<std::int32_t> host_tokens_;
   TrainState state_;
-  std::vector<int> moe_layers_;           // MoE block indices
+  std::vector<int> moe_layers_;           // MoE block indices (the whole model)
+  std::vector<int> engram_layers_;        // Engram block indices (the whole model)
   std::vector<std::string> moe_columns_;  // their metrics columns
   bool resumed_ = false;
   PhaseTotals phases_;

@@ -1,0 +1,23 @@
+// Pipeline schedules (RUNTIME.md section 2) over one rank's M micro-batches, for stage s of P:
+//   gpipe: every forward, then every backward (micro-batch order); M activation slots.
+//   1f1b:  min(P-s-1, M) warm-up forwards, then one forward and one backward alternately,
+//          then the remaining backwards; at most min(P-s, M) micro-batches in flight.
+// With P = 1 both are plain gradient accumulation: forward i, backward i.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace kmoe {
+
+struct PipeOp {
+  bool forward;
+  int micro;  // 0..M-1, the rank's micro-batch
+};
+
+std::vector<PipeOp> pipeline_schedule(const std::string& kind, int stages, int stage, int micro);
+
+// Activation slots the schedule needs: the most micro-batches forwarded but not yet backwarded.
+int schedule_slots(const std::vector<PipeOp>& ops);
+
+}  // namespace kmoe
