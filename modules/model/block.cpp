@@ -35,7 +35,8 @@ Block::Block(const ModelCfg& m, const MoeCfg& e, const EngramCfg& g, const Engra
     x_engram_ = View1F("block::x_engram", N * D_);
   }
   if (e.is_moe_layer(layer))
-    moe_ = std::make_unique<MoeLayer>(m, e, block_prefix(layer) + "moe.", N, table, comms.ep);
+    moe_ = std::make_unique<MoeLayer>(m, e, block_prefix(layer) + "moe.", N, table, comms.ep,
+                                      comms.ep_data);
   else
     mlp_ = std::make_unique<SwigluMlp>(block_prefix(layer) + "mlp.", D_, m.ffn_hidden, m.init_std,
                                        N, table);

@@ -42,10 +42,12 @@ void ensure(View1F& v, std::int64_t n, const char* label) {
 }  // namespace
 
 MoeLayer::MoeLayer(const ModelCfg& m, const MoeCfg& e, const std::string& prefix,
-                   std::int64_t max_tokens, TensorTable& table, const Communicator* ep)
+                   std::int64_t max_tokens, TensorTable& table, const Communicator* ep,
+                   const DataComm* ep_data)
     : D_(m.d_model), E_(e.experts), k_(e.top_k), Fe_(e.expert_hidden),
       P_(ep ? ep->size() : 1), El_(e.experts / P_), e0_(ep ? ep->rank() * El_ : 0),
-      ep_(P_ > 1 ? ep : nullptr), cfg_(e), buckets_(max_tokens * e.top_k, e.experts) {
+      ep_(P_ > 1 ? ep : nullptr), ep_data_(ep_data ? ep_data : ep), cfg_(e),
+      buckets_(max_tokens * e.top_k, e.experts) {
   KMOE_REQUIRE(E_ % P_ == 0, "moe.experts (" << E_ << ") must be divisible by parallel.ep ("
                                              << P_ << ")");
   const double std = m.init_std;
@@ -404,7 +406,7 @@ void MoeLayer::dispatch(const float* rows, float* ex) {
     sc[q] = send_rows_[q] * D;
     rc[q] = recv_rows_[q] * D;
   }
-  ep_->all_to_all_v(rows, sc, xfer_.data(), rc);
+  ep_data_->all_to_all_v(rows, sc, xfer_.data(), rc);
   auto perm = ex_perm_;
   auto from = as_cmat(xfer_.data(), std::max(Rx, 1), D);
   auto to = as_mat(ex, std::max(Rx, 1), D);
@@ -426,7 +428,7 @@ void MoeLayer::combine(const float* ex, float* rows) {
     sc[q] = recv_rows_[q] * D;
     rc[q] = send_rows_[q] * D;
   }
-  ep_->all_to_all_v(xfer_.data(), sc, rows, rc);
+  ep_data_->all_to_all_v(xfer_.data(), sc, rows, rc);
 }
 
 }  // namespace kmoe

@@ -55,8 +55,10 @@ class MoeLayer {
   // shared experts, shared.w1/w3 [S*Fs, D], shared.w2 [D, S*Fs].
   // `ep`: the expert-parallel group (null or one rank: all experts here). Expert tensors are
   // declared as this rank's row block [E/P experts] of the global [E, ...] shape.
+  // Counts go over `ep` (MPI, host), rows over `ep_data` (its data plane; ep when null).
   MoeLayer(const ModelCfg& m, const MoeCfg& e, const std::string& prefix,
-           std::int64_t max_tokens, TensorTable& table, const Communicator* ep = nullptr);
+           std::int64_t max_tokens, TensorTable& table, const Communicator* ep = nullptr,
+           const DataComm* ep_data = nullptr);
 
   // x: (N, D) -> y: (N, D); saves what backward needs.
   MoeStats forward(const TensorTable& table, ConstMat x, Mat y);
@@ -89,6 +91,7 @@ class MoeLayer {
   int D_, E_, k_, Fe_;
   int P_ = 1, El_, e0_ = 0;  // ep group size, experts per rank, first local expert
   const Communicator* ep_ = nullptr;
+  const DataComm* ep_data_ = nullptr;
   MoeCfg cfg_;
   int router_, w1_, w3_, w2_, bias_ = -1;
   std::unique_ptr<SwigluMlp> shared_;

@@ -22,6 +22,17 @@ void mpi_check(int rc, const char* call) {
   KMOE_FAIL(call << " failed: " << std::string(msg, len));
 }
 
+// An MPI operation in flight: its requests and, for a collective, the arrival notices.
+struct Communicator::MpiOp : PendingOp {
+  std::vector<MPI_Request> reqs;
+  const char* op = "";
+  bool collective = false;
+  int peer = -1;
+  std::int64_t mark = 0;              // the collective's number on its communicator
+  std::size_t first_notice = 0;       // reqs[first_notice..]: arrival notices (recv, send)
+  std::vector<std::int64_t> notices;  // the members' collective numbers, received
+};
+
 namespace {
 constexpr int kNoticeTag = 7, kDataTag = 11;
 constexpr std::int64_t kChunk = INT_MAX / 2;  // MPI counts are int: larger buffers are split
@@ -76,15 +87,21 @@ Communicator& Communicator::operator=(Communicator&& o) noexcept {
   return *this;
 }
 
-Pending Communicator::begin(const char* op, bool collective, int peer) const {
-  Pending p = std::make_unique<PendingOp>();
+std::unique_ptr<Communicator::MpiOp> Communicator::begin(const char* op, bool collective,
+                                                         int peer) const {
+  auto p = std::make_unique<MpiOp>();
   p->op = op;
   p->collective = collective;
   p->peer = peer;
   return p;
 }
 
-void Communicator::post_notices(PendingOp& p) const {
+void Communicator::run(std::unique_ptr<MpiOp> p) const {
+  Pending base(std::move(p));
+  complete(base);
+}
+
+void Communicator::post_notices(MpiOp& p) const {
   p.mark = ++seq_;
   p.first_notice = p.reqs.size();
   p.notices.assign(size_, -1);
@@ -101,7 +118,7 @@ void Communicator::post_notices(PendingOp& p) const {
 
 void Communicator::complete(Pending& pending) const {
   if (!pending) return;
-  PendingOp& p = *pending;
+  MpiOp& p = static_cast<MpiOp&>(*pending);
   auto& reqs = p.reqs;
   if (watchdog_s_ <= 0) {
     mpi_check(MPI_Waitall(static_cast<int>(reqs.size()), reqs.data(), MPI_STATUSES_IGNORE),
@@ -158,12 +175,12 @@ void Communicator::complete(Pending& pending) const {
 
 namespace {
 template <class T>
-void post_allreduce(const Communicator& c, PendingOp& p, T* data, std::int64_t n,
+void post_allreduce(const Communicator& c, std::vector<MPI_Request>& reqs, T* data, std::int64_t n,
                     MPI_Datatype type, MPI_Op mpi_op) {
   for (std::int64_t off = 0; off < n; off += kChunk) {
-    p.reqs.emplace_back();
+    reqs.emplace_back();
     mpi_check(MPI_Iallreduce(MPI_IN_PLACE, data + off, static_cast<int>(std::min(kChunk, n - off)),
-                             type, mpi_op, c.comm(), &p.reqs.back()),
+                             type, mpi_op, c.comm(), &reqs.back()),
               "MPI_Iallreduce");
   }
 }
@@ -172,21 +189,22 @@ void post_allreduce(const Communicator& c, PendingOp& p, T* data, std::int64_t n
 Pending Communicator::start_allreduce_sum(float* data, std::int64_t n) const {
   if (size_ == 1) return nullptr;
   Kokkos::fence();
-  Pending p = begin("allreduce_sum(float)", true, -1);
-  post_allreduce(*this, *p, data, n, MPI_FLOAT, MPI_SUM);
+  auto p = begin("allreduce_sum(float)", true, -1);
+  post_allreduce(*this, p->reqs, data, n, MPI_FLOAT, MPI_SUM);
   post_notices(*p);
-  return p;
+  return Pending(std::move(p));
 }
 
 void Communicator::allreduce_sum(float* data, std::int64_t n) const {
-  run(start_allreduce_sum(data, n));
+  Pending p = start_allreduce_sum(data, n);
+  complete(p);
 }
 
 void Communicator::allreduce_sum(double* data, std::int64_t n) const {
   if (size_ == 1) return;
   Kokkos::fence();
-  Pending p = begin("allreduce_sum(double)", true, -1);
-  post_allreduce(*this, *p, data, n, MPI_DOUBLE, MPI_SUM);
+  auto p = begin("allreduce_sum(double)", true, -1);
+  post_allreduce(*this, p->reqs, data, n, MPI_DOUBLE, MPI_SUM);
   post_notices(*p);
   run(std::move(p));
 }
@@ -194,16 +212,16 @@ void Communicator::allreduce_sum(double* data, std::int64_t n) const {
 void Communicator::allreduce_sum(std::int32_t* data, std::int64_t n) const {
   if (size_ == 1) return;
   Kokkos::fence();
-  Pending p = begin("allreduce_sum(int32)", true, -1);
-  post_allreduce(*this, *p, data, n, MPI_INT32_T, MPI_SUM);
+  auto p = begin("allreduce_sum(int32)", true, -1);
+  post_allreduce(*this, p->reqs, data, n, MPI_INT32_T, MPI_SUM);
   post_notices(*p);
   run(std::move(p));
 }
 
 double Communicator::allreduce_max(double v) const {
   if (size_ == 1) return v;
-  Pending p = begin("allreduce_max", true, -1);
-  post_allreduce(*this, *p, &v, 1, MPI_DOUBLE, MPI_MAX);
+  auto p = begin("allreduce_max", true, -1);
+  post_allreduce(*this, p->reqs, &v, 1, MPI_DOUBLE, MPI_MAX);
   post_notices(*p);
   run(std::move(p));
   return v;
@@ -211,7 +229,7 @@ double Communicator::allreduce_max(double v) const {
 
 void Communicator::barrier() const {
   if (size_ == 1) return;
-  Pending p = begin("barrier", true, -1);
+  auto p = begin("barrier", true, -1);
   p->reqs.emplace_back();
   mpi_check(MPI_Ibarrier(comm_, &p->reqs.back()), "MPI_Ibarrier");
   post_notices(*p);
@@ -222,7 +240,7 @@ std::vector<std::string> Communicator::all_gather(const std::string& mine) const
   if (size_ == 1) return {mine};
   std::vector<int> lens(size_), displs(size_, 0);
   int len = static_cast<int>(mine.size());
-  Pending p = begin("all_gather(lengths)", true, -1);
+  auto p = begin("all_gather(lengths)", true, -1);
   p->reqs.emplace_back();
   mpi_check(MPI_Iallgather(&len, 1, MPI_INT, lens.data(), 1, MPI_INT, comm_, &p->reqs.back()),
             "MPI_Iallgather");
@@ -247,7 +265,7 @@ void Communicator::all_to_all(const std::int64_t* send, std::int64_t* recv, int 
     std::copy(send, send + per_peer, recv);
     return;
   }
-  Pending p = begin("all_to_all(counts)", true, -1);
+  auto p = begin("all_to_all(counts)", true, -1);
   p->reqs.emplace_back();
   mpi_check(MPI_Ialltoall(send, per_peer, MPI_INT64_T, recv, per_peer, MPI_INT64_T, comm_,
                           &p->reqs.back()),
@@ -281,7 +299,7 @@ void Communicator::all_to_all_v(const float* send, const std::vector<std::int64_
                                       << "/" << recv_counts.size() << " members, the axis has "
                                       << size_);
   Kokkos::fence();
-  Pending pend = begin("all_to_all_v", true, -1);
+  auto pend = begin("all_to_all_v", true, -1);
   auto& reqs = pend->reqs;
   std::int64_t soff = 0, roff = 0;
   for (int p = 0; p < size_; ++p) {
@@ -304,13 +322,14 @@ void Communicator::all_to_all_v(const float* send, const std::vector<std::int64_
 
 Pending Communicator::start_send(const float* data, std::int64_t n, int peer) const {
   Kokkos::fence();
-  Pending p = begin("send", false, peer);
+  auto p = begin("send", false, peer);
   post(p->reqs, true, data, n, peer, comm_);
-  return p;
+  return Pending(std::move(p));
 }
 
 void Communicator::send(const float* data, std::int64_t n, int peer) const {
-  run(start_send(data, n, peer));
+  Pending p = start_send(data, n, peer);
+  complete(p);
 }
 
 void Communicator::recv(float* data, std::int64_t n, int peer) const {
@@ -322,7 +341,7 @@ void Communicator::send_recv(const float* send, std::int64_t n_send, int to, flo
   if (to < 0 && from < 0) return;
   Kokkos::fence();
   const char* op = to >= 0 && from >= 0 ? "send_recv" : (to >= 0 ? "send" : "recv");
-  Pending p = begin(op, false, from >= 0 ? from : to);
+  auto p = begin(op, false, from >= 0 ? from : to);
   if (from >= 0) post(p->reqs, false, recv, n_recv, from, comm_);
   if (to >= 0) post(p->reqs, true, send, n_send, to, comm_);
   run(std::move(p));

@@ -18,20 +18,33 @@ namespace kmoe {
 // Wraps an MPI call so a failure names the call instead of aborting silently.
 void mpi_check(int rc, const char* call);
 
-// A started nonblocking operation; Communicator::complete() waits for it under the watchdog.
-// Its buffers must stay untouched until then.
+// A started nonblocking operation; the communicator that started it completes it. Its buffers
+// must stay untouched until then.
 struct PendingOp {
-  std::vector<MPI_Request> reqs;
-  const char* op = "";
-  bool collective = false;
-  int peer = -1;
-  std::int64_t mark = 0;                // the collective's number on its communicator
-  std::size_t first_notice = 0;         // reqs[first_notice..]: arrival notices (recv, send)
-  std::vector<std::int64_t> notices;    // the members' collective numbers, received
+  virtual ~PendingOp() = default;
 };
 using Pending = std::unique_ptr<PendingOp>;
 
-class Communicator {
+// The data plane of one grid axis: the collectives on MemSpace buffers (device memory on GPUs)
+// that carry gradients, expert rows and pipeline activations. The MPI Communicator is one
+// (host-accessible memory); an NCCL communicator is another (KMOE_ENABLE_NCCL).
+class DataComm {
+ public:
+  virtual ~DataComm() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  virtual const char* backend() const = 0;
+  // Nonblocking: a sum in place over the members (a gradient bucket), a send of n floats.
+  virtual Pending start_allreduce_sum(float* data, std::int64_t n) const = 0;
+  virtual Pending start_send(const float* data, std::int64_t n, int peer) const = 0;
+  virtual void complete(Pending& p) const = 0;
+  // Blocking: variable all-to-all (counts in floats, blocks in member order) and a receive.
+  virtual void all_to_all_v(const float* send, const std::vector<std::int64_t>& send_counts,
+                            float* recv, const std::vector<std::int64_t>& recv_counts) const = 0;
+  virtual void recv(float* data, std::int64_t n, int peer) const = 0;
+};
+
+class Communicator : public DataComm {
  public:
   Communicator() = default;
   // Duplicates `parent` (so tags never collide with other users); `name` (the axis) appears in
@@ -44,8 +57,9 @@ class Communicator {
   Communicator& operator=(Communicator&& o) noexcept;
 
   MPI_Comm comm() const { return comm_; }
-  int rank() const { return rank_; }
-  int size() const { return size_; }
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  const char* backend() const override { return "mpi"; }
   const std::string& name() const { return name_; }
   bool valid() const { return comm_ != MPI_COMM_NULL; }
   // MPI_COMM_WORLD rank of member r.
@@ -65,16 +79,16 @@ class Communicator {
   // Variable all-to-all of floats: send_counts[p] floats to member p taken in member order from
   // `send`, recv_counts[p] from member p stored in member order into `recv`.
   void all_to_all_v(const float* send, const std::vector<std::int64_t>& send_counts, float* recv,
-                    const std::vector<std::int64_t>& recv_counts) const;
+                    const std::vector<std::int64_t>& recv_counts) const override;
   // Nonblocking: starts a sum in place over the members (a gradient bucket) or a send of n
   // floats to `peer`; complete() waits for it.
-  Pending start_allreduce_sum(float* data, std::int64_t n) const;
-  Pending start_send(const float* data, std::int64_t n, int peer) const;
-  void complete(Pending& p) const;
+  Pending start_allreduce_sum(float* data, std::int64_t n) const override;
+  Pending start_send(const float* data, std::int64_t n, int peer) const override;
+  void complete(Pending& p) const override;
 
   // Blocking point-to-point transfers of n floats with member `peer`.
   void send(const float* data, std::int64_t n, int peer) const;
-  void recv(float* data, std::int64_t n, int peer) const;
+  void recv(float* data, std::int64_t n, int peer) const override;
   // Both at once (no deadlock when two members exchange): n_send floats to `to` and n_recv
   // from `from`; a peer of -1 skips that half.
   void send_recv(const float* send, std::int64_t n_send, int to, float* recv,
@@ -87,10 +101,11 @@ class Communicator {
   // A pending operation of kind `op`; a collective also posts this rank's arrival notice to
   // every member and the receives of theirs: notices still outstanding when the watchdog fires
   // name the ranks that never arrived.
-  Pending begin(const char* op, bool collective, int peer) const;
-  void post_notices(PendingOp& p) const;
+  struct MpiOp;
+  std::unique_ptr<MpiOp> begin(const char* op, bool collective, int peer) const;
+  void post_notices(MpiOp& p) const;
   // Runs a blocking operation: the requests are already in p.
-  void run(Pending p) const { complete(p); }
+  void run(std::unique_ptr<MpiOp> p) const;
   void free_comms();
 
   MPI_Comm comm_ = MPI_COMM_NULL;

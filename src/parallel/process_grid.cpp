@@ -44,6 +44,12 @@ ProcessGrid::ProcessGrid(const ParallelCfg& cfg, int n_layers, MPI_Comm world_co
                                                                      << n_layers);
 }
 
+const DataComm& ProcessGrid::data(const Communicator& axis) const {
+  for (const auto& [mpi, dc] : data_)
+    if (mpi == &axis) return *dc;
+  return axis;
+}
+
 int ProcessGrid::stage_of_block(int block) const {
   for (int s = 0; s < pp; ++s)
     if (block < bounds_[s + 1]) return s;

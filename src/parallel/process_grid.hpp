@@ -5,6 +5,7 @@
 // purpose, each under the watchdog (parallel.watchdog_seconds).
 #pragma once
 
+#include <memory>
 #include <vector>
 
 #include "io/config.hpp"
@@ -39,8 +40,13 @@ class ProcessGrid {
   // invalid on the other stages and when pp == 1.
   Communicator tie;
 
+  // The data plane of an axis (gradients, expert rows, activations): the MPI communicator
+  // itself, or the NCCL communicator built over it (parallel.backend = nccl).
+  const DataComm& data(const Communicator& axis) const;
+
  private:
   std::vector<int> bounds_;
+  std::vector<std::pair<const Communicator*, std::unique_ptr<DataComm>>> data_;
 };
 
 }  // namespace kmoe

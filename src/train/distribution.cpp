@@ -67,6 +67,7 @@ StagePlan stage_plan(const ProcessGrid& grid) {
 LayerComms layer_comms(const Config& cfg, const ProcessGrid& grid) {
   LayerComms c;
   c.ep = &grid.ep_axis;
+  c.ep_data = &grid.data(grid.ep_axis);
   if (cfg.parallel.engram_shard == "ep") {
     c.engram = &grid.ep_axis;
     c.engram_shard = Shard::Ep;

@@ -18,6 +18,7 @@ EvalResult evaluate(Stage& stage, const TensorTable& table, const TokenDataset& 
   // With expert parallelism every replica of a stage takes part in each round's all-to-alls:
   // a replica without a batch in a round runs instance 0 and discards the result.
   const bool lockstep = grid.ep > 1;
+  const DataComm& pipe = grid.data(grid.pipe);
   for (std::int64_t round = 0; round * R < n_batches; ++round) {
     const std::int64_t c = round * R + grid.replica();
     const bool real = c < n_batches;
@@ -26,12 +27,14 @@ EvalResult evaluate(Stage& stage, const TensorTable& table, const TokenDataset& 
     const std::int64_t count = real ? std::min<std::int64_t>(b, n - first) : 1;
     for (std::int64_t i = 0; i < count; ++i) val.read_instance(first + i, tokens.data() + i * T);
     const std::int64_t acts = count * T * D;
-    if (!grid.first_stage()) grid.pipe.recv(stage.input_buffer(), acts, grid.pp_rank - 1);
+    if (!grid.first_stage()) pipe.recv(stage.input_buffer(), acts, grid.pp_rank - 1);
     const LossSums s = stage.forward(table, tokens.data(), count, 0.0f);
-    if (!grid.last_stage())
-      grid.pipe.send(stage.output(), acts, grid.pp_rank + 1);
-    else if (real)
+    if (!grid.last_stage()) {
+      Pending p = pipe.start_send(stage.output(), acts, grid.pp_rank + 1);
+      pipe.complete(p);
+    } else if (real) {
       for (std::int64_t i = 0; i < count; ++i) per_instance[first + i] = s.seq_ce[i];
+    }
   }
   grid.world.allreduce_sum(per_instance.data(), n);
   double sum = 0.0;

@@ -13,8 +13,9 @@ GradReducer::GradReducer(TensorTable& table, const ProcessGrid& grid, double buc
   for (int i = table.size() - 1; i >= 0; --i) {
     const TensorEntry& e = table.entry(i);
     if (!e.spec.trainable || e.size == 0) continue;
-    const Communicator* c = gradient_comm(e.spec, grid);
-    if (!c || c->size() == 1) continue;
+    const Communicator* axis = gradient_comm(e.spec, grid);
+    if (!axis || axis->size() == 1) continue;
+    const DataComm* c = &grid.data(*axis);
     // Declared back to back, so adjacent in the flat buffer: extend the open bucket downwards.
     Bucket* b = buckets_.empty() ? nullptr : &buckets_.back();
     if (b && b->comm == c && b->offset == e.offset + e.size && b->size < limit) {
@@ -40,7 +41,11 @@ void GradReducer::finish() {
   for (std::size_t i = 0; i < pending_.size(); ++i) buckets_[i].comm->complete(pending_[i]);
   pending_.clear();
   next_ = 0;
-  if (tied_ >= 0) grid_.tie.allreduce_sum(table_.grad(tied_), table_.entry(tied_).size);
+  if (tied_ >= 0) {
+    const DataComm& tie = grid_.data(grid_.tie);
+    Pending p = tie.start_allreduce_sum(table_.grad(tied_), table_.entry(tied_).size);
+    tie.complete(p);
+  }
 }
 
 }  // namespace kmoe

@@ -30,7 +30,7 @@ class GradReducer {
   struct Bucket {
     int first_tensor;  // lowest table index in the bucket
     std::int64_t offset, size;
-    const Communicator* comm;
+    const DataComm* comm;
   };
   TensorTable& table_;
   const ProcessGrid& grid_;

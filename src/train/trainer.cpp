@@ -126,6 +126,7 @@ StepMetrics Trainer::train_step(int step) {
   // section 2), run in schedule order; micro-batch i lives in activation slot i mod S.
   const int S = static_cast<int>(slots_.size());
   std::vector<Pending> sends(S);  // a slot's outgoing transfer, done before the slot is reused
+  const DataComm& pipe = grid_.data(grid_.pipe);
   timer.start();
   for (std::size_t k = 0; k < schedule_.size(); ++k) {
     const PipeOp op = schedule_[k];
@@ -133,15 +134,15 @@ StepMetrics Trainer::train_step(int step) {
     Pending& out = sends[op.micro % S];
     if (op.forward) {
       const int j = me + op.micro * R;
-      grid_.pipe.complete(out);
+      pipe.complete(out);
       load_positions(state_.next_position + std::int64_t(j) * b, b);
       timer.stop(phases_.data);
       if (!grid_.first_stage()) {
-        grid_.pipe.recv(slot.input_buffer(), acts, grid_.pp_rank - 1);
+        pipe.recv(slot.input_buffer(), acts, grid_.pp_rank - 1);
         timer.stop(phases_.comm);
       }
       const LossSums s = slot.forward(table_, host_tokens_.data(), b, grad_scale);
-      if (!grid_.last_stage()) out = grid_.pipe.start_send(slot.output(), acts, grid_.pp_rank + 1);
+      if (!grid_.last_stage()) out = pipe.start_send(slot.output(), acts, grid_.pp_rank + 1);
       timer.stop(phases_.forward);
       if (dump) record_routes(slot, d, std::int64_t(j) * b * T);
       sums[0] += s.ce;
@@ -157,7 +158,7 @@ StepMetrics Trainer::train_step(int step) {
       }
     } else {
       if (!grid_.last_stage()) {
-        grid_.pipe.recv(slot.output_grad_buffer(), acts, grid_.pp_rank + 1);
+        pipe.recv(slot.output_grad_buffer(), acts, grid_.pp_rank + 1);
         timer.stop(phases_.comm);
       }
       // The step's last backward finalizes the gradients: buckets start as they complete.
@@ -165,11 +166,11 @@ StepMetrics Trainer::train_step(int step) {
       const float* dx = slot.backward(
           table_, last ? std::function<void(int)>([this](int i) { reducer_->ready_from(i); })
                        : std::function<void(int)>());
-      if (!grid_.first_stage()) out = grid_.pipe.start_send(dx, acts, grid_.pp_rank - 1);
+      if (!grid_.first_stage()) out = pipe.start_send(dx, acts, grid_.pp_rank - 1);
       timer.stop(phases_.backward);
     }
   }
-  for (auto& p : sends) grid_.pipe.complete(p);
+  for (auto& p : sends) pipe.complete(p);
   reducer_->finish();
   // Loss terms, MoE and Engram statistics: each rank holds its own micro-batches' share of the
   // layers on its stage; a sum over the world assembles the global batch.
