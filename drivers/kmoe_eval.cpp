@@ -49,7 +49,8 @@ int main(int argc, char** argv) {
     table.allocate();
     kmoe::load_checkpoint(checkpoint, cfg, grid, table, /*with_optimizer=*/false, nullptr);
     const kmoe::EvalResult r =
-        kmoe::evaluate(stage, table, val, grid, cfg.train.micro_batch, cfg.train.eval_instances);
+        kmoe::evaluate(stage, table, val, grid, cfg.train.micro_batch, cfg.train.eval_instances,
+                       cfg.parallel.engram_shard != "none");
     if (grid.is_root()) std::printf("eval_loss %.17g tokens %lld\n", r.loss, (long long)r.tokens);
   });
 }

@@ -30,8 +30,12 @@ Block::Block(const ModelCfg& m, const MoeCfg& e, const EngramCfg& g, const Engra
       attn_(m, block_prefix(layer) + "attn.", max_seqs, T, table) {
   const std::int64_t N = std::int64_t(max_seqs) * T;
   if (plan) {
+    EngramLayer::Sharding sh;
+    sh.kind = comms.engram_shard;
+    sh.comm = comms.engram;
+    sh.data = comms.engram_data ? comms.engram_data : comms.engram;
     engram_ = std::make_unique<EngramLayer>(m, g, *plan, block_prefix(layer) + "engram.", N, T,
-                                            table);
+                                            table, sh);
     x_engram_ = View1F("block::x_engram", N * D_);
   }
   if (e.is_moe_layer(layer))

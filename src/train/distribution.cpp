@@ -70,9 +70,11 @@ LayerComms layer_comms(const Config& cfg, const ProcessGrid& grid) {
   c.ep_data = &grid.data(grid.ep_axis);
   if (cfg.parallel.engram_shard == "ep") {
     c.engram = &grid.ep_axis;
+    c.engram_data = &grid.data(grid.ep_axis);
     c.engram_shard = Shard::Ep;
   } else if (cfg.parallel.engram_shard == "stage") {
     c.engram = &grid.stage;
+    c.engram_data = &grid.data(grid.stage);
     c.engram_shard = Shard::Stage;
   }
   return c;

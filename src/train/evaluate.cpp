@@ -5,7 +5,8 @@
 namespace kmoe {
 
 EvalResult evaluate(Stage& stage, const TensorTable& table, const TokenDataset& val,
-                    const ProcessGrid& grid, int b, std::int64_t max_instances) {
+                    const ProcessGrid& grid, int b, std::int64_t max_instances,
+                    bool engram_sharded) {
   const int T = val.seq_len();
   const std::int64_t D = stage.d_model();
   std::int64_t n = val.num_instances();
@@ -15,9 +16,10 @@ EvalResult evaluate(Stage& stage, const TensorTable& table, const TokenDataset& 
   std::vector<double> per_instance(n, 0.0);
   std::vector<std::int32_t> tokens(std::size_t(b) * T);
   const std::int64_t n_batches = (n + b - 1) / b, R = grid.replicas();
-  // With expert parallelism every replica of a stage takes part in each round's all-to-alls:
-  // a replica without a batch in a round runs instance 0 and discards the result.
-  const bool lockstep = grid.ep > 1;
+  // With expert parallelism or sharded Engram tables every replica of a stage takes part in
+  // each round's all-to-alls: a replica without a batch in a round runs instance 0 and
+  // discards the result.
+  const bool lockstep = grid.ep > 1 || (grid.replicas() > 1 && engram_sharded);
   const DataComm& pipe = grid.data(grid.pipe);
   for (std::int64_t round = 0; round * R < n_batches; ++round) {
     const std::int64_t c = round * R + grid.replica();

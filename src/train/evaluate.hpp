@@ -20,6 +20,7 @@ struct EvalResult {
 // Collective over the grid. Batches of micro_batch instances, batch c on replica c mod R,
 // forward through the pipeline; the last stage's loss, summed over the world.
 EvalResult evaluate(Stage& stage, const TensorTable& table, const TokenDataset& val,
-                    const ProcessGrid& grid, int micro_batch, std::int64_t max_instances);
+                    const ProcessGrid& grid, int micro_batch, std::int64_t max_instances,
+                    bool engram_sharded = false);
 
 }  // namespace kmoe

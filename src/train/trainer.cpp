@@ -305,7 +305,9 @@ void Trainer::run() {
     const bool eval_now = val_data_ && ((t.eval_every > 0 && step % t.eval_every == 0) ||
                                         step == t.max_steps);
     if (eval_now) {
-      m.val_loss = evaluate(*slots_[0], table_, *val_data_, grid_, t.micro_batch, t.eval_instances).loss;
+      m.val_loss = evaluate(*slots_[0], table_, *val_data_, grid_, t.micro_batch, t.eval_instances,
+                            cfg_.parallel.engram_shard != "none")
+                       .loss;
       timer.stop(phases_.eval);
     }
     if ((c.every > 0 && step % c.every == 0) || step == t.max_steps) {
