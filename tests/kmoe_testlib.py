@@ -27,8 +27,9 @@ class Harness:
         and checks its exit code."""
         cmd = [os.path.join(self.bin_dir, args[0])] + list(args[1:])
         if ranks > 1:
+            forward = [a for k in sorted(env or {}) if k.startswith("KMOE_") for a in ("-x", k)]
             cmd = [self.mpiexec, "--allow-run-as-root", "--oversubscribe", "-n", str(ranks),
-                   "-x", "OPENBLAS_NUM_THREADS=1"] + cmd
+                   "-x", "OPENBLAS_NUM_THREADS=1"] + forward + cmd
         p = subprocess.run(cmd, cwd=self.work, env=env or self.env, capture_output=True,
                            text=True, timeout=900)
         if p.returncode != expect_rc:

@@ -1,9 +1,11 @@
-// GoogleTest main for every kmoe suite: MPI and Kokkos initialised once; only rank 0 prints;
-// the exit code is the maximum over ranks, so one failing rank fails the test.
+// GoogleTest main for every kmoe suite: MPI and Kokkos initialised once; only rank 0 prints
+// (KMOE_TEST_ALL_RANKS=1: every rank); the exit code is the maximum over ranks, so one failing
+// rank fails the test.
 #include <gtest/gtest.h>
 #include <mpi.h>
 
 #include <Kokkos_Core.hpp>
+#include <cstdlib>
 
 int main(int argc, char** argv) {
   MPI_Init(&argc, &argv);
@@ -13,7 +15,7 @@ int main(int argc, char** argv) {
   {
     Kokkos::ScopeGuard kokkos(argc, argv);
     ::testing::InitGoogleTest(&argc, argv);
-    if (rank != 0) {
+    if (rank != 0 && !std::getenv("KMOE_TEST_ALL_RANKS")) {
       auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
       delete listeners.Release(listeners.default_result_printer());
     }

@@ -152,11 +152,13 @@ void Communicator::complete(Pending& pending) const {
           what = "world rank(s) " + missing.str() + " did not arrive";
         else
           what = "every rank arrived but the transfer did not complete";
+        const std::string which =
+            p.collective ? ", collective #" + std::to_string(p.mark) : std::string();
         std::fprintf(stderr,
                      "kmoe: watchdog: world rank %d waited %.0f s (parallel.watchdog_seconds) "
-                     "in %s on the %s axis (%d ranks, operation #%lld); %s; aborting the job\n",
-                     world_ranks_[rank_], waited, p.op, name_.c_str(), size_,
-                     static_cast<long long>(p.mark), what.c_str());
+                     "in %s on the %s axis (%d ranks%s); %s; aborting the job\n",
+                     world_ranks_[rank_], waited, p.op, name_.c_str(), size_, which.c_str(),
+                     what.c_str());
         std::fflush(stderr);
         MPI_Abort(MPI_COMM_WORLD, 1);
       }

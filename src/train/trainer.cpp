@@ -4,6 +4,8 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <thread>
 #include <fstream>
 #include <sstream>
 
@@ -89,7 +91,20 @@ void Trainer::load_positions(std::int64_t first, int count) {
     train_data_->read_instance(stream_->instance_at(first + i), host_tokens_.data() + std::size_t(i) * T);
 }
 
+namespace {
+// Test-only fault injection: KMOE_FAULT=stall:<world rank>:<step> makes that rank stop taking
+// part at the start of that step (it sleeps), so the others' watchdog must fire.
+void maybe_stall(const ProcessGrid& grid, int step) {
+  const char* f = std::getenv("KMOE_FAULT");
+  int rank = -1, at = -1;
+  if (!f || std::sscanf(f, "stall:%d:%d", &rank, &at) != 2) return;
+  if (rank == grid.world.rank() && at == step)
+    for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
+}
+}  // namespace
+
 StepMetrics Trainer::train_step(int step) {
+  maybe_stall(grid_, step);
   const auto& t = cfg_.train;
   const int b = t.micro_batch, T = t.seq_len, n_micro = t.global_batch / b;
   const int R = grid_.replicas(), me = grid_.replica();

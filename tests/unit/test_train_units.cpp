@@ -18,6 +18,7 @@
 #include "modules/model/model_size.hpp"
 #include "modules/model/stage.hpp"
 #include "train/optimizer.hpp"
+#include "train/schedule.hpp"
 #include "train/tensor_table.hpp"
 
 namespace kmoe {
@@ -703,6 +704,37 @@ TEST(StageTensors, NoQkNormPreNorm) {
   m.block_norm = "pre";
   m.init_std = 0.05;
   check_names_and_shapes(m);
+}
+
+}  // namespace
+}  // namespace kmoe
+
+namespace kmoe {
+namespace {
+
+// Pipeline schedules: every micro-batch forward once and backward once, backward after its
+// forward, the in-flight count bounded as RUNTIME.md section 2 and train/schedule.hpp say.
+TEST(Schedule, OneFOneBAndGPipe) {
+  for (const char* kind : {"1f1b", "gpipe"})
+    for (int P : {1, 2, 4})
+      for (int s = 0; s < P; ++s)
+        for (int M : {1, 2, 3, 8}) {
+          const auto ops = pipeline_schedule(kind, P, s, M);
+          std::vector<int> f(M, -1), b(M, -1);
+          for (std::size_t k = 0; k < ops.size(); ++k)
+            (ops[k].forward ? f : b)[ops[k].micro] = static_cast<int>(k);
+          for (int i = 0; i < M; ++i) {
+            EXPECT_GE(f[i], 0);
+            EXPECT_GT(b[i], f[i]) << kind << " P " << P << " s " << s << " M " << M;
+          }
+          EXPECT_EQ(ops.size(), std::size_t(2 * M));
+          const int slots = schedule_slots(ops);
+          const bool gpipe = std::string(kind) == "gpipe" && P > 1;
+          EXPECT_EQ(slots, P == 1 ? 1 : (gpipe ? M : std::min(P - s, M)));
+          // Micro-batch i uses slot i mod slots: free again once i - slots is backwarded.
+          for (int i = slots; i < M; ++i) EXPECT_GT(f[i], b[i - slots]);
+        }
+  EXPECT_THROW(pipeline_schedule("interleaved", 2, 0, 4), Error);
 }
 
 }  // namespace

@@ -1,0 +1,294 @@
+// The process grid and its communicators on 4 ranks (RUNTIME.md section 1): rank order and axis
+// membership; the variable all-to-all with uneven counts (a rank that sends nothing, a rank that
+// receives nothing); simultaneous point-to-point exchange between pipeline neighbours; the
+// expert-parallel MoE layer and the sharded Engram lookup against their single-rank versions on
+// the same tokens.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "core/error.hpp"
+#include "modules/engram/engram.hpp"
+#include "modules/moe/moe.hpp"
+#include "parallel/process_grid.hpp"
+
+namespace kmoe {
+namespace {
+
+int world_rank() {
+  int r = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &r);
+  return r;
+}
+
+int world_size() {
+  int n = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &n);
+  return n;
+}
+
+std::vector<float> host(const float* d, std::int64_t n) {
+  std::vector<float> h(n);
+  Kokkos::deep_copy(Kokkos::View<float*, HostSpace, Unmanaged>(h.data(), n),
+                    Kokkos::View<const float*, MemSpace, Unmanaged>(d, n));
+  return h;
+}
+
+void fill(float* d, const std::vector<float>& h) {
+  Kokkos::deep_copy(Kokkos::View<float*, MemSpace, Unmanaged>(d, h.size()),
+                    Kokkos::View<const float*, HostSpace, Unmanaged>(h.data(), h.size()));
+}
+
+double max_rel(const std::vector<float>& a, const std::vector<float>& b) {
+  double num = 0.0, den = 0.0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    num = std::max(num, std::fabs(double(a[i]) - b[i]));
+    den = std::max(den, std::fabs(double(b[i])));
+  }
+  return num / std::max(den, 1e-30);
+}
+
+TEST(Grid, RankOrderAndAxes) {
+  ASSERT_EQ(world_size(), 4);
+  const int me = world_rank();
+  struct Layout { int pp, dp, ep; };
+  for (Layout l : {Layout{1, 2, 2}, Layout{2, 1, 2}, Layout{2, 2, 1}, Layout{4, 1, 1}}) {
+    ParallelCfg c;
+    c.pp = l.pp;
+    c.dp = l.dp;
+    c.ep = l.ep;
+    ProcessGrid g(c, 4, MPI_COMM_WORLD);
+    EXPECT_EQ(me, (g.pp_rank * l.dp + g.dp_rank) * l.ep + g.ep_rank);
+    EXPECT_EQ(g.stage.size(), l.dp * l.ep);
+    EXPECT_EQ(g.ep_axis.size(), l.ep);
+    EXPECT_EQ(g.dp_axis.size(), l.dp);
+    EXPECT_EQ(g.pipe.size(), l.pp);
+    EXPECT_EQ(g.pipe.rank(), g.pp_rank);
+    EXPECT_EQ(g.ep_axis.rank(), g.ep_rank);
+    // ep neighbours are adjacent world ranks; pipeline neighbours are a stage (dp*ep) apart.
+    for (int r = 0; r < l.ep; ++r) EXPECT_EQ(g.ep_axis.world_rank(r), me - g.ep_rank + r);
+    for (int s = 0; s < l.pp; ++s)
+      EXPECT_EQ(g.pipe.world_rank(s), me + (s - g.pp_rank) * l.dp * l.ep);
+    EXPECT_EQ(g.tie.valid(), l.pp > 1 && (g.first_stage() || g.last_stage()));
+    EXPECT_EQ(g.first_block(0), 0);
+    EXPECT_EQ(g.first_block(l.pp), 4);
+  }
+}
+
+TEST(Grid, WorldSizeMismatchIsAClearError) {
+  ParallelCfg c;
+  c.dp = 3;
+  try {
+    ProcessGrid g(c, 4, MPI_COMM_WORLD);
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("launched on 4 ranks"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Comm, AllToAllVWithUnevenCounts) {
+  Communicator c(MPI_COMM_WORLD, "test");
+  const int P = c.size(), me = c.rank();
+  // Rank 0 sends nothing; rank 2 receives nothing; the other counts differ per pair.
+  auto count = [](int from, int to) -> std::int64_t {
+    if (from == 0 || to == 2) return 0;
+    return 1 + (3 * from + 5 * to) % 4;
+  };
+  std::vector<std::int64_t> sc(P), rc(P);
+  std::vector<float> send, expect;
+  for (int p = 0; p < P; ++p) {
+    sc[p] = count(me, p);
+    rc[p] = count(p, me);
+    for (int i = 0; i < sc[p]; ++i) send.push_back(100.0f * me + 10.0f * p + i);
+    for (int i = 0; i < rc[p]; ++i) expect.push_back(100.0f * p + 10.0f * me + i);
+  }
+  View1F s("send", std::max<std::size_t>(1, send.size())), r("recv", std::max<std::size_t>(1, expect.size()));
+  fill(s.data(), send);
+  c.all_to_all_v(s.data(), sc, r.data(), rc);
+  EXPECT_EQ(host(r.data(), expect.size()), expect);
+  if (me == 2) {
+    EXPECT_TRUE(expect.empty());
+  }
+}
+
+TEST(Comm, CountsAndGather) {
+  Communicator c(MPI_COMM_WORLD, "test");
+  const int P = c.size(), me = c.rank();
+  std::vector<std::int64_t> send(2 * P), recv(2 * P);
+  for (int p = 0; p < P; ++p) {
+    send[2 * p] = me;
+    send[2 * p + 1] = 10 * p;
+  }
+  c.all_to_all(send.data(), recv.data(), 2);
+  for (int p = 0; p < P; ++p) {
+    EXPECT_EQ(recv[2 * p], p);
+    EXPECT_EQ(recv[2 * p + 1], 10 * me);
+  }
+  const auto all = c.all_gather(std::string(me, 'x'));
+  for (int p = 0; p < P; ++p) EXPECT_EQ(all[p], std::string(p, 'x'));
+}
+
+TEST(Comm, PipelineNeighboursExchangeBothWays) {
+  // Four stages: each sends n floats forward and n backward at once, as 1F1B's steady state
+  // does; then a nonblocking send completes after the matching receive.
+  Communicator c(MPI_COMM_WORLD, "pp", 30.0);
+  const int me = c.rank(), P = c.size(), n = 1 << 16;  // above any eager limit
+  View1F fwd("fwd", n), bwd("bwd", n), from_prev("from_prev", n), from_next("from_next", n);
+  Kokkos::deep_copy(fwd, float(me));
+  Kokkos::deep_copy(bwd, float(-me));
+  if (me + 1 < P) c.send_recv(fwd.data(), n, me + 1, from_next.data(), n, me + 1);
+  if (me > 0) c.send_recv(bwd.data(), n, me - 1, from_prev.data(), n, me - 1);
+  if (me + 1 < P) {
+    EXPECT_EQ(host(from_next.data(), n)[n - 1], float(-(me + 1)));
+  }
+  if (me > 0) {
+    EXPECT_EQ(host(from_prev.data(), n)[0], float(me - 1));
+  }
+  Pending p;
+  if (me + 1 < P) p = c.start_send(fwd.data(), n, me + 1);
+  if (me > 0) {
+    c.recv(from_prev.data(), n, me - 1);
+    EXPECT_EQ(host(from_prev.data(), n)[n / 2], float(me - 1));
+  }
+  c.complete(p);
+}
+
+ModelCfg tiny_model() {
+  ModelCfg m;
+  m.d_model = 16;
+  m.vocab_size = 40;
+  m.init_std = 0.3;
+  return m;
+}
+
+std::vector<float> random_vec(std::int64_t n, unsigned seed, float scale, float mean = 0.0f) {
+  std::mt19937 gen(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<float> v(n);
+  for (auto& x : v) x = mean + scale * nd(gen);
+  return v;
+}
+
+TEST(ExpertParallel, MatchesAllExpertsOnOneRank) {
+  // Each rank routes its own tokens; ep = 4 ranks hold 2 of the 8 experts each. Experts 6 and 7
+  // are never chosen (their router rows push the logits down), so rank 3 receives no rows.
+  Communicator ep(MPI_COMM_WORLD, "ep");
+  const int me = ep.rank(), N = 24, D = 16;
+  ModelCfg m = tiny_model();
+  MoeCfg e;
+  e.experts = 8;
+  e.top_k = 2;
+  e.expert_hidden = 12;
+  e.lb_coef = 0.1;
+  e.z_coef = 0.01;
+  TensorTable full, part;
+  MoeLayer one(m, e, "moe.", N, full);
+  MoeLayer sharded(m, e, "moe.", N, part, &ep);
+  full.allocate();
+  part.allocate();
+  full.initialize(5);
+  part.initialize(5);  // layout-independent: the same global values
+  auto set_router = [&](TensorTable& t) {
+    const int r = t.find("moe.router");
+    auto w = host(t.param(r), 8 * D);
+    for (int x = 6; x < 8; ++x)
+      for (int d = 0; d < D; ++d) w[x * D + d] = -5.0f;
+    fill(t.param(r), w);
+  };
+  set_router(full);
+  set_router(part);
+  View1F x("x", N * D), y1("y1", N * D), y2("y2", N * D), dy("dy", N * D);
+  View1F dx1("dx1", N * D), dx2("dx2", N * D);
+  fill(x.data(), random_vec(N * D, 11 + me, 0.5f, 1.0f));  // positive: experts 6, 7 lose
+  fill(dy.data(), random_vec(N * D, 31 + me, 0.1f));
+  MoeScratch s1(m, e, N), s2(m, e, N);
+  const MoeStats a = one.forward(full, as_cmat(x.data(), N, D), as_mat(y1.data(), N, D));
+  const MoeStats b = sharded.forward(part, as_cmat(x.data(), N, D), as_mat(y2.data(), N, D));
+  EXPECT_EQ(a.load, b.load);
+  EXPECT_EQ(a.load[6] + a.load[7], 0);
+  EXPECT_DOUBLE_EQ(a.lb, b.lb);
+  // The same rows through the same experts; only the GEMMs' row blocks differ.
+  EXPECT_LE(max_rel(host(y2.data(), N * D), host(y1.data(), N * D)), 1e-5);
+  one.backward(full, as_cmat(x.data(), N, D), as_cmat(dy.data(), N, D), as_mat(dx1.data(), N, D),
+               s1, 0.5f);
+  sharded.backward(part, as_cmat(x.data(), N, D), as_cmat(dy.data(), N, D),
+                   as_mat(dx2.data(), N, D), s2, 0.5f);
+  EXPECT_LE(max_rel(host(dx2.data(), N * D), host(dx1.data(), N * D)), 1e-5);
+  // The router gradient is this rank's own; an expert's gradient on its rank is the sum over
+  // every rank's tokens of the single-rank layer's gradient.
+  for (const char* name : {"moe.router", "moe.experts.w1", "moe.experts.w3", "moe.experts.w2"}) {
+    const TensorEntry& f = full.entry(full.find(name));
+    const TensorEntry& p = part.entry(part.find(name));
+    auto gf = host(full.grad(full.find(name)), f.size);
+    if (std::string(name) != "moe.router") ep.allreduce_sum(gf.data(), gf.size());
+    const std::int64_t first = p.spec.row_begin * p.spec.row_elements();
+    std::vector<float> slice(gf.begin() + first, gf.begin() + first + p.size);
+    EXPECT_LE(max_rel(host(part.grad(part.find(name)), p.size), slice), 1e-5) << name;
+    EXPECT_EQ(p.spec.row_begin, std::string(name) == "moe.router" ? 0 : 2 * me) << name;
+  }
+}
+
+TEST(EngramSharding, MatchesTheReplicatedTable) {
+  // All 4 ranks hold row blocks of one table (parallel.engram_shard = stage); each looks up its
+  // own tokens. Outputs and input gradients equal the replicated layer's; each rank's row block
+  // of the table gradient is the sum over ranks of the replicated layer's.
+  Communicator group(MPI_COMM_WORLD, "stage");
+  const int me = group.rank(), T = 8, N = 2 * T, D = 16;
+  ModelCfg m = tiny_model();
+  EngramCfg g;
+  g.layers = {0};
+  g.max_ngram = 3;
+  g.heads = 2;
+  g.embed_per_ngram = 8;
+  g.table_size = {11, 13};
+  g.kernel = 3;
+  g.init_std = 0.3;
+  auto plans = engram_hash_plans(g, m.vocab_size);
+  TensorTable full, part;
+  EngramLayer one(m, g, plans[0], "e.", N, T, full);
+  EngramSharding sh;
+  sh.kind = Shard::Stage;
+  sh.comm = &group;
+  sh.data = &group;
+  EngramLayer sharded(m, g, plans[0], "e.", N, T, part, sh);
+  full.allocate();
+  part.allocate();
+  full.initialize(3);
+  part.initialize(3);
+  View1F x("x", N * D), o1("o1", N * D), o2("o2", N * D), dout("dout", N * D);
+  View1F dx1("dx1", N * D), dx2("dx2", N * D);
+  fill(x.data(), random_vec(N * D, 7 + me, 1.0f));
+  fill(dout.data(), random_vec(N * D, 17 + me, 0.1f));
+  View1I tokens("tokens", N);
+  {
+    auto h = Kokkos::create_mirror_view(tokens);
+    std::mt19937 gen(100 + me);
+    for (int i = 0; i < N; ++i) h(i) = gen() % m.vocab_size;
+    Kokkos::deep_copy(tokens, h);
+  }
+  const ConstIVec tok(tokens.data(), N);
+  one.forward(full, as_cmat(x.data(), N, D), tok, as_mat(o1.data(), N, D));
+  sharded.forward(part, as_cmat(x.data(), N, D), tok, as_mat(o2.data(), N, D));
+  EXPECT_EQ(host(o2.data(), N * D), host(o1.data(), N * D));  // the same rows, bit for bit
+  one.backward(full, as_cmat(x.data(), N, D), as_cmat(dout.data(), N, D), as_mat(dx1.data(), N, D));
+  sharded.backward(part, as_cmat(x.data(), N, D), as_cmat(dout.data(), N, D),
+                   as_mat(dx2.data(), N, D));
+  EXPECT_EQ(host(dx2.data(), N * D), host(dx1.data(), N * D));
+  const TensorEntry& f = full.entry(full.find("e.table"));
+  const TensorEntry& p = part.entry(part.find("e.table"));
+  EXPECT_EQ(p.spec.shard, Shard::Stage);
+  auto gf = host(full.grad(full.find("e.table")), f.size);
+  group.allreduce_sum(gf.data(), gf.size());
+  const std::int64_t first = p.spec.row_begin * p.spec.row_elements();
+  std::vector<float> slice(gf.begin() + first, gf.begin() + first + p.size);
+  EXPECT_LE(max_rel(host(part.grad(part.find("e.table")), p.size), slice), 1e-6);
+  // The blocks tile the table: sizes summed over the ranks give every row once.
+  std::int64_t rows = p.spec.local_rows();
+  MPI_Allreduce(MPI_IN_PLACE, &rows, 1, MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD);
+  EXPECT_EQ(rows, p.spec.global_rows());
+}
+
+}  // namespace
+}  // namespace kmoe
