@@ -263,10 +263,12 @@ StepMetrics Trainer::train_step(int step) {
   const double clip_scale = clip > 0 ? std::min(1.0, clip / (m.grad_norm + 1e-6)) : 1.0;
   adamw_step(cfg_.optimizer, table_, step, m.lr, clip_scale);
   if (cfg_.moe.bias_update_rate > 0) {
-    // Every rank holds the same global counts, so the replicated biases stay identical.
+    // Every rank holds the same global counts, so the replicated biases stay identical; each
+    // stage updates the biases of its own MoE blocks.
     for (std::size_t i = 0; i < moe_layers_.size(); ++i) {
       const double* acc = moe_sums.data() + i * per_layer + 3;
       const int idx = table_.find("blocks." + std::to_string(moe_layers_[i]) + ".moe.router_bias");
+      if (idx < 0) continue;
       update_router_bias(table_, idx, std::vector<double>(acc, acc + E), cfg_.moe.bias_update_rate);
     }
   }

@@ -103,6 +103,15 @@ train("shard_stage", 2, 2, 2, "--parallel.engram_shard=stage", "--parallel.pp_la
 compare("shard_stage", "l111")
 train("l222_again", 2, 2, 2)
 h.check(h.losses("l222_again") == h.losses("l222"), "(2,2,2) twice: bit-identical losses")
+# Router-bias updates and capacity drops are discontinuous: same-layout checks only.
+SWITCHY = ["--moe.bias_update_rate=0.01", "--moe.capacity_factor=1.0", "--train.max_steps=6",
+           "--train.eval_every=0"]
+train("switchy", 2, 1, 2, *SWITCHY)
+train("switchy_again", 2, 1, 2, *SWITCHY)
+drops = [float(r["moe1_drop"]) for r in h.metrics("switchy")]
+h.check(h.losses("switchy") == h.losses("switchy_again") and len(drops) == 6 and max(drops) > 0,
+        f"(2,1,2) with router-bias updates and capacity drops ({max(drops or [0]):.3f}) twice: "
+        "bit-identical")
 
 # Tied embeddings across stages: the last stage's replica stays in sync with stage 0's.
 TIED = ["--model.tie_embeddings=true", "--train.max_steps=3", "--train.eval_every=0"]
