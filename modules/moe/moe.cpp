@@ -173,9 +173,14 @@ MoeStats MoeLayer::forward(const TensorTable& table, ConstMat x, Mat y) {
       });
   const int R = host_offsets_[E];
   Mat rows_in = as_mat(rows_in_.data(), R, D);
+  // Row copies: one team per row, its threads over the features (coalesced on GPUs, a plain
+  // loop on CPUs).
   Kokkos::parallel_for(
-      "moe::gather", Range2({0, 0}, {R, D}),
-      KOKKOS_LAMBDA(int r, int d) { rows_in(r, d) = x(row_slot(r) / k, d); });
+      "moe::gather", row_policy(R), KOKKOS_LAMBDA(const TeamMember& tm) {
+        const int r = tm.league_rank(), t = row_slot(r) / k;
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, D),
+                             [&](int d) { rows_in(r, d) = x(t, d); });
+      });
 
   // Experts: one contiguous row block and three GEMMs each, here or on their ep rank.
   if (!ep_) {
@@ -200,13 +205,15 @@ MoeStats MoeLayer::forward(const TensorTable& table, ConstMat x, Mat y) {
     Kokkos::deep_copy(Kokkos::View<float**, Layout, MemSpace, Unmanaged>(y.data(), N, D), 0.0f);
   auto out = as_cmat(rows_out_.data(), std::max(R, 1), D);
   Kokkos::parallel_for(
-      "moe::combine", Range2({0, 0}, {N, D}), KOKKOS_LAMBDA(int t, int d) {
-        float acc = y(t, d);
-        for (int j = 0; j < k; ++j) {
+      "moe::combine", row_policy(N), KOKKOS_LAMBDA(const TeamMember& tm) {
+        const int t = tm.league_rank();
+        for (int j = 0; j < k; ++j) {  // slots in order: the same sum order per feature
           const int r = slot_row(t * k + j);
-          if (r >= 0) acc += w(t * k + j) * out(r, d);
+          if (r < 0) continue;
+          const float wj = w(t * k + j);
+          Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, D),
+                               [&](int d) { y(t, d) += wj * out(r, d); });
         }
-        y(t, d) = acc;
       });
 
   // LB = (E/k) sum_e (c_e / N) P_e with P_e = mean_t p_te; RZ = mean_t lse_t^2.
@@ -268,13 +275,14 @@ void MoeLayer::backward(TensorTable& table, ConstMat x, ConstMat dy, Mat dx, Moe
     combine(ex_grad_.data(), s.d_rows.data());
   }
   Kokkos::parallel_for(
-      "moe::scatter_inputs", Range2({0, 0}, {N, D}), KOKKOS_LAMBDA(int t, int d) {
-        float acc = dx(t, d);
+      "moe::scatter_inputs", row_policy(N), KOKKOS_LAMBDA(const TeamMember& tm) {
+        const int t = tm.league_rank();
         for (int j = 0; j < k; ++j) {
           const int r = slot_row(t * k + j);
-          if (r >= 0) acc += d_rows(r, d);
+          if (r < 0) continue;
+          Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, D),
+                               [&](int d) { dx(t, d) += d_rows(r, d); });
         }
-        dx(t, d) = acc;
       });
 
   // Router: d scores from the weights and the LB term, then through softmax/sigmoid, plus the
@@ -411,8 +419,10 @@ void MoeLayer::dispatch(const float* rows, float* ex) {
   auto from = as_cmat(xfer_.data(), std::max(Rx, 1), D);
   auto to = as_mat(ex, std::max(Rx, 1), D);
   Kokkos::parallel_for(
-      "moe::ep_regroup", Range2({0, 0}, {Rx, D}),
-      KOKKOS_LAMBDA(int r, int d) { to(r, d) = from(perm(r), d); });
+      "moe::ep_regroup", row_policy(Rx), KOKKOS_LAMBDA(const TeamMember& tm) {
+        const int r = tm.league_rank(), src = perm(r);
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, D), [&](int d) { to(r, d) = from(src, d); });
+      });
 }
 
 void MoeLayer::combine(const float* ex, float* rows) {
@@ -421,8 +431,10 @@ void MoeLayer::combine(const float* ex, float* rows) {
   auto from = as_cmat(ex, std::max(Rx, 1), D);
   auto to = as_mat(xfer_.data(), std::max(Rx, 1), D);
   Kokkos::parallel_for(
-      "moe::ep_ungroup", Range2({0, 0}, {Rx, D}),
-      KOKKOS_LAMBDA(int r, int d) { to(perm(r), d) = from(r, d); });
+      "moe::ep_ungroup", row_policy(Rx), KOKKOS_LAMBDA(const TeamMember& tm) {
+        const int r = tm.league_rank(), dst = perm(r);
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, D), [&](int d) { to(dst, d) = from(r, d); });
+      });
   std::vector<std::int64_t> sc(P_), rc(P_);
   for (int q = 0; q < P_; ++q) {
     sc[q] = recv_rows_[q] * D;

@@ -34,6 +34,13 @@ struct Communicator::MpiOp : PendingOp {
 };
 
 namespace {
+double g_comm_wait = 0.0;
+}  // namespace
+
+double comm_wait_seconds() { return g_comm_wait; }
+void add_comm_wait(double seconds) { g_comm_wait += seconds; }
+
+namespace {
 constexpr int kNoticeTag = 7, kDataTag = 11;
 constexpr std::int64_t kChunk = INT_MAX / 2;  // MPI counts are int: larger buffers are split
 }  // namespace
@@ -120,6 +127,7 @@ void Communicator::complete(Pending& pending) const {
   if (!pending) return;
   MpiOp& p = static_cast<MpiOp&>(*pending);
   auto& reqs = p.reqs;
+  const auto started = std::chrono::steady_clock::now();
   if (watchdog_s_ <= 0) {
     mpi_check(MPI_Waitall(static_cast<int>(reqs.size()), reqs.data(), MPI_STATUSES_IGNORE),
               p.op);
@@ -165,6 +173,8 @@ void Communicator::complete(Pending& pending) const {
       std::this_thread::yield();
     }
   }
+  add_comm_wait(
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
   if (p.collective)
     for (int q = 0; q < size_; ++q)
       KMOE_REQUIRE(q == rank_ || p.notices[q] == p.mark,

@@ -18,6 +18,11 @@ namespace kmoe {
 // Wraps an MPI call so a failure names the call instead of aborting silently.
 void mpi_check(int rc, const char* call);
 
+// Seconds this process has spent waiting for communication to complete (every backend adds
+// its waits): with the step time, the communication vs compute split of bench/ and metrics.
+double comm_wait_seconds();
+void add_comm_wait(double seconds);
+
 // A started nonblocking operation; the communicator that started it completes it. Its buffers
 // must stay untouched until then.
 struct PendingOp {

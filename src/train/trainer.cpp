@@ -79,6 +79,7 @@ Trainer::Trainer(const Config& cfg, ProcessGrid& grid)
       for (const char* c : {"_gate", "_rows_touched"})
         moe_columns_.push_back("engram" + std::to_string(l) + c);
     }
+  moe_columns_.push_back("comm_s");  // seconds this step waited on communication (rank 0)
   if (grid_.is_root()) {
     metrics_ = std::make_unique<MetricsWriter>(cfg.output.dir, /*append=*/resumed_, moe_columns_);
     std::ofstream(cfg.output.dir + "/deck.resolved") << cfg.resolved_text;
@@ -112,6 +113,7 @@ StepMetrics Trainer::train_step(int step) {
   const double targets_per_micro = double(b) * (T - 1);
   const float grad_scale = static_cast<float>(1.0 / (n_micro * targets_per_micro));
   const auto t_step = std::chrono::steady_clock::now();
+  const double comm_at_start = comm_wait_seconds();
   PhaseTimer timer;
 
   Kokkos::deep_copy(table_.grads, 0.0f);
@@ -286,6 +288,8 @@ StepMetrics Trainer::train_step(int step) {
   m.model_flops_per_s = m.tokens_per_s * size_.flops_per_token;
   if (cfg_.output.peak_flops > 0)
     m.mfu = m.model_flops_per_s / (cfg_.output.peak_flops * grid_.world.size());
+  m.extra.emplace_back("comm_s", comm_wait_seconds() - comm_at_start);
+  phases_.comm_wait += comm_wait_seconds() - comm_at_start;
   m.mem_hwm_mib = grid_.world.allreduce_max(peak_rss_mib());
   return m;
 }
@@ -340,9 +344,11 @@ void Trainer::run() {
   }
   if (grid_.is_root()) {
     const auto& p = phases_;
-    std::printf("time per phase (rank 0, s): data %.2f forward %.2f backward %.2f comm %.2f "
-                "optimizer %.2f eval %.2f checkpoint %.2f\n",
-                p.data, p.forward, p.backward, p.comm, p.optimizer, p.eval, p.checkpoint);
+    std::printf("time per phase (rank 0, s): data %.2f forward %.2f backward %.2f reduce %.2f "
+                "optimizer %.2f eval %.2f checkpoint %.2f; waiting on communication in "
+                "training steps %.2f\n",
+                p.data, p.forward, p.backward, p.comm, p.optimizer, p.eval, p.checkpoint,
+                p.comm_wait);
   }
 }
 

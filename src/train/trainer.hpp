@@ -24,7 +24,10 @@
 namespace kmoe {
 
 struct PhaseTotals {
+  // comm: the step's reductions after the last backward; comm_wait: every wait on
+  // communication inside training steps (all-to-alls, pipeline transfers, reductions).
   double data = 0, forward = 0, backward = 0, comm = 0, optimizer = 0, eval = 0, checkpoint = 0;
+  double comm_wait = 0;
 };
 
 class Trainer {

@@ -1,0 +1,68 @@
+#!/usr/bin/python3
+"""The process grid on this machine: tokens/s, memory per rank and the communication vs compute
+split per step for layouts (pp, dp, ep) of the main job's deck (inputs/tiny_moe_engram.deck:
+MoE in every block, Engram at block 1).
+
+Each layout trains --steps steps (no evaluation, one checkpoint at the end); the figures are
+averages over the steps after the first --skip. `comm` is the time rank 0 waited on
+communication inside the step (all-to-alls, pipeline transfers, gradient reductions, including
+waiting for slower ranks); `compute` is the rest of the step. Prints figures; asserts nothing.
+Layouts with more ranks than cores oversubscribe the cores (their tokens/s then measures
+correctness of the machinery, not speed).
+
+usage: bench/bench_layouts.py [--build build] [--steps 20] [--layouts 1,1,1 1,2,1 ...]
+"""
+import argparse
+import csv
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT = ["1,1,1", "1,2,1", "1,1,2", "2,1,1", "2,2,2"]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--build", default=os.path.join(ROOT, "build"))
+    ap.add_argument("--deck", default="inputs/tiny_moe_engram.deck")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--skip", type=int, default=4)
+    ap.add_argument("--layouts", nargs="+", default=DEFAULT)
+    ap.add_argument("--extra", nargs="*", default=[], help="more deck overrides")
+    a = ap.parse_args()
+    data = os.path.join(ROOT, "data", "fortunes")
+    if not os.path.exists(os.path.join(data, "train.bin")):
+        subprocess.run([os.path.join(a.build, "drivers", "kmoe-prep"), "--fortunes", "--out-dir",
+                        data], check=True, cwd=ROOT, capture_output=True)
+    print(f"bench_layouts: {a.deck}, {a.steps} steps (first {a.skip} left out), "
+          f"{os.cpu_count()} cores, one BLAS thread per rank")
+    print(f"{'pp,dp,ep':>9} {'ranks':>5} {'tokens/s':>9} {'tok/s/rank':>10} {'MiB/rank':>8} "
+          f"{'step ms':>8} {'comm ms':>8} {'compute ms':>10} {'comm %':>6}")
+    for layout in a.layouts:
+        pp, dp, ep = (int(v) for v in layout.split(","))
+        n = pp * dp * ep
+        run = f"/tmp/kmoe_bench_layouts/{pp}{dp}{ep}"
+        cmd = ["mpiexec", "--allow-run-as-root", "--oversubscribe", "-n", str(n), "-x",
+               "OPENBLAS_NUM_THREADS=1", os.path.join(a.build, "drivers", "kmoe-train"), "-i",
+               a.deck, f"--parallel.pp={pp}", f"--parallel.dp={dp}", f"--parallel.ep={ep}",
+               f"--train.max_steps={a.steps}", "--train.eval_every=0", "--data.val_paths=",
+               f"--output.dir={run}", "--output.log_every=1", f"--checkpoint.dir={run}/ckpt",
+               "--checkpoint.resume=none", *a.extra]
+        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        if p.returncode != 0:
+            print(f"{layout:>9} failed:\n{p.stdout[-1500:]}{p.stderr[-1500:]}")
+            continue
+        with open(os.path.join(run, "metrics.csv")) as f:
+            rows = list(csv.DictReader(f))[a.skip:]
+        t = sum(float(r["step_time_s"]) for r in rows) / len(rows)
+        c = sum(float(r["comm_s"]) for r in rows) / len(rows)
+        tps = sum(float(r["tokens_per_s"]) for r in rows) / len(rows)
+        mem = max(float(r["mem_hwm_mib"]) for r in rows)
+        print(f"{layout:>9} {n:>5} {tps:>9.0f} {tps / n:>10.0f} {mem:>8.0f} {1e3 * t:>8.1f} "
+              f"{1e3 * c:>8.1f} {1e3 * (t - c):>10.1f} {100 * c / t:>6.1f}")
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
