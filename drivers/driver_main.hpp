@@ -1,6 +1,7 @@
 // The frame every kmoe driver runs in: MPI, then --help (answered before Kokkos starts, which
 // would print its own help instead), then Kokkos, then the driver's body, with kmoe's error
-// reporting and exit codes: 0 done, 1 error, 3 non-finite loss or gradient norm.
+// reporting and exit codes: 0 done, 1 error, 3 non-finite loss or gradient norm, 85/86 a
+// checkpointed stop after SIGUSR1/SIGTERM (every rank exits with it, no abort).
 #pragma once
 
 #include <mpi.h>
@@ -29,10 +30,15 @@ inline int run_driver(int argc, char** argv, const std::string& name, const std:
     }
   }
   int code = 0;
+  bool stop = false;
   {
     Kokkos::ScopeGuard kokkos(argc, argv);  // consumes --kokkos-* arguments
     try {
       body(argc, argv);
+    } catch (const StopRequest& e) {
+      if (rank == 0) std::cerr << name << ": " << e.what() << std::endl;
+      code = e.code();
+      stop = true;
     } catch (const NonFiniteError& e) {
       std::cerr << name << ": error: " << e.what() << std::endl;
       code = 3;
@@ -42,7 +48,7 @@ inline int run_driver(int argc, char** argv, const std::string& name, const std:
     }
   }
   // A rank that failed alone must not leave the others waiting in a collective.
-  if (code != 0 && world > 1) MPI_Abort(MPI_COMM_WORLD, code);
+  if (code != 0 && !stop && world > 1) MPI_Abort(MPI_COMM_WORLD, code);
   MPI_Finalize();
   return code;
 }

@@ -31,13 +31,16 @@ void silence_hdf5() {
   done = true;
 }
 
-H5Handle file_access(MPI_Comm comm) {
+H5Handle file_access(MPI_Comm comm, bool writing) {
   H5Handle fapl(H5Pcreate(H5P_FILE_ACCESS), H5Pclose);
   H5Pset_fapl_mpio(fapl.get(), comm, MPI_INFO_NULL);
-  // Collective metadata operations are only safe from HDF5 1.10.9 on.
+  // Collective metadata writes (every rank creates every dataset) are only safe from HDF5
+  // 1.10.9 on. Metadata reads stay independent: on resume each rank opens only the datasets of
+  // its own stage.
 #if H5_VERSION_GE(1, 10, 9)
-  H5Pset_all_coll_metadata_ops(fapl.get(), true);
-  H5Pset_coll_metadata_write(fapl.get(), true);
+  if (writing) H5Pset_coll_metadata_write(fapl.get(), true);
+#else
+  (void)writing;
 #endif
   return fapl;
 }
@@ -66,7 +69,7 @@ constexpr std::int64_t kMaxTransferBytes = std::int64_t(1) << 30;
 
 H5File H5File::create(const std::string& path, MPI_Comm comm) {
   silence_hdf5();
-  H5Handle fapl = file_access(comm);
+  H5Handle fapl = file_access(comm, true);
   hid_t f = H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl.get());
   KMOE_REQUIRE(f >= 0, path << ": cannot create HDF5 file (directory missing or not writable?)");
   return H5File(path, H5Handle(f, H5Fclose));
@@ -81,7 +84,7 @@ H5File H5File::open(const std::string& path, MPI_Comm comm) {
   const htri_t is_hdf5 = H5Fis_hdf5(path.c_str());
 #endif
   KMOE_REQUIRE(is_hdf5 > 0, path << ": not an HDF5 file (another format, or damaged)");
-  H5Handle fapl = file_access(comm);
+  H5Handle fapl = file_access(comm, false);
   hid_t f = H5Fopen(path.c_str(), H5F_ACC_RDONLY, fapl.get());
   KMOE_REQUIRE(f >= 0, path << ": cannot open as HDF5 (truncated or damaged file)");
   return H5File(path, H5Handle(f, H5Fclose));

@@ -19,6 +19,19 @@ class NonFiniteError : public Error {
   using Error::Error;
 };
 
+// A clean stop every rank agreed on, with its exit code: 85 after SIGUSR1 (checkpointed,
+// "requeue me"), 86 after SIGTERM (checkpointed, resumable, do not requeue).
+class StopRequest : public std::exception {
+ public:
+  StopRequest(int code, std::string what) : code_(code), what_(std::move(what)) {}
+  int code() const { return code_; }
+  const char* what() const noexcept override { return what_.c_str(); }
+
+ private:
+  int code_;
+  std::string what_;
+};
+
 }  // namespace kmoe
 
 // KMOE_REQUIRE(h > 0, "model.n_heads must be positive, got " << h);

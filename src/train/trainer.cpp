@@ -3,8 +3,10 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <thread>
 #include <fstream>
 #include <sstream>
@@ -93,6 +95,25 @@ void Trainer::load_positions(std::int64_t first, int count) {
 }
 
 namespace {
+// SIGUSR1 (Slurm's warning before the time limit) asks for a checkpoint and exit 85 (requeue);
+// SIGTERM (a cancel) for a checkpoint and exit 86. The handler only sets the flag; the ranks
+// agree on it at the next step boundary.
+volatile std::sig_atomic_t g_stop = 0;
+extern "C" void on_stop_signal(int sig) {
+  if (sig == SIGTERM)
+    g_stop = 2;
+  else if (g_stop == 0)
+    g_stop = 1;
+}
+void install_stop_handlers() {
+  struct sigaction sa;
+  std::memset(&sa, 0, sizeof sa);
+  sa.sa_handler = on_stop_signal;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGUSR1, &sa, nullptr);
+  sigaction(SIGTERM, &sa, nullptr);
+}
+
 // Test-only fault injection: KMOE_FAULT=stall:<world rank>:<step> makes that rank stop taking
 // part at the start of that step (it sleeps), so the others' watchdog must fire.
 void maybe_stall(const ProcessGrid& grid, int step) {
@@ -310,6 +331,7 @@ void Trainer::record_routes(const Stage& slot, StepDump& d, std::int64_t first_t
 }
 
 void Trainer::run() {
+  install_stop_handlers();
   const auto& t = cfg_.train;
   const auto& c = cfg_.checkpoint;
   PhaseTimer timer;
@@ -331,17 +353,32 @@ void Trainer::run() {
                        .loss;
       timer.stop(phases_.eval);
     }
-    if ((c.every > 0 && step % c.every == 0) || step == t.max_steps) {
+    // A stop signal on any rank: every rank checkpoints this step and stops.
+    const int stop = static_cast<int>(grid_.world.allreduce_max(double(g_stop)));
+    if ((c.every > 0 && step % c.every == 0) || step == t.max_steps || stop) {
       save_checkpoint(cfg_, grid_, table_, state_);
       timer.stop(phases_.checkpoint);
     }
-    const bool log_now = step % cfg_.output.log_every == 0 || step == t.max_steps || eval_now;
+    const bool log_now =
+        step % cfg_.output.log_every == 0 || step == t.max_steps || eval_now || stop;
     if (grid_.is_root() && log_now) {
       std::printf("%s\n", MetricsWriter::console_line(m).c_str());
       std::fflush(stdout);
       metrics_->write(m);
     }
+    if (stop && step < t.max_steps) {
+      print_phases();
+      std::ostringstream os;
+      os << "stopped by " << (stop == 2 ? "SIGTERM" : "SIGUSR1") << " after step " << step
+         << " with checkpoint " << cfg_.checkpoint.dir << "/" << checkpoint_file_name(step)
+         << "; exit code " << (stop == 2 ? "86 (resumable, do not requeue)" : "85 (requeue)");
+      throw StopRequest(stop == 2 ? 86 : 85, os.str());
+    }
   }
+  print_phases();
+}
+
+void Trainer::print_phases() const {
   if (grid_.is_root()) {
     const auto& p = phases_;
     std::printf("time per phase (rank 0, s): data %.2f forward %.2f backward %.2f reduce %.2f "

@@ -35,7 +35,8 @@ class Trainer {
   // Builds data, model and optimizer state; resumes from a checkpoint per checkpoint.resume.
   Trainer(const Config& cfg, ProcessGrid& grid);
 
-  // Steps state().step + 1 .. max_steps; throws NonFiniteError on a non-finite loss or norm.
+  // Steps state().step + 1 .. max_steps; throws NonFiniteError on a non-finite loss or norm,
+  // StopRequest (exit 85/86) after a checkpoint when SIGUSR1/SIGTERM arrived.
   void run();
 
   const TrainState& state() const { return state_; }
@@ -43,6 +44,7 @@ class Trainer {
 
  private:
   StepMetrics train_step(int step);
+  void print_phases() const;
   // Copies the MoE routes of the micro-batch `slot` last ran forward (its first token at
   // `first_token` of the global batch) into a step dump.
   void record_routes(const Stage& slot, StepDump& d, std::int64_t first_token);
