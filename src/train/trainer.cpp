@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <thread>
 #include <fstream>
 #include <sstream>
@@ -60,11 +61,17 @@ Trainer::Trainer(const Config& cfg, ProcessGrid& grid)
   const std::string from = resume_file(cfg.checkpoint);
   if (!from.empty()) {
     std::string changes;
+    const auto t0 = std::chrono::steady_clock::now();
     state_ = load_checkpoint(from, cfg, grid, table_, /*with_optimizer=*/true, &changes);
+    grid_.world.barrier();
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     resumed_ = true;
     if (grid_.is_root()) {
-      std::printf("resuming from %s after step %d (data position %lld)\n", from.c_str(),
-                  state_.step, static_cast<long long>(state_.next_position));
+      const double mib = std::filesystem::file_size(from) / (1024.0 * 1024.0);
+      std::printf("resuming from %s after step %d (data position %lld); loaded %.1f MiB in "
+                  "%.3f s (%.1f MiB/s)\n",
+                  from.c_str(), state_.step, static_cast<long long>(state_.next_position), mib,
+                  secs, mib / secs);
       if (!changes.empty()) std::printf("deck changes since the checkpoint:%s\n", changes.c_str());
     }
   }
@@ -335,8 +342,8 @@ void Trainer::run() {
   const auto& t = cfg_.train;
   const auto& c = cfg_.checkpoint;
   PhaseTimer timer;
-  if (!resumed_ && c.save_initial) {
-    save_checkpoint(cfg_, grid_, table_, state_);
+  if (c.save_initial) {  // the state the run starts from: step 0, or the resumed step
+    save();
     timer.stop(phases_.checkpoint);
   }
   if (state_.step >= t.max_steps && grid_.is_root())
@@ -356,7 +363,7 @@ void Trainer::run() {
     // A stop signal on any rank: every rank checkpoints this step and stops.
     const int stop = static_cast<int>(grid_.world.allreduce_max(double(g_stop)));
     if ((c.every > 0 && step % c.every == 0) || step == t.max_steps || stop) {
-      save_checkpoint(cfg_, grid_, table_, state_);
+      save();
       timer.stop(phases_.checkpoint);
     }
     const bool log_now =
@@ -376,6 +383,19 @@ void Trainer::run() {
     }
   }
   print_phases();
+}
+
+void Trainer::save() {
+  const auto t0 = std::chrono::steady_clock::now();
+  save_checkpoint(cfg_, grid_, table_, state_);
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (grid_.is_root()) {
+    const std::string path = cfg_.checkpoint.dir + "/" + checkpoint_file_name(state_.step);
+    const double mib = std::filesystem::file_size(path) / (1024.0 * 1024.0);
+    std::printf("checkpoint %s: %.1f MiB in %.3f s (%.1f MiB/s)\n", path.c_str(), mib, secs,
+                mib / secs);
+    std::fflush(stdout);
+  }
 }
 
 void Trainer::print_phases() const {

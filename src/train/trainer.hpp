@@ -45,6 +45,8 @@ class Trainer {
  private:
   StepMetrics train_step(int step);
   void print_phases() const;
+  // Writes the current state's checkpoint and prints its size and time (rank 0).
+  void save();
   // Copies the MoE routes of the micro-batch `slot` last ran forward (its first token at
   // `first_token` of the global batch) into a step dump.
   void record_routes(const Stage& slot, StepDump& d, std::int64_t first_token);
