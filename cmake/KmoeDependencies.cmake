@@ -51,15 +51,43 @@ target_compile_definitions(kmoe_hdf5 INTERFACE ${HDF5_DEFINITIONS})
 
 find_package(Boost REQUIRED COMPONENTS program_options)
 
+# The NCCL backend (KMOE_ENABLE_NCCL): nccl.h and libnccl from NCCL_ROOT, NCCL_HOME, the CUDA
+# toolkit or CMAKE_PREFIX_PATH, and the CUDA runtime. parallel/nccl_comm.cpp calls only host
+# APIs, so the host C++ compiler builds it; no CUDA language, nvcc or GPU is needed to compile
+# and link it. kmoe::nccl carries the include path (as a system path: the CUDA headers are not
+# -Wall clean everywhere) and both libraries.
 if(KMOE_ENABLE_NCCL)
+  if(CMAKE_VERSION VERSION_LESS 3.17)
+    message(FATAL_ERROR "kmoe: KMOE_ENABLE_NCCL=ON needs CMake >= 3.17 (FindCUDAToolkit)")
+  endif()
   find_package(CUDAToolkit REQUIRED)
-  find_path(NCCL_INCLUDE_DIR nccl.h HINTS ${CUDAToolkit_INCLUDE_DIRS} ENV NCCL_HOME
+  find_path(NCCL_INCLUDE_DIR nccl.h
+            HINTS ${NCCL_ROOT} $ENV{NCCL_ROOT} $ENV{NCCL_HOME} ${CUDAToolkit_INCLUDE_DIRS}
+                  ${CUDAToolkit_LIBRARY_ROOT}
             PATH_SUFFIXES include)
-  find_library(NCCL_LIBRARY nccl HINTS ${CUDAToolkit_LIBRARY_DIR} ENV NCCL_HOME
-               PATH_SUFFIXES lib lib64)
+  find_library(NCCL_LIBRARY nccl
+               HINTS ${NCCL_ROOT} $ENV{NCCL_ROOT} $ENV{NCCL_HOME} ${CUDAToolkit_LIBRARY_DIR}
+                     ${CUDAToolkit_LIBRARY_ROOT}
+               PATH_SUFFIXES lib lib64 lib/x86_64-linux-gnu)
   if(NOT NCCL_INCLUDE_DIR OR NOT NCCL_LIBRARY)
     message(FATAL_ERROR "kmoe: KMOE_ENABLE_NCCL=ON but nccl.h / libnccl were not found; "
-                        "set NCCL_HOME or CMAKE_PREFIX_PATH")
+                        "set NCCL_ROOT (or NCCL_HOME, CMAKE_PREFIX_PATH)")
   endif()
-  message(STATUS "kmoe: NCCL ${NCCL_LIBRARY}")
+  # ncclSend/ncclRecv (point-to-point, used by every transfer) arrived in NCCL 2.7.
+  file(STRINGS "${NCCL_INCLUDE_DIR}/nccl.h" _kmoe_nccl_version
+       REGEX "^#define NCCL_(MAJOR|MINOR|PATCH) +[0-9]+")
+  string(REGEX REPLACE ".*NCCL_MAJOR +([0-9]+).*" "\\1" _kmoe_nccl_major "${_kmoe_nccl_version}")
+  string(REGEX REPLACE ".*NCCL_MINOR +([0-9]+).*" "\\1" _kmoe_nccl_minor "${_kmoe_nccl_version}")
+  string(REGEX REPLACE ".*NCCL_PATCH +([0-9]+).*" "\\1" _kmoe_nccl_patch "${_kmoe_nccl_version}")
+  set(KMOE_NCCL_VERSION "${_kmoe_nccl_major}.${_kmoe_nccl_minor}.${_kmoe_nccl_patch}")
+  if(KMOE_NCCL_VERSION VERSION_LESS 2.7)
+    message(FATAL_ERROR "kmoe: NCCL ${KMOE_NCCL_VERSION} at ${NCCL_INCLUDE_DIR} is too old; "
+                        "the NCCL backend needs NCCL >= 2.7 (ncclSend/ncclRecv)")
+  endif()
+  add_library(kmoe_nccl INTERFACE)
+  add_library(kmoe::nccl ALIAS kmoe_nccl)
+  target_include_directories(kmoe_nccl SYSTEM INTERFACE ${NCCL_INCLUDE_DIR})
+  target_link_libraries(kmoe_nccl INTERFACE ${NCCL_LIBRARY} CUDA::cudart)
+  message(STATUS "kmoe: NCCL ${KMOE_NCCL_VERSION} (${NCCL_LIBRARY}), CUDA runtime "
+                 "${CUDAToolkit_VERSION}")
 endif()

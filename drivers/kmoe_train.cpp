@@ -1,4 +1,4 @@
-// kmoe-train -i DECK [--dry-run] [--section.key=value ...]
+// kmoe-train -i DECK [--dry-run | --print-grid] [--section.key=value ...]
 //   1. MPI + Kokkos (driver_main.hpp), 2. deck, 3. process grid, 4. data + model, 5. train.
 #include <cstdio>
 #include <iostream>
@@ -17,13 +17,17 @@ namespace {
 struct Args {
   std::string deck;
   bool dry_run = false;
+  bool print_grid = false;
   std::vector<std::string> overrides;
 };
 
 const char* kUsage =
-    "usage: kmoe-train -i DECK [--dry-run] [--section.key=value ...]\n"
+    "usage: kmoe-train -i DECK [--dry-run | --print-grid] [--section.key=value ...]\n"
     "  -i, --input DECK   input deck (INI); keys may be overridden on the command line\n"
     "  --dry-run          resolve the deck, print sizes, check the grid and data, exit\n"
+    "  --print-grid       print the deck's grid as 'pp P dp D ep E ranks N', then\n"
+    "                     'max_steps S checkpoint_dir DIR', and exit (any number of ranks;\n"
+    "                     batch scripts check their allocation and the finished run with it)\n"
     "  -h, --help         this text and every deck key\n";
 
 Args parse_args(int argc, char** argv) {
@@ -37,6 +41,8 @@ Args parse_args(int argc, char** argv) {
       a.deck = s.substr(8);
     } else if (s == "--dry-run") {
       a.dry_run = true;
+    } else if (s == "--print-grid") {
+      a.print_grid = true;
     } else if (s.rfind("--", 0) == 0 && s.find('.') != std::string::npos) {
       a.overrides.push_back(s);
     } else {
@@ -84,6 +90,17 @@ int main(int argc, char** argv) {
                           [](int argc, char** argv) {
                             const Args args = parse_args(argc, argv);
                             const kmoe::Config cfg = kmoe::read_deck(args.deck, args.overrides);
+                            if (args.print_grid) {
+                              int rank = 0;
+                              MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+                              const auto& p = cfg.parallel;
+                              if (rank == 0)
+                                std::printf("pp %d dp %d ep %d ranks %d\nmax_steps %d "
+                                            "checkpoint_dir %s\n",
+                                            p.pp, p.dp, p.ep, p.world(), cfg.train.max_steps,
+                                            cfg.checkpoint.dir.c_str());
+                              return;
+                            }
                             kmoe::ProcessGrid grid(cfg.parallel, cfg.model.n_layers, MPI_COMM_WORLD);
                             if (args.dry_run) {
                               print_dry_run(cfg, grid);

@@ -110,6 +110,8 @@ struct ParallelCfg {
   std::string engram_shard = "none";
   int watchdog_seconds = 300;
   double bucket_mb = 25.0;         // gradient all-reduce bucket size
+  std::string backend = "mpi";         // data plane of the axes: mpi | nccl
+  std::string cuda_aware_mpi = "auto";  // MPI on device memory: auto | true | false
 
   int world() const { return pp * dp * ep; }
 };

@@ -127,6 +127,14 @@ void check_parallel(const Config& c, const Locate& locate) {
   KMOE_DECK_REQUIRE(p.watchdog_seconds >= 1, "parallel.watchdog_seconds",
                     "parallel.watchdog_seconds must be at least 1");
   KMOE_DECK_REQUIRE(p.bucket_mb > 0, "parallel.bucket_mb", "parallel.bucket_mb must be positive");
+  require_one_of(locate, "parallel.backend", p.backend, {"mpi", "nccl"});
+#ifndef KMOE_HAVE_NCCL
+  KMOE_DECK_REQUIRE(p.backend != "nccl", "parallel.backend",
+                    "parallel.backend = nccl, but this build of kmoe lacks NCCL: configure it "
+                    "with -DKMOE_ENABLE_NCCL=ON (and a CUDA Kokkos), or use "
+                    "parallel.backend = mpi");
+#endif
+  require_one_of(locate, "parallel.cuda_aware_mpi", p.cuda_aware_mpi, {"auto", "true", "false"});
   // Every one of the dp*ep ranks of a stage takes whole micro-batches (RUNTIME.md section 2).
   const std::int64_t b = c.train.micro_batch;
   const std::int64_t unit = b * p.dp * p.ep;

@@ -301,6 +301,9 @@ Schema::Schema(Config& c) : options_("kmoe input deck") {
       "abort a rank stuck this long in a collective");
   key(c.parallel.bucket_mb, "bucket_mb", 25.0,
       "gradient all-reduce bucket size (MiB); buckets start during the last backward");
+  key(c.parallel.backend, "backend", "mpi", "data plane of the axes: mpi | nccl");
+  key(c.parallel.cuda_aware_mpi, "cuda_aware_mpi", "auto",
+      "MPI takes device pointers: auto (ask Open MPI) | true | false (stage through host)");
 
   section("checkpoint", "HDF5 checkpoints");
   key(c.checkpoint.dir, "dir", "checkpoints", "checkpoint directory");

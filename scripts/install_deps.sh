@@ -8,6 +8,7 @@ packages=(
   libboost-program-options-dev libgtest-dev
   python3 python3-matplotlib python3-torch python3-h5py
   fortunes
+  slurm-wlm munge procps
 )
 missing=()
 for p in "${packages[@]}"; do

@@ -14,6 +14,18 @@ using HostSpace = Kokkos::HostSpace;
 using Layout = Kokkos::LayoutRight;
 using Unmanaged = Kokkos::MemoryTraits<Kokkos::Unmanaged>;
 
+// Page-locked host memory: the staging buffers of MPI on device memory (parallel/staged_comm)
+// copy to and from it with DMA. The HIP space left Kokkos::Experimental in Kokkos 4.0.
+#if defined(KOKKOS_ENABLE_CUDA)
+using PinnedSpace = Kokkos::CudaHostPinnedSpace;
+#elif defined(KOKKOS_ENABLE_HIP) && KOKKOS_VERSION >= 40000
+using PinnedSpace = Kokkos::HIPHostPinnedSpace;
+#elif defined(KOKKOS_ENABLE_HIP)
+using PinnedSpace = Kokkos::Experimental::HIPHostPinnedSpace;
+#else
+using PinnedSpace = Kokkos::HostSpace;
+#endif
+
 // Owning device views.
 using View1F = Kokkos::View<float*, Layout, MemSpace>;
 using View1D = Kokkos::View<double*, Layout, MemSpace>;

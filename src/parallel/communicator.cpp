@@ -315,16 +315,13 @@ void Communicator::all_to_all_v(const float* send, const std::vector<std::int64_
   auto& reqs = pend->reqs;
   std::int64_t soff = 0, roff = 0;
   for (int p = 0; p < size_; ++p) {
-    if (p == rank_) {
-      KMOE_REQUIRE(send_counts[p] == recv_counts[p], "all_to_all_v: " << send_counts[p]
-                                                         << " floats to self, " << recv_counts[p]
-                                                         << " expected");
-      if (send_counts[p] > 0)
-        std::memcpy(recv + roff, send + soff, sizeof(float) * std::size_t(send_counts[p]));
-    } else {
-      post(reqs, false, recv + roff, recv_counts[p], p, comm_);
-      post(reqs, true, send + soff, send_counts[p], p, comm_);
-    }
+    // The block to self goes through MPI too: with a CUDA-aware MPI the buffers may be
+    // device memory that a host copy cannot touch.
+    KMOE_REQUIRE(p != rank_ || send_counts[p] == recv_counts[p],
+                 "all_to_all_v: " << send_counts[p] << " floats to self, " << recv_counts[p]
+                                  << " expected");
+    post(reqs, false, recv + roff, recv_counts[p], p, comm_);
+    post(reqs, true, send + soff, send_counts[p], p, comm_);
     soff += send_counts[p];
     roff += recv_counts[p];
   }

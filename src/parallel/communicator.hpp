@@ -1,7 +1,7 @@
 // A duplicated MPI communicator owned by RAII: one per grid axis and purpose (RUNTIME.md
 // section 1). It runs the collectives kmoe uses on contiguous host-accessible buffers (the
-// control plane: metrics, counts, and on CPU builds the data plane too; DeviceComm wraps it for
-// device buffers). Every collective and point-to-point transfer is nonblocking underneath and
+// control plane: metrics, counts; on CPU builds, or with a CUDA-aware MPI, the data plane too,
+// as a DataComm). Every collective and point-to-point transfer is nonblocking underneath and
 // waited on by the watchdog: a rank stuck longer than `watchdog_seconds` names the operation,
 // the axis and the ranks that did not arrive, then aborts the job.
 #pragma once

@@ -1,6 +1,10 @@
 #include "parallel/process_grid.hpp"
 
 #include "core/error.hpp"
+#include "parallel/staged_comm.hpp"
+#ifdef KMOE_HAVE_NCCL
+#include "parallel/nccl_comm.hpp"
+#endif
 
 namespace kmoe {
 
@@ -42,6 +46,33 @@ ProcessGrid::ProcessGrid(const ParallelCfg& cfg, int n_layers, MPI_Comm world_co
   KMOE_REQUIRE(bounds_[pp] == n_layers, "parallel.pp_layers covers " << bounds_[pp]
                                                                      << " blocks, model.n_layers is "
                                                                      << n_layers);
+  build_data_plane(cfg);
+}
+
+void ProcessGrid::build_data_plane(const ParallelCfg& cfg) {
+  // The axes that carry data (world carries only metrics). Every rank walks them in this
+  // order, so the collective set-up of an NCCL communicator per axis cannot deadlock: tie, the
+  // one axis some ranks lack, comes last.
+  std::vector<const Communicator*> axes = {&stage, &dp_axis, &ep_axis, &pipe};
+  if (tie.valid()) axes.push_back(&tie);
+  if (cfg.backend == "nccl") {
+#ifdef KMOE_HAVE_NCCL
+    // Only the pipeline sends point to point: it gets the per-direction streams.
+    for (const Communicator* axis : axes)
+      data_.emplace_back(axis, std::make_unique<NcclComm>(*axis, axis == &pipe));
+    return;
+#else
+    KMOE_FAIL("parallel.backend = nccl, but this build of kmoe lacks NCCL: configure it with "
+              "-DKMOE_ENABLE_NCCL=ON (and a CUDA Kokkos)");
+#endif
+  }
+  KMOE_REQUIRE(cfg.backend == "mpi",
+               "parallel.backend must be one of mpi | nccl, got '" << cfg.backend << "'");
+  // MPI on device memory it cannot read: through pinned host buffers. On host-accessible
+  // memory, or with a CUDA-aware MPI, the axes serve as their own data plane.
+  if (mpi_needs_staging(cfg.cuda_aware_mpi))
+    for (const Communicator* axis : axes)
+      data_.emplace_back(axis, std::make_unique<StagedMpiComm>(*axis));
 }
 
 const DataComm& ProcessGrid::data(const Communicator& axis) const {

@@ -15,8 +15,12 @@ namespace kmoe {
 
 class ProcessGrid {
  public:
-  // Throws kmoe::Error (before any allocation) if the world size is not pp*dp*ep.
+  // Throws kmoe::Error (before any allocation) if the world size is not pp*dp*ep. Collective
+  // over `world`; with parallel.backend = nccl it also initializes NCCL on every axis.
   ProcessGrid(const ParallelCfg& cfg, int n_layers, MPI_Comm world);
+  // The data plane holds pointers to the axes below: the grid stays where it was built.
+  ProcessGrid(const ProcessGrid&) = delete;
+  ProcessGrid& operator=(const ProcessGrid&) = delete;
 
   int pp, dp, ep;
   int pp_rank, dp_rank, ep_rank;
@@ -41,10 +45,14 @@ class ProcessGrid {
   Communicator tie;
 
   // The data plane of an axis (gradients, expert rows, activations): the MPI communicator
-  // itself, or the NCCL communicator built over it (parallel.backend = nccl).
+  // itself, the NCCL communicator built over it (parallel.backend = nccl), or the MPI one
+  // staging device buffers through pinned host memory (device memory, MPI not CUDA-aware).
   const DataComm& data(const Communicator& axis) const;
 
  private:
+  // Fills data_ from parallel.backend and parallel.cuda_aware_mpi.
+  void build_data_plane(const ParallelCfg& cfg);
+
   std::vector<int> bounds_;
   std::vector<std::pair<const Communicator*, std::unique_ptr<DataComm>>> data_;
 };

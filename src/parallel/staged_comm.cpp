@@ -1,0 +1,144 @@
+#include "parallel/staged_comm.hpp"
+
+#include <mpi.h>
+
+#include <algorithm>
+#include <numeric>
+#include <utility>
+
+#include "core/error.hpp"
+
+// Open MPI declares its CUDA extension here (MPIX_CUDA_AWARE_SUPPORT, MPIX_Query_cuda_support);
+// other MPIs have no such header or no such macro, and "auto" then means staging.
+#if __has_include(<mpi-ext.h>)
+#include <mpi-ext.h>
+#endif
+
+namespace kmoe {
+
+namespace {
+
+#if defined(KOKKOS_ENABLE_CUDA)
+constexpr bool kKokkosCuda = true;
+#else
+constexpr bool kKokkosCuda = false;
+#endif
+
+using DeviceIn = Kokkos::View<const float*, Layout, MemSpace, Unmanaged>;
+using DeviceOut = Kokkos::View<float*, Layout, MemSpace, Unmanaged>;
+using HostBuffer = StagedMpiComm::HostBuffer;
+
+// host[0, n) <- device[0, n). deep_copy without an execution space fences before and after, so
+// the kernels that wrote the buffer have finished and the copy is complete when it returns.
+void to_host(const HostBuffer& host, const float* device, std::int64_t n) {
+  if (n <= 0) return;
+  const auto first_n = std::make_pair(std::int64_t(0), n);
+  Kokkos::deep_copy(Kokkos::subview(host, first_n), DeviceIn(device, n));
+}
+
+void to_device(float* device, const HostBuffer& host, std::int64_t n) {
+  if (n <= 0) return;
+  const auto first_n = std::make_pair(std::int64_t(0), n);
+  Kokkos::deep_copy(DeviceOut(device, n), Kokkos::subview(host, first_n));
+}
+
+std::int64_t total(const std::vector<std::int64_t>& counts) {
+  return std::accumulate(counts.begin(), counts.end(), std::int64_t(0));
+}
+
+}  // namespace
+
+bool mpi_takes_device_pointers(const std::string& cuda_aware_mpi) {
+  if (cuda_aware_mpi == "true") return true;
+  if (cuda_aware_mpi == "false") return false;
+  KMOE_REQUIRE(cuda_aware_mpi == "auto", "parallel.cuda_aware_mpi must be one of auto | true | "
+                                         "false, got '"
+                                             << cuda_aware_mpi << "'");
+#if defined(MPIX_CUDA_AWARE_SUPPORT)
+  // The macro says Open MPI has the extension; the query answers for the library this run
+  // loaded (a build without CUDA support returns 0). Only CUDA device memory is covered by it.
+  return kKokkosCuda && MPIX_Query_cuda_support() == 1;
+#else
+  return false;
+#endif
+}
+
+bool mpi_needs_staging(const std::string& cuda_aware_mpi) {
+  constexpr bool host_accessible = Kokkos::SpaceAccessibility<HostSpace, MemSpace>::accessible;
+  return !host_accessible && !mpi_takes_device_pointers(cuda_aware_mpi);
+}
+
+// An operation started on the host copy: the MPI request and the buffer it works on.
+struct StagedMpiComm::StagedOp : PendingOp {
+  Pending inner;
+  HostBuffer host;
+  float* result = nullptr;  // an all-reduce copies the sum back here on completion
+  std::int64_t n = 0;
+};
+
+StagedMpiComm::StagedMpiComm(const Communicator& axis) : axis_(axis) {}
+
+StagedMpiComm::HostBuffer StagedMpiComm::take(std::int64_t n) const {
+  // The smallest pooled buffer that fits; a new one when none does.
+  auto best = pool_.end();
+  for (auto it = pool_.begin(); it != pool_.end(); ++it)
+    if (static_cast<std::int64_t>(it->extent(0)) >= n &&
+        (best == pool_.end() || it->extent(0) < best->extent(0)))
+      best = it;
+  if (best == pool_.end())
+    return HostBuffer(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kmoe::staged_mpi"),
+                      std::max<std::int64_t>(n, 1));
+  HostBuffer b = std::move(*best);
+  pool_.erase(best);
+  return b;
+}
+
+void StagedMpiComm::give_back(HostBuffer b) const { pool_.push_back(std::move(b)); }
+
+Pending StagedMpiComm::start_allreduce_sum(float* data, std::int64_t n) const {
+  if (axis_.size() == 1) return nullptr;
+  auto op = std::make_unique<StagedOp>();
+  op->host = take(n);
+  op->result = data;
+  op->n = n;
+  to_host(op->host, data, n);
+  op->inner = axis_.start_allreduce_sum(op->host.data(), n);
+  return Pending(std::move(op));
+}
+
+Pending StagedMpiComm::start_send(const float* data, std::int64_t n, int peer) const {
+  auto op = std::make_unique<StagedOp>();
+  op->host = take(n);
+  to_host(op->host, data, n);
+  op->inner = axis_.start_send(op->host.data(), n, peer);
+  return Pending(std::move(op));
+}
+
+void StagedMpiComm::complete(Pending& pending) const {
+  if (!pending) return;
+  StagedOp& op = static_cast<StagedOp&>(*pending);
+  axis_.complete(op.inner);
+  if (op.result) to_device(op.result, op.host, op.n);
+  give_back(std::move(op.host));
+  pending.reset();
+}
+
+void StagedMpiComm::all_to_all_v(const float* send, const std::vector<std::int64_t>& send_counts,
+                                 float* recv, const std::vector<std::int64_t>& recv_counts) const {
+  const std::int64_t n_send = total(send_counts), n_recv = total(recv_counts);
+  HostBuffer host_send = take(n_send), host_recv = take(n_recv);
+  to_host(host_send, send, n_send);
+  axis_.all_to_all_v(host_send.data(), send_counts, host_recv.data(), recv_counts);
+  to_device(recv, host_recv, n_recv);
+  give_back(std::move(host_send));
+  give_back(std::move(host_recv));
+}
+
+void StagedMpiComm::recv(float* data, std::int64_t n, int peer) const {
+  HostBuffer host = take(n);
+  axis_.recv(host.data(), n, peer);
+  to_device(data, host, n);
+  give_back(std::move(host));
+}
+
+}  // namespace kmoe

@@ -1,0 +1,149 @@
+#!/usr/bin/python3
+"""slurm/train.sbatch on a real one-node Slurm started for the test (tests/slurm/slurm_cluster.py):
+  1. a job trains the tiny MoE + Engram deck on 2 ranks (ep = 2) and completes with its final
+     checkpoint and metrics;
+  2. preemption: the same job signalled with SIGUSR1 mid-run checkpoints, exits 85, requeues
+     itself, resumes from `latest` and completes with the uninterrupted run's losses, bit for
+     bit;
+  3. a cancel (scancel: SIGTERM) checkpoints, exits 86 and is not requeued;
+  4. an allocation that does not match the deck's grid is refused before launch.
+The daemons it started are stopped at the end, whatever happened.
+Usage: test_slurm.py BIN_DIR WORK_DIR
+"""
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]
+from kmoe_testlib import Harness, counting_documents  # noqa: E402
+from slurm_cluster import SlurmCluster  # noqa: E402
+
+bin_dir, work = os.path.abspath(sys.argv[1]), os.path.abspath(sys.argv[2])
+h = Harness(bin_dir, work)
+h.prepare_corpus(counting_documents(4000))
+h.write("job.deck", """
+[model]
+vocab_size = 320
+d_model = 64
+n_layers = 4
+n_heads = 4
+n_kv_heads = 2
+ffn_hidden = 128
+[moe]
+experts = 8
+top_k = 2
+expert_hidden = 32
+shared_experts = 1
+shared_hidden = 32
+[engram]
+layers = 1
+heads = 2
+embed_per_ngram = 16
+table_size = 97, 101
+[train]
+seq_len = 64
+global_batch = 16
+micro_batch = 2
+max_steps = 150
+seed = 5
+[optimizer]
+lr = 3e-3
+warmup_steps = 20
+[data]
+paths = data/train.bin
+[parallel]
+ep = 2
+[checkpoint]
+every = 50
+[output]
+log_every = 1
+""")
+SBATCH = os.path.join(ROOT, "slurm", "train.sbatch")
+ENV = {"KMOE_BUILD": os.path.dirname(bin_dir)}  # bin_dir is <build>/drivers
+
+
+def submit(c, name, *extra, sbatch_args=("-n", "2")):
+    return c.sbatch([*sbatch_args, f"--job-name={name}", f"--output={name}.out", SBATCH,
+                     "job.deck", f"--output.dir={name}", f"--checkpoint.dir={name}/ckpt", *extra],
+                    cwd=work, env=ENV)
+
+
+def log(name):
+    path = h.path(f"{name}.out")
+    return open(path).read() if os.path.exists(path) else ""
+
+
+def rows_when(name, n, timeout=300):
+    """Waits until run `name` has logged n steps."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if os.path.exists(h.path(name, "metrics.csv")) and len(h.metrics(name)) >= n:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+c = SlurmCluster(os.path.join(work, "cluster"))
+try:
+    c.start()
+    # 1. A plain job.
+    j = submit(c, "plain")
+    info = c.wait(j)
+    ck = sorted(os.listdir(h.path("plain", "ckpt"))) if os.path.isdir(h.path("plain", "ckpt")) else []
+    h.check(info.get("JobState") == "COMPLETED" and info.get("ExitCode") == "0:0",
+            f"plain job {j}: {info.get('JobState')} exit {info.get('ExitCode')}")
+    h.check("step00000150.h5" in ck and len(h.metrics("plain")) == 150 and
+            "training finished" in log("plain"), f"final checkpoint and metrics written: {ck}")
+
+    # 2. Preemption: SIGUSR1 to the batch script mid-run -> checkpoint, 85, requeue, resume.
+    j = submit(c, "preempt")
+    h.check(rows_when("preempt", 10), "preempt job is training")
+    c.run(["scancel", "--batch", "--signal=USR1", j])
+    # Slurm holds a requeued batch job back for about two minutes (Reason=BeginTime) while the
+    # node cleans up the old run; the test lets it start once the node is idle again.
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        info = c.job(j)
+        idle = c.run(["sinfo", "-h", "-o", "%t"], check=False).stdout.strip() == "idle"
+        if info.get("Restarts") == "1" and info.get("JobState") == "PENDING" and idle:
+            time.sleep(3)  # the old step's PMIx directory goes last
+            c.run(["scontrol", "update", f"JobId={j}", "StartTime=now"], check=False)
+            break
+        if info.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED"):
+            break
+        time.sleep(0.3)
+    info = c.wait(j, timeout=900)
+    text = log("preempt")
+    h.check(info.get("JobState") == "COMPLETED" and info.get("Restarts") == "1",
+            f"preempted job {j}: {info.get('JobState')}, restarts {info.get('Restarts')}")
+    h.check("exit code 85 (requeue)" in text and "requeueing job" in text and
+            "resuming from" in text, "it checkpointed, exited 85, requeued and resumed")
+    h.check(h.losses("preempt") == h.losses("plain"),
+            "the preempted and requeued run has the uninterrupted run's losses, bit for bit")
+
+    # 3. A cancel: SIGTERM -> checkpoint, 86, no requeue.
+    j = submit(c, "cancel")
+    h.check(rows_when("cancel", 10), "cancel job is training")
+    c.run(["scancel", j])
+    info = c.wait(j)
+    deadline = time.time() + 60  # the script's last lines land after the job state changes
+    while time.time() < deadline and "not requeued" not in log("cancel"):
+        time.sleep(0.5)
+    text = log("cancel")
+    latest = open(h.path("cancel", "ckpt", "latest")).read().strip() \
+        if os.path.exists(h.path("cancel", "ckpt", "latest")) else ""
+    h.check(info.get("JobState") == "CANCELLED" and info.get("Restarts") == "0",
+            f"cancelled job {j}: {info.get('JobState')}, restarts {info.get('Restarts')}")
+    h.check("exit code 86" in text and "not requeued" in text and latest.startswith("step"),
+            f"it checkpointed ({latest}) and exited 86 without a requeue")
+
+    # 4. The allocation must match the grid.
+    j = submit(c, "mismatch", sbatch_args=("-n", "1"))
+    info = c.wait(j)
+    h.check(info.get("JobState") == "FAILED" and "the deck needs 2 ranks" in log("mismatch"),
+            f"1 task for a 2-rank grid is refused: {info.get('JobState')}")
+finally:
+    c.stop()
+h.finish()
