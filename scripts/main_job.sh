@@ -11,7 +11,7 @@ bin=${KMOE_BUILD_DIR:-$root/build}/drivers
 if [ ! -f data/fortunes/train.bin ] || [ ! -f data/fortunes/val.bin ]; then
   "$bin/kmoe-prep" --fortunes --out-dir data/fortunes
 fi
-# Two data-parallel ranks (the deck's parallel.dp = 2), one core and one BLAS thread each.
+# Two expert-parallel ranks (the deck's parallel.ep = 2), one core and one BLAS thread each.
 # A fresh run each time (checkpoint.resume = none); to continue a run, leave that out.
 mpiexec --allow-run-as-root -n 2 -x OPENBLAS_NUM_THREADS=1 "$bin/kmoe-train" -i inputs/tiny_moe_engram.deck \
   --checkpoint.resume=none "$@"

@@ -69,3 +69,44 @@ class Harness:
 def counting_documents(n):
     """Sentences with learnable structure."""
     return [f"number {i} is {'odd' if i % 2 else 'even'}, and {i} + 1 = {i + 1}." for i in range(n)]
+
+
+def grid_test_deck(train="", sections=""):
+    """RUNTIME.md section 2's test deck for the process grid: the tiny MoE + Engram model
+    (D 64, L 4, T 64, E 8 top-2 + a shared expert after a dense block 0, Engram at blocks 1 and
+    2), G 16, b 2 (divisible by R*b for every power-of-two R <= 8), lr 3e-3 with warmup 20, no
+    router-bias updates, no capacity. `train` adds [train] lines (max_steps, ...); `sections`
+    follows the [data] section: more [data] lines first, then whole sections ([checkpoint],
+    [output], [parallel], ...)."""
+    return """
+[model]
+vocab_size = 320
+d_model = 64
+n_layers = 4
+n_heads = 4
+n_kv_heads = 2
+ffn_hidden = 128
+[moe]
+experts = 8
+top_k = 2
+expert_hidden = 32
+dense_layers = 0
+shared_experts = 1
+shared_hidden = 32
+[engram]
+layers = 1, 2
+heads = 2
+embed_per_ngram = 16
+table_size = 97, 101
+[train]
+seq_len = 64
+global_batch = 16
+micro_batch = 2
+seed = 3
+""" + train.strip() + """
+[optimizer]
+lr = 3e-3
+warmup_steps = 20
+[data]
+paths = data/train.bin
+""" + sections.strip() + "\n"

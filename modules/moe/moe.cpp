@@ -81,9 +81,11 @@ MoeLayer::MoeLayer(const ModelCfg& m, const MoeCfg& e, const std::string& prefix
   row_slot_ = View1I("moe::row_slot", slots);
   row_offsets_ = View1I("moe::row_offsets", E_ + 1);
   rows_in_ = View1F("moe::rows_in", slots * D_);
-  up1_ = View1F("moe::up1", slots * Fe_);
-  up3_ = View1F("moe::up3", slots * Fe_);
-  act_ = View1F("moe::act", slots * Fe_);
+  if (P_ == 1) {  // with expert parallelism the expert side uses the ex_* buffers instead
+    up1_ = View1F("moe::up1", slots * Fe_);
+    up3_ = View1F("moe::up3", slots * Fe_);
+    act_ = View1F("moe::act", slots * Fe_);
+  }
   rows_out_ = View1F("moe::rows_out", slots * D_);
   aux_sums_ = View1D("moe::aux_sums", E_ + 1);
 }

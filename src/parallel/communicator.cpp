@@ -40,6 +40,18 @@ double g_comm_wait = 0.0;
 double comm_wait_seconds() { return g_comm_wait; }
 void add_comm_wait(double seconds) { g_comm_wait += seconds; }
 
+void check_all_to_all_counts(const std::string& axis, int size, int rank,
+                             const std::vector<std::int64_t>& send_counts,
+                             const std::vector<std::int64_t>& recv_counts) {
+  KMOE_REQUIRE(static_cast<int>(send_counts.size()) == size &&
+                   static_cast<int>(recv_counts.size()) == size,
+               "all_to_all_v on the " << axis << " axis: counts for " << send_counts.size() << "/"
+                                      << recv_counts.size() << " members, the axis has " << size);
+  KMOE_REQUIRE(send_counts[rank] == recv_counts[rank],
+               "all_to_all_v on the " << axis << " axis: " << send_counts[rank]
+                                      << " floats to self, " << recv_counts[rank] << " expected");
+}
+
 namespace {
 constexpr int kNoticeTag = 7, kDataTag = 11;
 constexpr std::int64_t kChunk = INT_MAX / 2;  // MPI counts are int: larger buffers are split
@@ -305,11 +317,7 @@ void post(std::vector<MPI_Request>& reqs, bool is_send, const float* data, std::
 
 void Communicator::all_to_all_v(const float* send, const std::vector<std::int64_t>& send_counts,
                                 float* recv, const std::vector<std::int64_t>& recv_counts) const {
-  KMOE_REQUIRE(static_cast<int>(send_counts.size()) == size_ &&
-                   static_cast<int>(recv_counts.size()) == size_,
-               "all_to_all_v on the " << name_ << " axis: counts for " << send_counts.size()
-                                      << "/" << recv_counts.size() << " members, the axis has "
-                                      << size_);
+  check_all_to_all_counts(name_, size_, rank_, send_counts, recv_counts);
   Kokkos::fence();
   auto pend = begin("all_to_all_v", true, -1);
   auto& reqs = pend->reqs;
@@ -317,9 +325,6 @@ void Communicator::all_to_all_v(const float* send, const std::vector<std::int64_
   for (int p = 0; p < size_; ++p) {
     // The block to self goes through MPI too: with a CUDA-aware MPI the buffers may be
     // device memory that a host copy cannot touch.
-    KMOE_REQUIRE(p != rank_ || send_counts[p] == recv_counts[p],
-                 "all_to_all_v: " << send_counts[p] << " floats to self, " << recv_counts[p]
-                                  << " expected");
     post(reqs, false, recv + roff, recv_counts[p], p, comm_);
     post(reqs, true, send + soff, send_counts[p], p, comm_);
     soff += send_counts[p];

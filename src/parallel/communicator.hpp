@@ -23,6 +23,12 @@ void mpi_check(int rc, const char* call);
 double comm_wait_seconds();
 void add_comm_wait(double seconds);
 
+// Every backend's all_to_all_v argument check: one count per member, the block to self the
+// same size both ways.
+void check_all_to_all_counts(const std::string& axis, int size, int rank,
+                             const std::vector<std::int64_t>& send_counts,
+                             const std::vector<std::int64_t>& recv_counts);
+
 // A started nonblocking operation; the communicator that started it completes it. Its buffers
 // must stay untouched until then.
 struct PendingOp {

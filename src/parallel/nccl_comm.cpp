@@ -264,14 +264,7 @@ void NcclComm::recv(float* data, std::int64_t n, int peer) const {
 
 void NcclComm::all_to_all_v(const float* send, const std::vector<std::int64_t>& send_counts,
                             float* recv, const std::vector<std::int64_t>& recv_counts) const {
-  KMOE_REQUIRE(static_cast<int>(send_counts.size()) == size_ &&
-                   static_cast<int>(recv_counts.size()) == size_,
-               "all_to_all_v on the " << name_ << " axis: counts for " << send_counts.size()
-                                      << "/" << recv_counts.size() << " members, the axis has "
-                                      << size_);
-  KMOE_REQUIRE(send_counts[rank_] == recv_counts[rank_],
-               "all_to_all_v: " << send_counts[rank_] << " floats to self, " << recv_counts[rank_]
-                                << " expected");
+  check_all_to_all_counts(name_, size_, rank_, send_counts, recv_counts);
   const Channel& ch = ch_[kMain];
   std::int64_t soff = 0, roff = 0;
   // Every transfer of the exchange in one group, so NCCL runs them concurrently (posted one

@@ -21,48 +21,18 @@ import h5py
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from kmoe_testlib import Harness, counting_documents  # noqa: E402
+from kmoe_testlib import Harness, counting_documents, grid_test_deck  # noqa: E402
 
 bin_dir, work, mpiexec = sys.argv[1:4]
 h = Harness(bin_dir, work, mpiexec)
 h.prepare_corpus(counting_documents(4000))
-h.write("ck.deck", """
-[model]
-vocab_size = 320
-d_model = 64
-n_layers = 4
-n_heads = 4
-n_kv_heads = 2
-ffn_hidden = 128
-[moe]
-experts = 8
-top_k = 2
-expert_hidden = 32
-dense_layers = 0
-shared_experts = 1
-shared_hidden = 32
-[engram]
-layers = 1, 2
-heads = 2
-embed_per_ngram = 16
-table_size = 97, 101
-[train]
-seq_len = 64
-global_batch = 16
-micro_batch = 2
-max_steps = 13
-seed = 3
-[optimizer]
-lr = 3e-3
-warmup_steps = 20
-[data]
-paths = data/train.bin
+h.write("ck.deck", grid_test_deck("max_steps = 13", """
 [checkpoint]
 every = 10
 keep = 5
 [output]
 log_every = 1
-""")
+"""))
 
 
 def layout_args(pp, dp, ep):

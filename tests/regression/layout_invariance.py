@@ -16,50 +16,22 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from kmoe_testlib import Harness, counting_documents  # noqa: E402
+from kmoe_testlib import Harness, counting_documents, grid_test_deck  # noqa: E402
 
 bin_dir, work, mpiexec = sys.argv[1:4]
 h = Harness(bin_dir, work, mpiexec)
 h.prepare_corpus(counting_documents(4000))
-h.write("grid.deck", """
-[model]
-vocab_size = 320
-d_model = 64
-n_layers = 4
-n_heads = 4
-n_kv_heads = 2
-ffn_hidden = 128
-[moe]
-experts = 8
-top_k = 2
-expert_hidden = 32
-dense_layers = 0
-shared_experts = 1
-shared_hidden = 32
-[engram]
-layers = 1, 2
-heads = 2
-embed_per_ngram = 16
-table_size = 97, 101
-[train]
-seq_len = 64
-global_batch = 16
-micro_batch = 2
+h.write("grid.deck", grid_test_deck("""
 max_steps = 20
-seed = 3
 eval_every = 20
 eval_instances = 16
-[optimizer]
-lr = 3e-3
-warmup_steps = 20
-[data]
-paths = data/train.bin
+""", """
 val_paths = data/val.bin
 [checkpoint]
 resume = none
 [output]
 log_every = 1
-""")
+"""))
 
 
 def train(name, pp=1, dp=1, ep=1, *extra, expect_rc=0, env=None):

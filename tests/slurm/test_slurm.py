@@ -17,49 +17,20 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
-from kmoe_testlib import Harness, counting_documents  # noqa: E402
+from kmoe_testlib import Harness, counting_documents, grid_test_deck  # noqa: E402
 from slurm_cluster import SlurmCluster  # noqa: E402
 
 bin_dir, work = os.path.abspath(sys.argv[1]), os.path.abspath(sys.argv[2])
 h = Harness(bin_dir, work)
 h.prepare_corpus(counting_documents(4000))
-h.write("job.deck", """
-[model]
-vocab_size = 320
-d_model = 64
-n_layers = 4
-n_heads = 4
-n_kv_heads = 2
-ffn_hidden = 128
-[moe]
-experts = 8
-top_k = 2
-expert_hidden = 32
-shared_experts = 1
-shared_hidden = 32
-[engram]
-layers = 1
-heads = 2
-embed_per_ngram = 16
-table_size = 97, 101
-[train]
-seq_len = 64
-global_batch = 16
-micro_batch = 2
-max_steps = 150
-seed = 5
-[optimizer]
-lr = 3e-3
-warmup_steps = 20
-[data]
-paths = data/train.bin
+h.write("job.deck", grid_test_deck("max_steps = 150", """
 [parallel]
 ep = 2
 [checkpoint]
 every = 50
 [output]
 log_every = 1
-""")
+"""))
 SBATCH = os.path.join(ROOT, "slurm", "train.sbatch")
 ENV = {"KMOE_BUILD": os.path.dirname(bin_dir)}  # bin_dir is <build>/drivers
 
