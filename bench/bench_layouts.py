@@ -29,6 +29,7 @@ def main():
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--skip", type=int, default=4)
     ap.add_argument("--layouts", nargs="+", default=DEFAULT)
+    ap.add_argument("--global-batch", type=int, default=16, help="the deck's train.global_batch")
     ap.add_argument("--extra", nargs="*", default=[], help="more deck overrides")
     a = ap.parse_args()
     data = os.path.join(ROOT, "data", "fortunes")
@@ -37,16 +38,20 @@ def main():
                         data], check=True, cwd=ROOT, capture_output=True)
     print(f"bench_layouts: {a.deck}, {a.steps} steps (first {a.skip} left out), "
           f"{os.cpu_count()} cores, one BLAS thread per rank")
-    print(f"{'pp,dp,ep':>9} {'ranks':>5} {'tokens/s':>9} {'tok/s/rank':>10} {'MiB/rank':>8} "
+    print(f"{'pp,dp,ep':>9} {'ranks':>5} {'b':>3} {'tokens/s':>9} {'tok/s/rank':>10} {'MiB/rank':>8} "
           f"{'step ms':>8} {'comm ms':>8} {'compute ms':>10} {'comm %':>6}")
     for layout in a.layouts:
         pp, dp, ep = (int(v) for v in layout.split(","))
         n = pp * dp * ep
+        # Micro-batches of at most the deck's 8 sequences; a pipeline gets at least 2*pp per
+        # rank so its bubble stays small: b = G / (dp*ep) capped at 8, or G / (dp*ep*2*pp).
+        b = min(8, a.global_batch // (dp * ep * (2 * pp if pp > 1 else 1)))
         run = f"/tmp/kmoe_bench_layouts/{pp}{dp}{ep}"
         cmd = ["mpiexec", "--allow-run-as-root", "--oversubscribe", "-n", str(n), "-x",
                "OPENBLAS_NUM_THREADS=1", os.path.join(a.build, "drivers", "kmoe-train"), "-i",
                a.deck, f"--parallel.pp={pp}", f"--parallel.dp={dp}", f"--parallel.ep={ep}",
-               f"--train.max_steps={a.steps}", "--train.eval_every=0", "--data.val_paths=",
+               f"--train.max_steps={a.steps}", f"--train.micro_batch={b}",
+               "--train.eval_every=0", "--data.val_paths=",
                f"--output.dir={run}", "--output.log_every=1", f"--checkpoint.dir={run}/ckpt",
                "--checkpoint.resume=none", *a.extra]
         p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
@@ -59,7 +64,7 @@ def main():
         c = sum(float(r["comm_s"]) for r in rows) / len(rows)
         tps = sum(float(r["tokens_per_s"]) for r in rows) / len(rows)
         mem = max(float(r["mem_hwm_mib"]) for r in rows)
-        print(f"{layout:>9} {n:>5} {tps:>9.0f} {tps / n:>10.0f} {mem:>8.0f} {1e3 * t:>8.1f} "
+        print(f"{layout:>9} {n:>5} {b:>3} {tps:>9.0f} {tps / n:>10.0f} {mem:>8.0f} {1e3 * t:>8.1f} "
               f"{1e3 * c:>8.1f} {1e3 * (t - c):>10.1f} {100 * c / t:>6.1f}")
         sys.stdout.flush()
 
