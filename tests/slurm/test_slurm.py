@@ -6,7 +6,8 @@
      itself, resumes from `latest` and completes with the uninterrupted run's losses, bit for
      bit;
   3. a cancel (scancel: SIGTERM) checkpoints, exits 86 and is not requeued;
-  4. an allocation that does not match the deck's grid is refused before launch.
+  4. KMOE_LAUNCH=mpirun starts the ranks with mpirun inside the allocation instead of srun;
+  5. an allocation that does not match the deck's grid is refused before launch.
 The daemons it started are stopped at the end, whatever happened.
 Usage: test_slurm.py BIN_DIR WORK_DIR
 """
@@ -110,7 +111,16 @@ try:
     h.check("exit code 86" in text and "not requeued" in text and latest.startswith("step"),
             f"it checkpointed ({latest}) and exited 86 without a requeue")
 
-    # 4. The allocation must match the grid.
+    # 4. mpirun inside the allocation instead of srun.
+    j = c.sbatch(["-n", "2", "--job-name=mpirun", "--output=mpirun.out", SBATCH, "job.deck",
+                  "--output.dir=mpirun", "--checkpoint.dir=mpirun/ckpt", "--train.max_steps=20"],
+                 cwd=work, env=dict(ENV, KMOE_LAUNCH="mpirun"))
+    info = c.wait(j)
+    h.check(info.get("JobState") == "COMPLETED" and
+            h.losses("mpirun") == h.losses("plain")[:20],
+            f"KMOE_LAUNCH=mpirun: {info.get('JobState')}, the plain run's first 20 losses")
+
+    # 5. The allocation must match the grid.
     j = submit(c, "mismatch", sbatch_args=("-n", "1"))
     info = c.wait(j)
     h.check(info.get("JobState") == "FAILED" and "the deck needs 2 ranks" in log("mismatch"),
