@@ -90,6 +90,8 @@ EngramLayer::EngramLayer(const ModelCfg& m, const EngramCfg& g, const EngramHash
     *v = View1F("engram::row", N);
   d_mem_buf_ = View1F("engram::d_mem", N * d_mem_);
   touched_ = View1I("engram::touched", R_);
+  gate_sum_ = View1D("engram::gate_sum", 1);
+  gate_now_ = Kokkos::View<double, MemSpace>("engram::gate_now");
 }
 
 ConstMat EngramLayer::lookup(const TensorTable& table, ConstIVec tokens) {
@@ -153,6 +155,14 @@ void EngramLayer::forward(const TensorTable& table, ConstMat x, ConstIVec tokens
         gate(t) = alpha;
         for (int d = 0; d < D; ++d) v(t, d) = alpha * val(t, d);
       });
+  // The gate metric stays on the device: this forward's mean joins the running sum.
+  auto gsum = gate_sum_;
+  Kokkos::parallel_reduce(
+      "engram::gate_sum", Range(0, N), KOKKOS_LAMBDA(int t, double& acc) { acc += gate(t); },
+      gate_now_);
+  auto now = gate_now_;
+  Kokkos::parallel_for(
+      "engram::gate_mean", Range(0, 1), KOKKOS_LAMBDA(int) { gsum(0) += now() / N; });
 
   // u = RMSNorm_c(v); causal depthwise conv with dilation N within each sequence;
   // out = v + silu(c).
@@ -384,6 +394,13 @@ void EngramLayer::send_row_grads(TensorTable& table, ConstMat dmem, int N) {
         for (int a = loff(row); a < loff(row + 1); ++a) acc += in(lord(a), i);
         dtab(row, i) += acc;
       });
+}
+
+double EngramLayer::take_gate_sum() const {
+  // Read before the reset: on a host backend the mirror is the view itself.
+  const double sum = Kokkos::create_mirror_view_and_copy(HostSpace(), gate_sum_)(0);
+  Kokkos::deep_copy(gate_sum_, 0.0);
+  return sum;
 }
 
 double EngramLayer::mean_gate() const {

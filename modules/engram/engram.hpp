@@ -46,8 +46,11 @@ class EngramLayer {
   ConstMat lookup(const TensorTable& table, ConstIVec tokens);
   int memory_width() const { return d_mem_; }
 
-  // Mean gate value of the last forward.
+  // Mean gate value of the last forward (reads the device).
   double mean_gate() const;
+  // The sum of every forward's mean gate since the last call (accumulated on the device, so a
+  // step reads it once), and resets it.
+  double take_gate_sum() const;
 
   // Lookups per table row since the last reset (R): the touched-rows metric.
   void reset_touched() const { Kokkos::deep_copy(touched_, 0); }
@@ -75,6 +78,8 @@ class EngramLayer {
   View1F d_a_, d_b_, d_mem_buf_;     // backward temporaries (N, D), (N, D), (N, d_mem)
   View1F d_gate_;                    // (N)
   View1I touched_;                   // (R) lookup counts
+  View1D gate_sum_;                       // (1): the summed mean gates
+  Kokkos::View<double, MemSpace> gate_now_;  // this forward's gate sum
   int N_ = 0;
   // Sharding (P > 1): the group, the row block size and this rank's first row; per lookup the
   // requests grouped by holder, the requests received, and transfer buffers (grown on demand).

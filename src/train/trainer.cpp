@@ -165,7 +165,10 @@ StepMetrics Trainer::train_step(int step) {
     return engram_stats.data() + 2 * (it - engram_layers_.begin());
   };
   for (auto& slot : slots_)
-    for (const auto& [block, layer] : slot->engram_layers()) layer->reset_touched();
+    for (const auto& [block, layer] : slot->engram_layers()) {
+      layer->reset_touched();
+      layer->take_gate_sum();  // evaluation forwards count nothing
+    }
 
   // The rank's micro-batches i = 0..M-1 are the step's micro-batches j = me + i*R (RUNTIME.md
   // section 2), run in schedule order; micro-batch i lives in activation slot i mod S.
@@ -193,7 +196,6 @@ StepMetrics Trainer::train_step(int step) {
       sums[0] += s.ce;
       sums[1] += s.z;
       sums[2] += s.moe_aux;
-      for (const auto& [block, layer] : slot.engram_layers()) engram_row(block)[0] += layer->mean_gate();
       for (const auto& [block, st] : s.moe) {
         double* acc = moe_row(block);
         acc[0] += st.lb;
@@ -221,6 +223,9 @@ StepMetrics Trainer::train_step(int step) {
   // layers on its stage; a sum over the world assembles the global batch.
   grid_.world.allreduce_sum(sums, 3);
   grid_.world.allreduce_sum(moe_sums.data(), moe_sums.size());
+  for (auto& slot : slots_)  // each forward's mean gate, summed on the device
+    for (const auto& [block, layer] : slot->engram_layers())
+      engram_row(block)[0] += layer->take_gate_sum();
   for (const auto& [block, layer] : slots_[0]->engram_layers()) {
     // Distinct rows looked up by the whole global batch: lookup counts summed over the slots
     // and the stage's ranks.
