@@ -88,6 +88,7 @@ void print_dry_run(const kmoe::Config& cfg, const kmoe::ProcessGrid& grid) {
 int main(int argc, char** argv) {
   return kmoe::run_driver(argc, argv, "kmoe-train", std::string(kUsage) + "\n" + kmoe::deck_help(),
                           [](int argc, char** argv) {
+                            kmoe::install_stop_handlers();
                             const Args args = parse_args(argc, argv);
                             const kmoe::Config cfg = kmoe::read_deck(args.deck, args.overrides);
                             if (args.print_grid) {

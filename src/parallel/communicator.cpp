@@ -29,8 +29,10 @@ struct Communicator::MpiOp : PendingOp {
   bool collective = false;
   int peer = -1;
   std::int64_t mark = 0;              // the collective's number on its communicator
+  // What this rank announces: (number, kind, element count or -1 where members differ).
+  std::int64_t sig[3] = {0, 0, -1};
   std::size_t first_notice = 0;       // reqs[first_notice..]: arrival notices (recv, send)
-  std::vector<std::int64_t> notices;  // the members' collective numbers, received
+  std::vector<std::int64_t> notices;  // the members' announcements, 3 each
 };
 
 namespace {
@@ -107,11 +109,15 @@ Communicator& Communicator::operator=(Communicator&& o) noexcept {
 }
 
 std::unique_ptr<Communicator::MpiOp> Communicator::begin(const char* op, bool collective,
-                                                         int peer) const {
+                                                         int peer, std::int64_t count) const {
   auto p = std::make_unique<MpiOp>();
   p->op = op;
   p->collective = collective;
   p->peer = peer;
+  std::int64_t code = 0;  // the operation's name as a number: members compare kinds
+  for (const char* c = op; *c; ++c) code = code * 131 + static_cast<unsigned char>(*c);
+  p->sig[1] = code;
+  p->sig[2] = count;
   return p;
 }
 
@@ -122,15 +128,17 @@ void Communicator::run(std::unique_ptr<MpiOp> p) const {
 
 void Communicator::post_notices(MpiOp& p) const {
   p.mark = ++seq_;
+  p.sig[0] = p.mark;
   p.first_notice = p.reqs.size();
-  p.notices.assign(size_, -1);
+  p.notices.assign(3 * std::size_t(size_), -1);
   for (int q = 0; q < size_; ++q) {
     if (q == rank_) continue;
     p.reqs.emplace_back();
-    mpi_check(MPI_Irecv(&p.notices[q], 1, MPI_INT64_T, q, kNoticeTag, notice_, &p.reqs.back()),
+    mpi_check(MPI_Irecv(&p.notices[3 * q], 3, MPI_INT64_T, q, kNoticeTag, notice_,
+                        &p.reqs.back()),
               "MPI_Irecv(arrival notice)");
     p.reqs.emplace_back();
-    mpi_check(MPI_Isend(&p.mark, 1, MPI_INT64_T, q, kNoticeTag, notice_, &p.reqs.back()),
+    mpi_check(MPI_Isend(p.sig, 3, MPI_INT64_T, q, kNoticeTag, notice_, &p.reqs.back()),
               "MPI_Isend(arrival notice)");
   }
 }
@@ -188,12 +196,19 @@ void Communicator::complete(Pending& pending) const {
   add_comm_wait(
       std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
   if (p.collective)
-    for (int q = 0; q < size_; ++q)
-      KMOE_REQUIRE(q == rank_ || p.notices[q] == p.mark,
-                   "collectives out of order on the " << name_ << " axis: world rank "
-                       << world_ranks_[q] << " is at collective #" << p.notices[q]
+    for (int q = 0; q < size_; ++q) {
+      if (q == rank_) continue;
+      const std::int64_t* n = &p.notices[3 * q];
+      const bool counts_differ = n[2] >= 0 && p.sig[2] >= 0 && n[2] != p.sig[2];
+      KMOE_REQUIRE(n[0] == p.mark && n[1] == p.sig[1] && !counts_differ,
+                   "collectives out of step on the " << name_ << " axis: world rank "
+                       << world_ranks_[q] << " is at collective #" << n[0]
+                       << (n[1] == p.sig[1] ? "" : " of another kind")
+                       << (counts_differ ? " with " + std::to_string(n[2]) + " elements" : "")
                        << " while world rank " << world_ranks_[rank_] << " is at #" << p.mark
-                       << " (" << p.op << ")");
+                       << " (" << p.op << (p.sig[2] >= 0 ? ", " + std::to_string(p.sig[2]) + " elements" : "")
+                       << ")");
+    }
   pending.reset();
 }
 
@@ -213,7 +228,7 @@ void post_allreduce(const Communicator& c, std::vector<MPI_Request>& reqs, T* da
 Pending Communicator::start_allreduce_sum(float* data, std::int64_t n) const {
   if (size_ == 1) return nullptr;
   Kokkos::fence();
-  auto p = begin("allreduce_sum(float)", true, -1);
+  auto p = begin("allreduce_sum(float)", true, -1, n);
   post_allreduce(*this, p->reqs, data, n, MPI_FLOAT, MPI_SUM);
   post_notices(*p);
   return Pending(std::move(p));
@@ -227,7 +242,7 @@ void Communicator::allreduce_sum(float* data, std::int64_t n) const {
 void Communicator::allreduce_sum(double* data, std::int64_t n) const {
   if (size_ == 1) return;
   Kokkos::fence();
-  auto p = begin("allreduce_sum(double)", true, -1);
+  auto p = begin("allreduce_sum(double)", true, -1, n);
   post_allreduce(*this, p->reqs, data, n, MPI_DOUBLE, MPI_SUM);
   post_notices(*p);
   run(std::move(p));
@@ -236,7 +251,7 @@ void Communicator::allreduce_sum(double* data, std::int64_t n) const {
 void Communicator::allreduce_sum(std::int32_t* data, std::int64_t n) const {
   if (size_ == 1) return;
   Kokkos::fence();
-  auto p = begin("allreduce_sum(int32)", true, -1);
+  auto p = begin("allreduce_sum(int32)", true, -1, n);
   post_allreduce(*this, p->reqs, data, n, MPI_INT32_T, MPI_SUM);
   post_notices(*p);
   run(std::move(p));
@@ -244,7 +259,7 @@ void Communicator::allreduce_sum(std::int32_t* data, std::int64_t n) const {
 
 double Communicator::allreduce_max(double v) const {
   if (size_ == 1) return v;
-  auto p = begin("allreduce_max", true, -1);
+  auto p = begin("allreduce_max", true, -1, 1);
   post_allreduce(*this, p->reqs, &v, 1, MPI_DOUBLE, MPI_MAX);
   post_notices(*p);
   run(std::move(p));
@@ -253,7 +268,7 @@ double Communicator::allreduce_max(double v) const {
 
 void Communicator::barrier() const {
   if (size_ == 1) return;
-  auto p = begin("barrier", true, -1);
+  auto p = begin("barrier", true, -1, 0);
   p->reqs.emplace_back();
   mpi_check(MPI_Ibarrier(comm_, &p->reqs.back()), "MPI_Ibarrier");
   post_notices(*p);
@@ -264,7 +279,7 @@ std::vector<std::string> Communicator::all_gather(const std::string& mine) const
   if (size_ == 1) return {mine};
   std::vector<int> lens(size_), displs(size_, 0);
   int len = static_cast<int>(mine.size());
-  auto p = begin("all_gather(lengths)", true, -1);
+  auto p = begin("all_gather(lengths)", true, -1, 1);
   p->reqs.emplace_back();
   mpi_check(MPI_Iallgather(&len, 1, MPI_INT, lens.data(), 1, MPI_INT, comm_, &p->reqs.back()),
             "MPI_Iallgather");
@@ -289,7 +304,7 @@ void Communicator::all_to_all(const std::int64_t* send, std::int64_t* recv, int 
     std::copy(send, send + per_peer, recv);
     return;
   }
-  auto p = begin("all_to_all(counts)", true, -1);
+  auto p = begin("all_to_all(counts)", true, -1, per_peer);
   p->reqs.emplace_back();
   mpi_check(MPI_Ialltoall(send, per_peer, MPI_INT64_T, recv, per_peer, MPI_INT64_T, comm_,
                           &p->reqs.back()),

@@ -109,11 +109,14 @@ class Communicator : public DataComm {
   double watchdog_seconds() const { return watchdog_s_; }
 
  private:
-  // A pending operation of kind `op`; a collective also posts this rank's arrival notice to
-  // every member and the receives of theirs: notices still outstanding when the watchdog fires
-  // name the ranks that never arrived.
+  // A pending operation of kind `op`; a collective also posts this rank's arrival notice
+  // (collective number, kind, element count) to every member and the receives of theirs:
+  // notices still outstanding when the watchdog fires name the ranks that never arrived, and
+  // notices that disagree are a clear error instead of a mismatched collective.
   struct MpiOp;
-  std::unique_ptr<MpiOp> begin(const char* op, bool collective, int peer) const;
+  // count: the elements every member must pass (-1: members differ, e.g. all_to_all_v).
+  std::unique_ptr<MpiOp> begin(const char* op, bool collective, int peer,
+                               std::int64_t count = -1) const;
   void post_notices(MpiOp& p) const;
   // Runs a blocking operation: the requests are already in p.
   void run(std::unique_ptr<MpiOp> p) const;

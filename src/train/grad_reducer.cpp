@@ -10,15 +10,22 @@ GradReducer::GradReducer(TensorTable& table, const ProcessGrid& grid, double buc
     : table_(table), grid_(grid) {
   const std::int64_t limit =
       std::max<std::int64_t>(1, static_cast<std::int64_t>(bucket_mb * 1024 * 1024 / sizeof(float)));
+  // Every member of a communicator must issue the same all-reduces: bucket boundaries depend
+  // only on what is the same on every member (table indices, reduction groups, the sizes of
+  // tensors reduced over the group), never on tensors outside the group. A row block with no
+  // rows here stays in its bucket (it adds nothing) so the members still agree.
+  int prev = -1;  // the index of the last tensor taken into a bucket
   for (int i = table.size() - 1; i >= 0; --i) {
     const TensorEntry& e = table.entry(i);
-    if (!e.spec.trainable || e.size == 0) continue;
+    if (!e.spec.trainable) continue;
     const Communicator* axis = gradient_comm(e.spec, grid);
     if (!axis || axis->size() == 1) continue;
     const DataComm* c = &grid.data(*axis);
     // Declared back to back, so adjacent in the flat buffer: extend the open bucket downwards.
     Bucket* b = buckets_.empty() ? nullptr : &buckets_.back();
-    if (b && b->comm == c && b->offset == e.offset + e.size && b->size < limit) {
+    const bool next = prev == i + 1;
+    prev = i;
+    if (b && next && b->comm == c && b->offset == e.offset + e.size && b->size < limit) {
       b->offset = e.offset;
       b->size += e.size;
       b->first_tensor = i;

@@ -112,6 +112,8 @@ extern "C" void on_stop_signal(int sig) {
   else if (g_stop == 0)
     g_stop = 1;
 }
+}  // namespace
+
 void install_stop_handlers() {
   struct sigaction sa;
   std::memset(&sa, 0, sizeof sa);
@@ -120,6 +122,8 @@ void install_stop_handlers() {
   sigaction(SIGUSR1, &sa, nullptr);
   sigaction(SIGTERM, &sa, nullptr);
 }
+
+namespace {
 
 // Test-only fault injection: KMOE_FAULT=stall:<world rank>:<step> makes that rank stop taking
 // part at the start of that step (it sleeps), so the others' watchdog must fire.
@@ -213,7 +217,10 @@ StepMetrics Trainer::train_step(int step) {
       const float* dx = slot.backward(
           table_, last ? std::function<void(int)>([this](int i) { reducer_->ready_from(i); })
                        : std::function<void(int)>());
-      if (!grid_.first_stage()) out = pipe.start_send(dx, acts, grid_.pp_rank - 1);
+      if (!grid_.first_stage()) {
+        pipe.complete(out);  // a middle stage's activation send of this slot (long received)
+        out = pipe.start_send(dx, acts, grid_.pp_rank - 1);
+      }
       timer.stop(phases_.backward);
     }
   }

@@ -23,6 +23,11 @@
 
 namespace kmoe {
 
+// SIGUSR1/SIGTERM only set a flag that the training loop acts on at the next step boundary
+// (checkpoint, exit 85/86). Drivers install the handlers first thing, so a signal during
+// start-up is kept too; Trainer::run installs them again (idempotent).
+void install_stop_handlers();
+
 struct PhaseTotals {
   // comm: the step's reductions after the last backward; comm_wait: every wait on
   // communication inside training steps (all-to-alls, pipeline transfers, reductions).

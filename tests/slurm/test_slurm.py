@@ -101,14 +101,15 @@ try:
     c.run(["scancel", j])
     info = c.wait(j)
     deadline = time.time() + 60  # the script's last lines land after the job state changes
-    while time.time() < deadline and "not requeued" not in log("cancel"):
+    while time.time() < deadline and "requeued" not in log("cancel"):
         time.sleep(0.5)
     text = log("cancel")
     latest = open(h.path("cancel", "ckpt", "latest")).read().strip() \
         if os.path.exists(h.path("cancel", "ckpt", "latest")) else ""
     h.check(info.get("JobState") == "CANCELLED" and info.get("Restarts") == "0",
             f"cancelled job {j}: {info.get('JobState')}, restarts {info.get('Restarts')}")
-    h.check("exit code 86" in text and "not requeued" in text and latest.startswith("step"),
+    h.check("exit code 86" in text and "checkpointed after a cancel" in text and
+            latest.startswith("step"),
             f"it checkpointed ({latest}) and exited 86 without a requeue")
 
     # 4. mpirun inside the allocation instead of srun.
