@@ -47,15 +47,18 @@ void write_text_atomically(const fs::path& path, const std::string& text) {
   fs::rename(tmp, path);
 }
 
-// Removes all but the newest `keep` stepNNNNNNNN.h5 files of `dir`.
-void prune(const fs::path& dir, int keep) {
+// Keeps `current` (just written) and the newest keep-1 stepNNNNNNNN.h5 files before it; older
+// ones go. Files of later steps (left by another run in the same directory) are not this run's
+// history and stay: deleting by name order alone could remove the file `latest` names.
+void prune(const fs::path& dir, int keep, const std::string& current) {
   std::vector<fs::path> files;
   for (const auto& e : fs::directory_iterator(dir)) {
     const std::string n = e.path().filename().string();
-    if (n.size() == 15 && n.rfind("step", 0) == 0 && n.substr(12) == ".h5") files.push_back(e.path());
+    if (n.size() == 15 && n.rfind("step", 0) == 0 && n.substr(12) == ".h5" && n < current)
+      files.push_back(e.path());
   }
   std::sort(files.begin(), files.end());
-  for (std::size_t i = 0; i + keep < files.size(); ++i) fs::remove(files[i]);
+  for (std::size_t i = 0; i + (keep - 1) < files.size(); ++i) fs::remove(files[i]);
 }
 
 }  // namespace
@@ -123,7 +126,7 @@ void save_checkpoint(const Config& cfg, const ProcessGrid& grid, const TensorTab
   if (grid.is_root()) {
     fs::rename(tmp_path, final_path);
     write_text_atomically(dir / "latest", name);
-    prune(dir, cfg.checkpoint.keep);
+    prune(dir, cfg.checkpoint.keep, name);
   }
   grid.world.barrier();
 }

@@ -118,7 +118,11 @@ void H5File::write_raw(const std::string& dataset, const std::vector<std::int64_
   H5Pset_create_intermediate_group(lcpl.get(), 1);
   const auto dims = dims_of(shape);
   H5Handle space(H5Screate_simple(dims.size(), dims.data(), nullptr), H5Sclose);
-  H5Handle d(H5Dcreate2(id(), dataset.c_str(), type, space.get(), lcpl.get(), H5P_DEFAULT,
+  // Every element is written by its owner: no fill values (parallel HDF5 allocates datasets
+  // early and would otherwise write the whole dataset twice).
+  H5Handle dcpl(H5Pcreate(H5P_DATASET_CREATE), H5Pclose);
+  H5Pset_fill_time(dcpl.get(), H5D_FILL_TIME_NEVER);
+  H5Handle d(H5Dcreate2(id(), dataset.c_str(), type, space.get(), lcpl.get(), dcpl.get(),
                         H5P_DEFAULT),
              H5Dclose);
   KMOE_REQUIRE(d.get() >= 0, path_ << ": cannot create dataset " << dataset);

@@ -12,6 +12,7 @@
 Usage: checkpoint_layouts.py BIN_DIR WORK_DIR MPIEXEC
 """
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -167,6 +168,18 @@ train("kill_resume", (2, 1, 2), ckpt="kill/ckpt")
 before = h.losses("kill")[10:12]  # steps 11 and 12 of the killed run were logged
 h.check(len(before) == 2 and h.losses("kill_resume")[:2] == before,
         "the resume after the kill continues from step 10 bit-identically")
+
+# A fresh run into a directory holding a longer run's files: its own files and `latest` stay
+# consistent (pruning never removes the file just written), the other run's later files stay.
+shutil.copytree(h.path("full_111", "ckpt"), h.path("reuse", "ckpt"))
+train("reuse", (1, 1, 1), "--checkpoint.resume=none", "--train.max_steps=2",
+      "--checkpoint.every=1", "--checkpoint.keep=1")
+files = sorted(os.listdir(h.path("reuse", "ckpt")))
+with open(h.path("reuse", "ckpt", "latest")) as f:
+    latest = f.read().strip()
+h.check(latest == "step00000002.h5" and files == ["latest", "step00000002.h5", "step00000010.h5",
+                                                  "step00000013.h5"],
+        f"a fresh run into a used directory: latest {latest}, files {files}")
 
 # A larger global batch after the resume: the stream continues from the saved position, so
 # the resumed step 11 trains on the uninterrupted run's steps 11 and 12.
