@@ -59,8 +59,6 @@ class Stage {
   std::vector<std::pair<int, ConstIVec>> moe_routes() const;
   int top_k() const { return top_k_; }
   int d_model() const { return D_; }
-  int first_block() const { return first_; }
-  int num_blocks() const { return static_cast<int>(blocks_.size()); }
 
  private:
   Mat resid(int i, int N) { return as_mat(resid_[i].data(), N, D_); }

@@ -80,6 +80,7 @@ MoeLayer::MoeLayer(const ModelCfg& m, const MoeCfg& e, const std::string& prefix
   slot_row_ = View1I("moe::slot_row", slots);
   row_slot_ = View1I("moe::row_slot", slots);
   row_offsets_ = View1I("moe::row_offsets", E_ + 1);
+  if (P_ > 1) ex_blocks_ = View1I("moe::ex_blocks", 2 * P_ * El_ + 1);
   rows_in_ = View1F("moe::rows_in", slots * D_);
   if (P_ == 1) {  // with expert parallelism the expert side uses the ex_* buffers instead
     up1_ = View1F("moe::up1", slots * Fe_);
@@ -399,13 +400,30 @@ void MoeLayer::plan_exchange() {
   }
   const int Rx = ex_off_[El];
   if (std::int64_t(ex_perm_.extent(0)) < Rx) ex_perm_ = View1I("moe::ex_perm", Rx + Rx / 4);
-  auto perm = Kokkos::create_mirror_view(ex_perm_);
+  // Block b = p*El + le (source p's rows for local expert le) starts at src(b) in the received
+  // rows and at dst(b) expert-major; the host fills these P*El bounds, a kernel the rows.
+  const int B = P * El;
+  auto bounds = Kokkos::create_mirror_view(ex_blocks_);  // src(0..B), then dst(0..B-1)
   std::vector<int> fill(ex_off_.begin(), ex_off_.end() - 1);
-  int src = 0;
-  for (int p = 0; p < P; ++p)
-    for (int le = 0; le < El; ++le)
-      for (std::int64_t i = 0; i < recv_counts_[std::size_t(p) * El + le]; ++i) perm(fill[le]++) = src++;
-  Kokkos::deep_copy(ex_perm_, perm);
+  bounds(0) = 0;
+  for (int b = 0; b < B; ++b) {
+    const int n = static_cast<int>(recv_counts_[b]);
+    bounds(b + 1) = bounds(b) + n;
+    bounds(B + 1 + b) = fill[b % El];
+    fill[b % El] += n;
+  }
+  Kokkos::deep_copy(ex_blocks_, bounds);
+  auto blocks = ex_blocks_;
+  auto perm = ex_perm_;
+  Kokkos::parallel_for(
+      "moe::ep_plan", Range(0, Rx), KOKKOS_LAMBDA(int i) {
+        int lo = 0, hi = B;  // the last block starting at or before i holds it (non-empty)
+        while (hi - lo > 1) {
+          const int mid = (lo + hi) / 2;
+          if (blocks(mid) <= i) lo = mid; else hi = mid;
+        }
+        perm(blocks(B + 1 + lo) + i - blocks(lo)) = i;
+      });
   ensure(xfer_, std::int64_t(std::max<std::int64_t>(Rx, host_offsets_[E_])) * D_, "moe::xfer");
 }
 

@@ -112,6 +112,7 @@ class MoeLayer {
   // local experts' row bounds, expert-major row -> received row, and the expert-side buffers.
   std::vector<std::int64_t> send_rows_, recv_rows_, recv_counts_;
   std::vector<int> ex_off_;
+  View1I ex_blocks_;  // (2*P*El + 1): block starts received, then expert-major
   View1I ex_perm_;
   View1F xfer_, ex_in_, ex_up1_, ex_up3_, ex_act_, ex_out_, ex_grad_;
 };

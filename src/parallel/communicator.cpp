@@ -212,26 +212,24 @@ void Communicator::complete(Pending& pending) const {
   pending.reset();
 }
 
-namespace {
 template <class T>
-void post_allreduce(const Communicator& c, std::vector<MPI_Request>& reqs, T* data, std::int64_t n,
-                    MPI_Datatype type, MPI_Op mpi_op) {
-  for (std::int64_t off = 0; off < n; off += kChunk) {
-    reqs.emplace_back();
-    mpi_check(MPI_Iallreduce(MPI_IN_PLACE, data + off, static_cast<int>(std::min(kChunk, n - off)),
-                             type, mpi_op, c.comm(), &reqs.back()),
-              "MPI_Iallreduce");
-  }
-}
-}  // namespace
-
-Pending Communicator::start_allreduce_sum(float* data, std::int64_t n) const {
+Pending Communicator::start_reduce(T* data, std::int64_t n, MPI_Datatype type, MPI_Op mpi_op,
+                                   const char* op) const {
   if (size_ == 1) return nullptr;
   Kokkos::fence();
-  auto p = begin("allreduce_sum(float)", true, -1, n);
-  post_allreduce(*this, p->reqs, data, n, MPI_FLOAT, MPI_SUM);
+  auto p = begin(op, true, -1, n);
+  for (std::int64_t off = 0; off < n; off += kChunk) {
+    p->reqs.emplace_back();
+    mpi_check(MPI_Iallreduce(MPI_IN_PLACE, data + off, static_cast<int>(std::min(kChunk, n - off)),
+                             type, mpi_op, comm_, &p->reqs.back()),
+              "MPI_Iallreduce");
+  }
   post_notices(*p);
   return Pending(std::move(p));
+}
+
+Pending Communicator::start_allreduce_sum(float* data, std::int64_t n) const {
+  return start_reduce(data, n, MPI_FLOAT, MPI_SUM, "allreduce_sum(float)");
 }
 
 void Communicator::allreduce_sum(float* data, std::int64_t n) const {
@@ -240,29 +238,18 @@ void Communicator::allreduce_sum(float* data, std::int64_t n) const {
 }
 
 void Communicator::allreduce_sum(double* data, std::int64_t n) const {
-  if (size_ == 1) return;
-  Kokkos::fence();
-  auto p = begin("allreduce_sum(double)", true, -1, n);
-  post_allreduce(*this, p->reqs, data, n, MPI_DOUBLE, MPI_SUM);
-  post_notices(*p);
-  run(std::move(p));
+  Pending p = start_reduce(data, n, MPI_DOUBLE, MPI_SUM, "allreduce_sum(double)");
+  complete(p);
 }
 
 void Communicator::allreduce_sum(std::int32_t* data, std::int64_t n) const {
-  if (size_ == 1) return;
-  Kokkos::fence();
-  auto p = begin("allreduce_sum(int32)", true, -1, n);
-  post_allreduce(*this, p->reqs, data, n, MPI_INT32_T, MPI_SUM);
-  post_notices(*p);
-  run(std::move(p));
+  Pending p = start_reduce(data, n, MPI_INT32_T, MPI_SUM, "allreduce_sum(int32)");
+  complete(p);
 }
 
 double Communicator::allreduce_max(double v) const {
-  if (size_ == 1) return v;
-  auto p = begin("allreduce_max", true, -1, 1);
-  post_allreduce(*this, p->reqs, &v, 1, MPI_DOUBLE, MPI_MAX);
-  post_notices(*p);
-  run(std::move(p));
+  Pending p = start_reduce(&v, 1, MPI_DOUBLE, MPI_MAX, "allreduce_max");
+  complete(p);
   return v;
 }
 
@@ -354,11 +341,6 @@ Pending Communicator::start_send(const float* data, std::int64_t n, int peer) co
   auto p = begin("send", false, peer);
   post(p->reqs, true, data, n, peer, comm_);
   return Pending(std::move(p));
-}
-
-void Communicator::send(const float* data, std::int64_t n, int peer) const {
-  Pending p = start_send(data, n, peer);
-  complete(p);
 }
 
 void Communicator::recv(float* data, std::int64_t n, int peer) const {

@@ -97,8 +97,7 @@ class Communicator : public DataComm {
   Pending start_send(const float* data, std::int64_t n, int peer) const override;
   void complete(Pending& p) const override;
 
-  // Blocking point-to-point transfers of n floats with member `peer`.
-  void send(const float* data, std::int64_t n, int peer) const;
+  // A blocking receive of n floats from member `peer` (sends: start_send + complete).
   void recv(float* data, std::int64_t n, int peer) const override;
   // Both at once (no deadlock when two members exchange): n_send floats to `to` and n_recv
   // from `from`; a peer of -1 skips that half.
@@ -120,6 +119,10 @@ class Communicator : public DataComm {
   void post_notices(MpiOp& p) const;
   // Runs a blocking operation: the requests are already in p.
   void run(std::unique_ptr<MpiOp> p) const;
+  // Starts an in-place reduction of n elements (split into int-sized chunks).
+  template <class T>
+  Pending start_reduce(T* data, std::int64_t n, MPI_Datatype type, MPI_Op mpi_op,
+                       const char* op) const;
   void free_comms();
 
   MPI_Comm comm_ = MPI_COMM_NULL;

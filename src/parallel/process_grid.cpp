@@ -81,10 +81,4 @@ const DataComm& ProcessGrid::data(const Communicator& axis) const {
   return axis;
 }
 
-int ProcessGrid::stage_of_block(int block) const {
-  for (int s = 0; s < pp; ++s)
-    if (block < bounds_[s + 1]) return s;
-  return pp - 1;
-}
-
 }  // namespace kmoe

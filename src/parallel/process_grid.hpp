@@ -33,7 +33,6 @@ class ProcessGrid {
   // Blocks [first_block(s), first_block(s + 1)) form stage s (parallel.pp_layers or an even
   // split, the first L % pp stages one block longer).
   int first_block(int s) const { return bounds_[s]; }
-  int stage_of_block(int block) const;
 
   Communicator world;
   Communicator stage;  // the dp*ep ranks of this rank's pipeline stage

@@ -24,8 +24,6 @@ class GradReducer {
   // Starts what is left, waits for everything, sums the tied embedding.
   void finish();
 
-  int num_buckets() const { return static_cast<int>(buckets_.size()); }
-
  private:
   struct Bucket {
     int first_tensor;  // lowest table index in the bucket
