@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "modules/attention/attention.hpp"
+#include "modules/embedding/embedding.hpp"
 #include "modules/engram/engram.hpp"
 #include "modules/engram/engram_hash.hpp"
 #include "modules/loss/lm_head.hpp"
@@ -61,7 +62,7 @@ int main(int argc, char** argv) {
   RopeTables rope(T, m.head_dim(), m.rope_theta);
   Attention attn(m, "blocks.0.attn.", b, T, table);
   SwigluMlp mlp("blocks.0.mlp.", D, F, m.init_std, N, table);
-  const int embed = table.add({"embed.weight", {V, D}, InitKind::Normal, 0.02, false, 1.0});
+  const int embed = table.add(Embedding::weight_spec(V, D, 0.02));
   LmHead head(m, N, embed, table);
   table.allocate();
   table.initialize(1);

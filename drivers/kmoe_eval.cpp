@@ -9,7 +9,7 @@
 #include "drivers/driver_main.hpp"
 #include "io/checkpoint.hpp"
 #include "io/deck.hpp"
-#include "train/distribution.hpp"
+#include "parallel/layer_comms.hpp"
 #include "train/evaluate.hpp"
 
 namespace {
@@ -45,12 +45,12 @@ int main(int argc, char** argv) {
                            cfg.model.vocab_size, "data.val_paths");
     kmoe::TensorTable table;
     kmoe::Stage stage(cfg.model, cfg.moe, cfg.train.micro_batch, cfg.train.seq_len, table,
-                      cfg.engram, kmoe::stage_plan(grid), kmoe::layer_comms(cfg, grid));
+                      cfg.engram, kmoe::StagePlan::of(grid), kmoe::layer_comms(cfg, grid));
     table.allocate();
     kmoe::load_checkpoint(checkpoint, cfg, grid, table, /*with_optimizer=*/false, nullptr);
     const kmoe::EvalResult r =
         kmoe::evaluate(stage, table, val, grid, cfg.train.micro_batch, cfg.train.eval_instances,
-                       cfg.parallel.engram_shard != "none");
+                       cfg.parallel.engram_shard != kmoe::EngramShardGroup::None);
     if (grid.is_root()) std::printf("eval_loss %.17g tokens %lld\n", r.loss, (long long)r.tokens);
   });
 }

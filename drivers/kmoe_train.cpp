@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "core/stop_signal.hpp"
 #include "drivers/driver_main.hpp"
 #include "io/deck.hpp"
 #include "io/token_data.hpp"

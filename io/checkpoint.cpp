@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <csignal>
 #include <cstdio>
-#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <set>
@@ -11,9 +10,10 @@
 #include <vector>
 
 #include "core/error.hpp"
+#include "core/fault_injection.hpp"
 #include "io/deck.hpp"
 #include "io/hdf5_file.hpp"
-#include "train/distribution.hpp"
+#include "parallel/placement.hpp"
 
 namespace kmoe {
 
@@ -28,13 +28,6 @@ constexpr std::int64_t kFormatVersion = 1;
 bool is_model_key(const std::string& key) {
   return key.rfind("model.", 0) == 0 || key.rfind("moe.", 0) == 0 ||
          key.rfind("engram.", 0) == 0 || key == "train.seq_len" || key == "train.seed";
-}
-
-// Test-only fault injection (RUNTIME.md section 4): KMOE_FAULT=kill_during_save kills the
-// process halfway through writing the tensors.
-bool fault_requested(const char* what) {
-  const char* f = std::getenv("KMOE_FAULT");
-  return f && std::string(f) == what;
 }
 
 void write_text_atomically(const fs::path& path, const std::string& text) {

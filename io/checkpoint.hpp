@@ -6,9 +6,9 @@
 #include <cstdint>
 #include <string>
 
-#include "io/config.hpp"
+#include "core/config.hpp"
 #include "parallel/process_grid.hpp"
-#include "train/tensor_table.hpp"
+#include "core/tensor_table.hpp"
 
 namespace kmoe {
 

@@ -172,6 +172,9 @@ po::variables_map DeckParser::convert() const {
       po::parsed_options one(&schema_.options());
       one.options.emplace_back(s.name, std::vector<std::string>{s.value});
       po::store(one, vm);
+    } catch (const deck::ChoiceError& e) {
+      KMOE_FAIL(locate(s) << ": " << s.name << " must be one of " << e.what() << ", got '"
+                          << s.value << "'");
     } catch (const po::error&) {
       KMOE_FAIL(locate(s) << ": invalid value '" << s.value << "' for " << s.name << " (expected "
                           << spec.type

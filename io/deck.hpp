@@ -7,7 +7,7 @@
 #include <utility>
 #include <vector>
 
-#include "io/config.hpp"
+#include "core/config.hpp"
 
 namespace kmoe {
 

@@ -53,8 +53,27 @@ std::string join_list(const std::vector<T>& items) {
 
 // How each member type travels through Boost: the type Boost stores and converts (lists go as
 // their text), the check on the raw text, and the conversions to and from deck text.
-template <class T>
+template <class T, class = void>
 struct Traits;
+
+// A choice (an enum of core/config.hpp): stored as its spelling; anything else is a
+// ChoiceError that the parser reports with the key and the allowed spellings.
+template <class E>
+struct Traits<E, std::enable_if_t<std::is_enum_v<E>>> {
+  using Stored = std::string;
+  static constexpr const char* type = "choice";
+  static void check(const std::string& text) {
+    E value;
+    if (!parse_choice(text, &value)) throw ChoiceError(choice_list<E>());
+  }
+  static E from(const std::string& text) {
+    E value{};
+    if (!parse_choice(text, &value)) throw ChoiceError(choice_list<E>());
+    return value;
+  }
+  static std::string to_stored(E v) { return choice_name(v); }
+  static std::string text(E v) { return choice_name(v); }
+};
 
 template <>
 struct Traits<int> {
@@ -217,7 +236,7 @@ Schema::Schema(Config& c) : options_("kmoe input deck") {
   key(c.model.norm_eps, "norm_eps", 1e-6, "RMSNorm epsilon");
   key(c.model.rope_theta, "rope_theta", 500000.0, "RoPE base theta");
   key(c.model.qk_norm, "qk_norm", true, "RMSNorm over projected queries and keys");
-  key(c.model.block_norm, "block_norm", "reordered",
+  key(c.model.block_norm, "block_norm", BlockNorm::Reordered,
       "reordered (norm on the branch output, OLMo2) | pre (norm on the branch input, Llama)");
   key(c.model.tie_embeddings, "tie_embeddings", false, "LM head reuses the embedding matrix");
   key(c.model.init_std, "init_std", 0.02, "std of the truncated-normal weight init");
@@ -231,7 +250,7 @@ Schema::Schema(Config& c) : options_("kmoe input deck") {
       "MoE blocks, comma-separated; empty = every block not in dense_layers");
   key(c.moe.dense_layers, "dense_layers", std::vector<int>{},
       "blocks kept dense when layers is empty");
-  key(c.moe.score, "score", "softmax", "router scores: softmax | sigmoid");
+  key(c.moe.score, "score", RouterScore::Softmax, "router scores: softmax | sigmoid");
   key(c.moe.normalize_topk, "normalize_topk", false, "divide the k weights by their sum");
   key(c.moe.lb_coef, "lb_coef", 0.01, "weight of the load-balancing loss");
   key(c.moe.z_coef, "z_coef", 0.001, "weight of the router z-loss");
@@ -252,7 +271,7 @@ Schema::Schema(Config& c) : options_("kmoe input deck") {
   key(c.engram.seed, "seed", std::uint64_t{0}, "seed of the hash multipliers");
   key(c.engram.kernel, "kernel", 4, "taps of the causal dilated depthwise convolution");
   key(c.engram.pad_id, "pad_id", 0, "token id that pads n-grams before the sequence start");
-  key(c.engram.gate, "gate", "sigmoid", "gate: sigmoid | signed_sqrt");
+  key(c.engram.gate, "gate", EngramGate::Sigmoid, "gate: sigmoid | signed_sqrt");
   key(c.engram.lr_mult, "lr_mult", 5.0, "learning-rate multiplier of the tables");
   key(c.engram.compression_map, "compression_map", "",
       "file of V canonical token ids (uint32 or .npy); empty = identity");
@@ -277,7 +296,7 @@ Schema::Schema(Config& c) : options_("kmoe input deck") {
   key(c.optimizer.eps, "eps", 1e-8, "AdamW epsilon");
   key(c.optimizer.weight_decay, "weight_decay", 0.1, "decoupled weight decay");
   key(c.optimizer.clip, "clip", 1.0, "global gradient-norm clip; 0 = off");
-  key(c.optimizer.schedule, "schedule", "cosine", "cosine | constant | wsd (warmup-stable-decay)");
+  key(c.optimizer.schedule, "schedule", LrSchedule::Cosine, "cosine | constant | wsd (warmup-stable-decay)");
   key(c.optimizer.warmup_steps, "warmup_steps", 0, "linear warmup steps");
   key(c.optimizer.final_lr_ratio, "final_lr_ratio", 0.1, "final lr as a fraction of lr");
   key(c.optimizer.decay_steps, "decay_steps", 0, "wsd: length of the final linear decay");
@@ -292,17 +311,17 @@ Schema::Schema(Config& c) : options_("kmoe input deck") {
   key(c.parallel.pp, "pp", 1, "pipeline stages");
   key(c.parallel.dp, "dp", 1, "data-parallel replicas");
   key(c.parallel.ep, "ep", 1, "expert-parallel ranks");
-  key(c.parallel.schedule, "schedule", "1f1b", "pipeline schedule: 1f1b | gpipe");
+  key(c.parallel.schedule, "schedule", PipeSchedule::OneFOneB, "pipeline schedule: 1f1b | gpipe");
   key(c.parallel.pp_layers, "pp_layers", std::vector<int>{},
       "blocks per stage, comma-separated (pp entries); empty = even split");
-  key(c.parallel.engram_shard, "engram_shard", "none",
+  key(c.parallel.engram_shard, "engram_shard", EngramShardGroup::None,
       "Engram tables: none (replicated) | ep | stage (row-block sharded)");
   key(c.parallel.watchdog_seconds, "watchdog_seconds", 300,
       "abort a rank stuck this long in a collective");
   key(c.parallel.bucket_mb, "bucket_mb", 25.0,
       "gradient all-reduce bucket size (MiB); buckets start during the last backward");
-  key(c.parallel.backend, "backend", "mpi", "data plane of the axes: mpi | nccl");
-  key(c.parallel.cuda_aware_mpi, "cuda_aware_mpi", "auto",
+  key(c.parallel.backend, "backend", CommBackend::Mpi, "data plane of the axes: mpi | nccl");
+  key(c.parallel.cuda_aware_mpi, "cuda_aware_mpi", CudaAwareMpi::Auto,
       "MPI takes device pointers: auto (ask Open MPI) | true | false (stage through host)");
 
   section("checkpoint", "HDF5 checkpoints");

@@ -8,7 +8,8 @@
 #include <string>
 #include <vector>
 
-#include "io/config.hpp"
+#include "core/config.hpp"
+#include "core/error.hpp"
 
 namespace kmoe::deck {
 
@@ -66,6 +67,12 @@ class Schema {
   po::options_description options_;
   std::vector<SectionSpec> sections_;
   std::vector<KeySpec> keys_;
+};
+
+// A value that spells none of a choice key's options; what() lists them ("a | b").
+class ChoiceError : public Error {
+ public:
+  using Error::Error;
 };
 
 // Throws kmoe::Error for the first inconsistent combination, prefixed by locate(key) for the key

@@ -4,7 +4,7 @@
 
 #include "io/checkpoint.hpp"
 #include "io/hdf5_file.hpp"
-#include "train/distribution.hpp"
+#include "parallel/placement.hpp"
 
 namespace kmoe {
 

@@ -10,9 +10,9 @@
 #include <utility>
 #include <vector>
 
-#include "io/config.hpp"
+#include "core/config.hpp"
 #include "parallel/process_grid.hpp"
-#include "train/tensor_table.hpp"
+#include "core/tensor_table.hpp"
 
 namespace kmoe {
 

@@ -28,15 +28,15 @@ Attention::Attention(const ModelCfg& m, const std::string& prefix, int max_seqs,
       eps_(static_cast<float>(m.norm_eps)) {
   const std::int64_t qd = H_ * dh_, kd = Hkv_ * dh_;
   auto matrix = [&](const char* n, std::int64_t rows, std::int64_t cols) {
-    return table.add({prefix + n, {rows, cols}, InitKind::Normal, m.init_std, true, 1.0});
+    return table.add(TensorSpec::matrix(prefix + n, {rows, cols}, m.init_std));
   };
   wq_ = matrix("wq", qd, D_);
   matrix("wk", kd, D_);
   matrix("wv", kd, D_);
   wo_ = matrix("wo", D_, qd);
   if (qk_norm_) {
-    q_norm_ = table.add({prefix + "q_norm.weight", {qd}, InitKind::Ones, 0.0, false, 1.0});
-    k_norm_ = table.add({prefix + "k_norm.weight", {kd}, InitKind::Ones, 0.0, false, 1.0});
+    q_norm_ = table.add(TensorSpec::gain(prefix + "q_norm.weight", qd));
+    k_norm_ = table.add(TensorSpec::gain(prefix + "k_norm.weight", kd));
   }
   const std::int64_t N = static_cast<std::int64_t>(max_seqs) * T_;
   qkv_ = View1F("attn::qkv", N * (qd + 2 * kd));

@@ -6,9 +6,9 @@
 #include <string>
 
 #include "core/kokkos_types.hpp"
-#include "io/config.hpp"
+#include "core/config.hpp"
 #include "modules/attention/rope.hpp"
-#include "train/tensor_table.hpp"
+#include "core/tensor_table.hpp"
 
 namespace kmoe {
 

@@ -2,9 +2,13 @@
 
 namespace kmoe {
 
+TensorSpec Embedding::weight_spec(int vocab, int d_model, double init_std) {
+  return TensorSpec::matrix("embed.weight", {vocab, d_model}, init_std).no_decay();
+}
+
 Embedding::Embedding(int vocab, int d_model, double init_std, int max_tokens, TensorTable& table)
     : V_(vocab), D_(d_model), buckets_(max_tokens, vocab) {
-  weight_ = table.add({"embed.weight", {V_, D_}, InitKind::Normal, init_std, false, 1.0});
+  weight_ = table.add(weight_spec(vocab, d_model, init_std));
 }
 
 void Embedding::forward(const TensorTable& table, ConstIVec tokens, Mat x) {

@@ -4,7 +4,7 @@
 
 #include "core/bucket_sort.hpp"
 #include "core/kokkos_types.hpp"
-#include "train/tensor_table.hpp"
+#include "core/tensor_table.hpp"
 
 namespace kmoe {
 
@@ -12,6 +12,8 @@ class Embedding {
  public:
   // Declares embed.weight [V, D] (no weight decay).
   Embedding(int vocab, int d_model, double init_std, int max_tokens, TensorTable& table);
+  // embed.weight's declaration; the last pipeline stage's tied copy declares the same.
+  static TensorSpec weight_spec(int vocab, int d_model, double init_std);
 
   int weight_index() const { return weight_; }
   void forward(const TensorTable& table, ConstIVec tokens, Mat x);     // x: (N, D)

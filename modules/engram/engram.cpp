@@ -43,43 +43,38 @@ EngramLayer::EngramLayer(const ModelCfg& m, const EngramCfg& g, const EngramHash
       dh_(g.embed_per_ngram / g.heads),
       d_mem_((g.max_ngram - 1) * g.embed_per_ngram),
       R_(plan.rows),
-      signed_sqrt_(g.gate == "signed_sqrt"),
+      signed_sqrt_(g.gate == EngramGate::SignedSqrt),
       eps_(static_cast<float>(m.norm_eps)),
       hasher_(plan, g.max_ngram, g.heads, plan.pad_c),
       buckets_(max_tokens * heads_total_, static_cast<int>(plan.rows)),
       shard_(shard) {
   const double std = g.init_std;
-  auto add = [&](const std::string& n, std::vector<std::int64_t> shape, InitKind init, bool wd,
-                 double lr_mult = 1.0) {
-    return table.add({prefix + n, std::move(shape), init, std, wd, lr_mult});
-  };
+  // The table: no weight decay, its own learning-rate multiplier (MODEL.md section 4).
+  const TensorSpec table_spec =
+      TensorSpec::matrix(prefix + "table", {R_, dh_}, std).no_decay().with_lr_mult(g.lr_mult);
   P_ = shard.kind != Shard::None && shard.comm ? shard.comm->size() : 1;
   if (P_ > 1) {
     KMOE_REQUIRE(shard.data, "EngramLayer: a sharded table needs a data communicator");
     block_ = (R_ + P_ - 1) / P_;
     row0_ = std::min<std::int64_t>(R_, block_ * shard.comm->rank());
     local_rows_ = std::min<std::int64_t>(block_, R_ - row0_);
-    TensorSpec t{prefix + "table", {R_, dh_}, InitKind::Normal, std, false, g.lr_mult};
-    t.shard = shard.kind;
-    t.row_begin = row0_;
-    t.rows = local_rows_;
-    table_ = table.add(t);
+    table_ = table.add(table_spec.row_block(shard.kind, row0_, local_rows_));
     const int requests = max_tokens * heads_total_;
     owner_ = View1I("engram::owner", requests);
     by_owner_ = KeyBuckets(requests, P_);
     by_local_row_ = KeyBuckets(requests * P_, static_cast<int>(std::max<std::int64_t>(1, local_rows_)));
   } else {
     local_rows_ = R_;
-    table_ = add("table", {R_, dh_}, InitKind::Normal, false, g.lr_mult);
+    table_ = table.add(table_spec);
   }
-  wk_ = add("wk", {D_, d_mem_}, InitKind::Normal, true);
-  wv_ = add("wv", {D_, d_mem_}, InitKind::Normal, true);
-  bk_ = add("bk", {D_}, InitKind::Zeros, false);
-  bv_ = add("bv", {D_}, InitKind::Zeros, false);
-  q_norm_ = add("q_norm.weight", {D_}, InitKind::Ones, false);
-  k_norm_ = add("k_norm.weight", {D_}, InitKind::Ones, false);
-  c_norm_ = add("conv_norm.weight", {D_}, InitKind::Ones, false);
-  conv_ = add("conv", {D_, kernel_}, InitKind::Zeros, false);
+  wk_ = table.add(TensorSpec::matrix(prefix + "wk", {D_, d_mem_}, std));
+  wv_ = table.add(TensorSpec::matrix(prefix + "wv", {D_, d_mem_}, std));
+  bk_ = table.add(TensorSpec::zeros(prefix + "bk", {D_}));
+  bv_ = table.add(TensorSpec::zeros(prefix + "bv", {D_}));
+  q_norm_ = table.add(TensorSpec::gain(prefix + "q_norm.weight", D_));
+  k_norm_ = table.add(TensorSpec::gain(prefix + "k_norm.weight", D_));
+  c_norm_ = table.add(TensorSpec::gain(prefix + "conv_norm.weight", D_));
+  conv_ = table.add(TensorSpec::zeros(prefix + "conv", {D_, kernel_}));
 
   const std::int64_t N = max_tokens;
   rows_ = Kokkos::View<int**, Layout, MemSpace>("engram::rows", N, heads_total_);

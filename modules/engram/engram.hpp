@@ -9,10 +9,10 @@
 
 #include "core/bucket_sort.hpp"
 #include "core/kokkos_types.hpp"
-#include "io/config.hpp"
+#include "core/config.hpp"
 #include "modules/engram/engram_hash.hpp"
 #include "parallel/communicator.hpp"
-#include "train/tensor_table.hpp"
+#include "core/tensor_table.hpp"
 
 namespace kmoe {
 

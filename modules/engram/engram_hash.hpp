@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "core/kokkos_types.hpp"
-#include "io/config.hpp"
+#include "core/config.hpp"
 
 namespace kmoe {
 

@@ -10,10 +10,10 @@ LmHead::LmHead(const ModelCfg& m, int max_tokens, int embed_weight, TensorTable&
       D_(m.d_model),
       eps_(static_cast<float>(m.norm_eps)),
       z_coef_(static_cast<float>(m.output_z_coef)) {
-  norm_ = table.add({"final_norm.weight", {D_}, InitKind::Ones, 0.0, false, 1.0});
+  norm_ = table.add(TensorSpec::gain("final_norm.weight", D_));
   weight_ = m.tie_embeddings
                 ? embed_weight
-                : table.add({"lm_head.weight", {V_, D_}, InitKind::Normal, m.init_std, true, 1.0});
+                : table.add(TensorSpec::matrix("lm_head.weight", {V_, D_}, m.init_std));
   normed_ = View1F("head::normed", std::int64_t(max_tokens) * D_);
   rstd_ = View1F("head::rstd", max_tokens);
   logits_ = View1F("head::logits", std::int64_t(max_tokens) * V_);

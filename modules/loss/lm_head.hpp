@@ -7,9 +7,9 @@
 #include <vector>
 
 #include "core/kokkos_types.hpp"
-#include "io/config.hpp"
+#include "core/config.hpp"
 #include "modules/moe/moe.hpp"
-#include "train/tensor_table.hpp"
+#include "core/tensor_table.hpp"
 
 namespace kmoe {
 

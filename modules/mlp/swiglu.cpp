@@ -41,9 +41,9 @@ MlpScratch::MlpScratch(std::int64_t max_rows, int hidden)
 SwigluMlp::SwigluMlp(const std::string& prefix, int d_model, int hidden, double init_std,
                      std::int64_t max_rows, TensorTable& table)
     : D_(d_model), F_(hidden) {
-  w1_ = table.add({prefix + "w1", {F_, D_}, InitKind::Normal, init_std, true, 1.0});
-  table.add({prefix + "w3", {F_, D_}, InitKind::Normal, init_std, true, 1.0});
-  w2_ = table.add({prefix + "w2", {D_, F_}, InitKind::Normal, init_std, true, 1.0});
+  w1_ = table.add(TensorSpec::matrix(prefix + "w1", {F_, D_}, init_std));
+  table.add(TensorSpec::matrix(prefix + "w3", {F_, D_}, init_std));
+  w2_ = table.add(TensorSpec::matrix(prefix + "w2", {D_, F_}, init_std));
   up_ = View1F("mlp::up", max_rows * 2 * F_);
   act_ = View1F("mlp::act", max_rows * F_);
 }

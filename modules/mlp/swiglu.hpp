@@ -6,8 +6,8 @@
 #include <string>
 
 #include "core/kokkos_types.hpp"
-#include "io/config.hpp"
-#include "train/tensor_table.hpp"
+#include "core/config.hpp"
+#include "core/tensor_table.hpp"
 
 namespace kmoe {
 

@@ -21,12 +21,10 @@ std::string block_prefix(int layer) { return "blocks." + std::to_string(layer) +
 Block::Block(const ModelCfg& m, const MoeCfg& e, const EngramCfg& g, const EngramHashPlan* plan,
              int layer, int max_seqs, int T, TensorTable& table, const LayerComms& comms)
     : D_(m.d_model),
-      reordered_(m.block_norm == "reordered"),
+      reordered_(m.block_norm == BlockNorm::Reordered),
       eps_(static_cast<float>(m.norm_eps)),
-      attn_norm_(table.add(
-          {block_prefix(layer) + "attn_norm.weight", {D_}, InitKind::Ones, 0.0, false, 1.0})),
-      ffn_norm_(table.add(
-          {block_prefix(layer) + "ffn_norm.weight", {D_}, InitKind::Ones, 0.0, false, 1.0})),
+      attn_norm_(table.add(TensorSpec::gain(block_prefix(layer) + "attn_norm.weight", D_))),
+      ffn_norm_(table.add(TensorSpec::gain(block_prefix(layer) + "ffn_norm.weight", D_))),
       attn_(m, block_prefix(layer) + "attn.", max_seqs, T, table) {
   const std::int64_t N = std::int64_t(max_seqs) * T;
   if (plan) {

@@ -5,7 +5,7 @@
 
 #include <cstdint>
 
-#include "io/config.hpp"
+#include "core/config.hpp"
 
 namespace kmoe {
 

@@ -40,10 +40,8 @@ Stage::Stage(const ModelCfg& m, const MoeCfg& e, int max_seqs, int T, TensorTabl
   }
   if (has_head_) {
     if (m.tie_embeddings && !has_embed_) {  // the last stage's replica of the tied matrix
-      TensorSpec tied{"embed.weight", {m.vocab_size, m.d_model}, InitKind::Normal, m.init_std,
-                      false, 1.0};
-      tied.tied_copy = true;
-      embed_weight_ = table.add(tied);
+      embed_weight_ =
+          table.add(Embedding::weight_spec(m.vocab_size, m.d_model, m.init_std).as_tied_copy());
     }
     head_ = std::make_unique<LmHead>(m, max_seqs * T, embed_weight_, table);
   }

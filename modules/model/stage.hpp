@@ -12,6 +12,7 @@
 #include "modules/embedding/embedding.hpp"
 #include "modules/loss/lm_head.hpp"
 #include "modules/model/block.hpp"
+#include "parallel/process_grid.hpp"
 
 namespace kmoe {
 
@@ -20,6 +21,15 @@ struct StagePlan {
   int first_block = 0, last_block = -1;  // blocks [first, last); last < 0: to the end
   bool embed = true, head = true;        // embedding here (first stage), head and loss here
   static StagePlan whole() { return StagePlan(); }
+  // The blocks, embedding and head of the grid's pipeline stage of this rank.
+  static StagePlan of(const ProcessGrid& grid) {
+    StagePlan p;
+    p.first_block = grid.first_block(grid.pp_rank);
+    p.last_block = grid.first_block(grid.pp_rank + 1);
+    p.embed = grid.first_stage();
+    p.head = grid.last_stage();
+    return p;
+  }
 };
 
 class Stage {

@@ -51,22 +51,15 @@ MoeLayer::MoeLayer(const ModelCfg& m, const MoeCfg& e, const std::string& prefix
   KMOE_REQUIRE(E_ % P_ == 0, "moe.experts (" << E_ << ") must be divisible by parallel.ep ("
                                              << P_ << ")");
   const double std = m.init_std;
-  router_ = table.add({prefix + "router", {E_, D_}, InitKind::Normal, std, true, 1.0});
+  router_ = table.add(TensorSpec::matrix(prefix + "router", {E_, D_}, std));
+  // This ep rank's row block [E/P experts] of the global [E, ...] tensors.
   auto expert = [&](const char* name, std::int64_t a, std::int64_t b) {
-    TensorSpec t{prefix + name, {E_, a, b}, InitKind::Normal, std, true, 1.0};
-    t.shard = Shard::Ep;
-    t.row_begin = e0_;
-    t.rows = El_;
-    return table.add(t);
+    return table.add(TensorSpec::matrix(prefix + name, {E_, a, b}, std).row_block(Shard::Ep, e0_, El_));
   };
   w1_ = expert("experts.w1", Fe_, D_);
   w3_ = expert("experts.w3", Fe_, D_);
   w2_ = expert("experts.w2", D_, Fe_);
-  if (e.bias_update_rate > 0) {
-    TensorSpec bias{prefix + "router_bias", {E_}, InitKind::Zeros, 0.0, false, 1.0};
-    bias.trainable = false;
-    bias_ = table.add(bias);
-  }
+  if (e.bias_update_rate > 0) bias_ = table.add(TensorSpec::buffer(prefix + "router_bias", {E_}));
   if (e.shared_experts > 0)
     shared_ = std::make_unique<SwigluMlp>(prefix + "shared.", D_,
                                           e.shared_experts * e.shared_hidden, std, max_tokens,
@@ -94,7 +87,7 @@ MoeLayer::MoeLayer(const ModelCfg& m, const MoeCfg& e, const std::string& prefix
 MoeStats MoeLayer::forward(const TensorTable& table, ConstMat x, Mat y) {
   const int N = x.extent(0), E = E_, k = k_, D = D_, Fe = Fe_;
   N_ = N;
-  const bool softmax = cfg_.score == "softmax", normalize = cfg_.normalize_topk;
+  const bool softmax = cfg_.score == RouterScore::Softmax, normalize = cfg_.normalize_topk;
 
   // Router logits (N, E), then per token: logsumexp, scores, top-k of the scores (strictly
   // greater wins, so ties go to the lower expert index), and the k weights.
@@ -237,7 +230,7 @@ MoeStats MoeLayer::forward(const TensorTable& table, ConstMat x, Mat y) {
 void MoeLayer::backward(TensorTable& table, ConstMat x, ConstMat dy, Mat dx, MoeScratch& s,
                         float aux_scale) {
   const int N = N_, E = E_, k = k_, D = D_, R = host_offsets_[E];
-  const bool softmax = cfg_.score == "softmax", normalize = cfg_.normalize_topk;
+  const bool softmax = cfg_.score == RouterScore::Softmax, normalize = cfg_.normalize_topk;
 
   if (shared_)
     shared_->backward(table, x, dy, dx, s.shared);

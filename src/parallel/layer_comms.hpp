@@ -3,10 +3,13 @@
 // groups of one rank) mean everything is local.
 #pragma once
 
+#include "core/config.hpp"
+#include "core/tensor_table.hpp"
 #include "parallel/communicator.hpp"
-#include "train/tensor_table.hpp"
 
 namespace kmoe {
+
+class ProcessGrid;
 
 struct LayerComms {
   const Communicator* ep = nullptr;      // ep rank r holds experts [r*E/ep, (r+1)*E/ep)
@@ -15,5 +18,9 @@ struct LayerComms {
   const DataComm* engram_data = nullptr; // its data plane
   Shard engram_shard = Shard::None;      // None | Ep | Stage (parallel.engram_shard)
 };
+
+// The groups of this rank: the ep axis for MoE, the Engram shard group of
+// parallel.engram_shard.
+LayerComms layer_comms(const Config& cfg, const ProcessGrid& grid);
 
 }  // namespace kmoe

@@ -55,7 +55,7 @@ void ProcessGrid::build_data_plane(const ParallelCfg& cfg) {
   // one axis some ranks lack, comes last.
   std::vector<const Communicator*> axes = {&stage, &dp_axis, &ep_axis, &pipe};
   if (tie.valid()) axes.push_back(&tie);
-  if (cfg.backend == "nccl") {
+  if (cfg.backend == CommBackend::Nccl) {
 #ifdef KMOE_HAVE_NCCL
     // Only the pipeline sends point to point: it gets the per-direction streams.
     for (const Communicator* axis : axes)
@@ -66,8 +66,6 @@ void ProcessGrid::build_data_plane(const ParallelCfg& cfg) {
               "-DKMOE_ENABLE_NCCL=ON (and a CUDA Kokkos)");
 #endif
   }
-  KMOE_REQUIRE(cfg.backend == "mpi",
-               "parallel.backend must be one of mpi | nccl, got '" << cfg.backend << "'");
   // MPI on device memory it cannot read: through pinned host buffers. On host-accessible
   // memory, or with a CUDA-aware MPI, the axes serve as their own data plane.
   if (mpi_needs_staging(cfg.cuda_aware_mpi))

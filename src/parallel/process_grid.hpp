@@ -8,7 +8,7 @@
 #include <memory>
 #include <vector>
 
-#include "io/config.hpp"
+#include "core/config.hpp"
 #include "parallel/communicator.hpp"
 
 namespace kmoe {

@@ -48,12 +48,9 @@ std::int64_t total(const std::vector<std::int64_t>& counts) {
 
 }  // namespace
 
-bool mpi_takes_device_pointers(const std::string& cuda_aware_mpi) {
-  if (cuda_aware_mpi == "true") return true;
-  if (cuda_aware_mpi == "false") return false;
-  KMOE_REQUIRE(cuda_aware_mpi == "auto", "parallel.cuda_aware_mpi must be one of auto | true | "
-                                         "false, got '"
-                                             << cuda_aware_mpi << "'");
+bool mpi_takes_device_pointers(CudaAwareMpi cuda_aware_mpi) {
+  if (cuda_aware_mpi == CudaAwareMpi::Yes) return true;
+  if (cuda_aware_mpi == CudaAwareMpi::No) return false;
 #if defined(MPIX_CUDA_AWARE_SUPPORT)
   // The macro says Open MPI has the extension; the query answers for the library this run
   // loaded (a build without CUDA support returns 0). Only CUDA device memory is covered by it.
@@ -63,7 +60,7 @@ bool mpi_takes_device_pointers(const std::string& cuda_aware_mpi) {
 #endif
 }
 
-bool mpi_needs_staging(const std::string& cuda_aware_mpi) {
+bool mpi_needs_staging(CudaAwareMpi cuda_aware_mpi) {
   constexpr bool host_accessible = Kokkos::SpaceAccessibility<HostSpace, MemSpace>::accessible;
   return !host_accessible && !mpi_takes_device_pointers(cuda_aware_mpi);
 }

@@ -9,19 +9,20 @@
 #include <string>
 #include <vector>
 
+#include "core/config.hpp"
 #include "core/kokkos_types.hpp"
 #include "parallel/communicator.hpp"
 
 namespace kmoe {
 
-// parallel.cuda_aware_mpi resolved: "true" / "false" as given; "auto" asks Open MPI
+// parallel.cuda_aware_mpi resolved: true / false as given; auto asks Open MPI
 // (MPIX_Query_cuda_support, when <mpi-ext.h> declares it) and is false for every other MPI and
 // for Kokkos builds without CUDA (a HIP build stages unless told "true").
-bool mpi_takes_device_pointers(const std::string& cuda_aware_mpi);
+bool mpi_takes_device_pointers(CudaAwareMpi cuda_aware_mpi);
 
 // Whether the MPI data plane must stage: MemSpace is not host-accessible and MPI cannot take
 // device pointers.
-bool mpi_needs_staging(const std::string& cuda_aware_mpi);
+bool mpi_needs_staging(CudaAwareMpi cuda_aware_mpi);
 
 class StagedMpiComm : public DataComm {
  public:

@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-#include "train/distribution.hpp"
+#include "parallel/placement.hpp"
 
 namespace kmoe {
 

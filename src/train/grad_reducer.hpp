@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "parallel/process_grid.hpp"
-#include "train/tensor_table.hpp"
+#include "core/tensor_table.hpp"
 
 namespace kmoe {
 

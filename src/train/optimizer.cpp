@@ -8,8 +8,8 @@ double learning_rate(const OptimizerCfg& o, int max_steps, int s) {
   const double lr = o.lr, lr_min = o.lr * o.final_lr_ratio;
   const int W = o.warmup_steps;
   if (s <= W) return lr * s / W;
-  if (o.schedule == "constant") return lr;
-  if (o.schedule == "wsd") {
+  if (o.schedule == LrSchedule::Constant) return lr;
+  if (o.schedule == LrSchedule::Wsd) {
     if (s > max_steps - o.decay_steps)
       return lr_min + (lr - lr_min) * double(max_steps - s) / o.decay_steps;
     return lr;

@@ -3,8 +3,8 @@
 
 #include <vector>
 
-#include "io/config.hpp"
-#include "train/tensor_table.hpp"
+#include "core/config.hpp"
+#include "core/tensor_table.hpp"
 
 namespace kmoe {
 

@@ -3,20 +3,18 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <csignal>
 #include <cstdio>
-#include <cstdlib>
-#include <cstring>
 #include <filesystem>
-#include <thread>
 #include <fstream>
 #include <sstream>
 
+#include "core/fault_injection.hpp"
 #include "core/memory.hpp"
+#include "core/stop_signal.hpp"
 #include "core/timer.hpp"
 #include "io/dump.hpp"
 #include "modules/moe/moe.hpp"
-#include "train/distribution.hpp"
+#include "parallel/placement.hpp"
 #include "train/optimizer.hpp"
 
 namespace kmoe {
@@ -40,7 +38,7 @@ Trainer::Trainer(const Config& cfg, ProcessGrid& grid)
   const int n_micro = t.global_batch / t.micro_batch;
   schedule_ = pipeline_schedule(cfg.parallel.schedule, grid.pp, grid.pp_rank,
                                 n_micro / grid.replicas());
-  const StagePlan plan = stage_plan(grid);
+  const StagePlan plan = StagePlan::of(grid);
   const LayerComms comms = layer_comms(cfg, grid);
   const int n_slots = schedule_slots(schedule_);
   for (int i = 0; i < n_slots; ++i) {
@@ -49,7 +47,6 @@ Trainer::Trainer(const Config& cfg, ProcessGrid& grid)
     if (i == 0) {
       table_.allocate();
       table_.initialize(t.seed);
-      table_.bind();
     }
   }
   reducer_ = std::make_unique<GradReducer>(table_, grid, cfg.parallel.bucket_mb,
@@ -101,43 +98,8 @@ void Trainer::load_positions(std::int64_t first, int count) {
     train_data_->read_instance(stream_->instance_at(first + i), host_tokens_.data() + std::size_t(i) * T);
 }
 
-namespace {
-// SIGUSR1 (Slurm's warning before the time limit) asks for a checkpoint and exit 85 (requeue);
-// SIGTERM (a cancel) for a checkpoint and exit 86. The handler only sets the flag; the ranks
-// agree on it at the next step boundary.
-volatile std::sig_atomic_t g_stop = 0;
-extern "C" void on_stop_signal(int sig) {
-  if (sig == SIGTERM)
-    g_stop = 2;
-  else if (g_stop == 0)
-    g_stop = 1;
-}
-}  // namespace
-
-void install_stop_handlers() {
-  struct sigaction sa;
-  std::memset(&sa, 0, sizeof sa);
-  sa.sa_handler = on_stop_signal;
-  sigemptyset(&sa.sa_mask);
-  sigaction(SIGUSR1, &sa, nullptr);
-  sigaction(SIGTERM, &sa, nullptr);
-}
-
-namespace {
-
-// Test-only fault injection: KMOE_FAULT=stall:<world rank>:<step> makes that rank stop taking
-// part at the start of that step (it sleeps), so the others' watchdog must fire.
-void maybe_stall(const ProcessGrid& grid, int step) {
-  const char* f = std::getenv("KMOE_FAULT");
-  int rank = -1, at = -1;
-  if (!f || std::sscanf(f, "stall:%d:%d", &rank, &at) != 2) return;
-  if (rank == grid.world.rank() && at == step)
-    for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
-}
-}  // namespace
-
 StepMetrics Trainer::train_step(int step) {
-  maybe_stall(grid_, step);
+  stall_if_requested(grid_.world.rank(), step);
   const auto& t = cfg_.train;
   const int b = t.micro_batch, T = t.seq_len, n_micro = t.global_batch / b;
   const int R = grid_.replicas(), me = grid_.replica();
@@ -368,12 +330,12 @@ void Trainer::run() {
                                         step == t.max_steps);
     if (eval_now) {
       m.val_loss = evaluate(*slots_[0], table_, *val_data_, grid_, t.micro_batch, t.eval_instances,
-                            cfg_.parallel.engram_shard != "none")
+                            cfg_.parallel.engram_shard != EngramShardGroup::None)
                        .loss;
       timer.stop(phases_.eval);
     }
     // A stop signal on any rank: every rank checkpoints this step and stops.
-    const int stop = static_cast<int>(grid_.world.allreduce_max(double(g_stop)));
+    const int stop = static_cast<int>(grid_.world.allreduce_max(double(static_cast<int>(requested_stop()))));
     if ((c.every > 0 && step % c.every == 0) || step == t.max_steps || stop) {
       save();
       timer.stop(phases_.checkpoint);

@@ -10,7 +10,7 @@
 
 #include "core/error.hpp"
 #include "io/checkpoint.hpp"
-#include "io/config.hpp"
+#include "core/config.hpp"
 #include "io/dump.hpp"
 #include "io/metrics.hpp"
 #include "io/token_data.hpp"
@@ -19,14 +19,9 @@
 #include "parallel/process_grid.hpp"
 #include "train/evaluate.hpp"
 #include "train/grad_reducer.hpp"
-#include "train/schedule.hpp"
+#include "parallel/pipeline_schedule.hpp"
 
 namespace kmoe {
-
-// SIGUSR1/SIGTERM only set a flag that the training loop acts on at the next step boundary
-// (checkpoint, exit 85/86). Drivers install the handlers first thing, so a signal during
-// start-up is kept too; Trainer::run installs them again (idempotent).
-void install_stop_handlers();
 
 struct PhaseTotals {
   // comm: the step's reductions after the last backward; comm_wait: every wait on

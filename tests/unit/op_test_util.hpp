@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "core/kokkos_types.hpp"
-#include "train/tensor_table.hpp"
+#include "core/tensor_table.hpp"
 
 namespace kmoe {
 namespace op_test {

@@ -161,7 +161,7 @@ TEST(Deck, ValidDeckParsesWithValuesAndDefaults) {
   expect_same_config(c, expected);
   EXPECT_EQ(c.train.seed, 0u);
   EXPECT_EQ(c.optimizer.beta2, 0.95);
-  EXPECT_EQ(c.optimizer.schedule, "cosine");
+  EXPECT_EQ(c.optimizer.schedule, LrSchedule::Cosine);
   EXPECT_EQ(c.parallel.watchdog_seconds, 300);
   EXPECT_EQ(c.checkpoint.resume, "auto");
   EXPECT_EQ(c.output.peak_flops, 0.0);

@@ -33,7 +33,7 @@ struct Fixture {
     g.embed_per_ngram = 8;
     g.table_size = {11, 13};  // tiny: rows collide
     g.kernel = 3;
-    g.gate = gate;
+    g.gate = choice_from<EngramGate>(gate);
     g.init_std = 0.3;
     plans = engram_hash_plans(g, m.vocab_size);
     N = nseq * T;

@@ -19,7 +19,7 @@ ModelCfg tiny_model(const std::string& norm, bool tie, int kv_heads) {
   m.n_heads = 4;
   m.n_kv_heads = kv_heads;
   m.ffn_hidden = 24;
-  m.block_norm = norm;
+  m.block_norm = choice_from<BlockNorm>(norm);
   m.tie_embeddings = tie;
   m.output_z_coef = 0.1;
   m.init_std = 0.3;
@@ -97,7 +97,7 @@ MoeCfg tiny_moe(const char* score, bool normalize, double capacity, int shared) 
   e.top_k = 2;
   e.expert_hidden = 12;
   e.dense_layers = {0};
-  e.score = score;
+  e.score = choice_from<RouterScore>(score);
   e.normalize_topk = normalize;
   e.lb_coef = 0.3;
   e.z_coef = 0.05;
@@ -130,7 +130,7 @@ TEST(ModelGradient, EngramAndMoe) {
   g.init_std = 0.3;
   auto m = tiny_model("reordered", false, 2);
   check_gradients(m, tiny_moe("softmax", false, 0.0, 0), 3e-3f, g);
-  g.gate = "signed_sqrt";
+  g.gate = EngramGate::SignedSqrt;
   check_gradients(tiny_model("pre", true, 4), MoeCfg(), 3e-3f, g);
 }
 

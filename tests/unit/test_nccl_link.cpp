@@ -58,11 +58,11 @@ TEST(NcclLink, LibraryVersion) {
 TEST(NcclLink, DeckAcceptsTheBackendKeys) {
   const Config c = parse_deck(kDeck, "test.deck",
                               {"--parallel.backend=nccl", "--parallel.cuda_aware_mpi=false"});
-  EXPECT_EQ(c.parallel.backend, "nccl");
-  EXPECT_EQ(c.parallel.cuda_aware_mpi, "false");
+  EXPECT_EQ(c.parallel.backend, CommBackend::Nccl);
+  EXPECT_EQ(c.parallel.cuda_aware_mpi, CudaAwareMpi::No);
   const Config d = parse_deck(kDeck, "test.deck");
-  EXPECT_EQ(d.parallel.backend, "mpi");
-  EXPECT_EQ(d.parallel.cuda_aware_mpi, "auto");
+  EXPECT_EQ(d.parallel.backend, CommBackend::Mpi);
+  EXPECT_EQ(d.parallel.cuda_aware_mpi, CudaAwareMpi::Auto);
   try {
     parse_deck(kDeck, "test.deck", {"--parallel.backend=gloo"});
     ADD_FAILURE() << "parallel.backend = gloo accepted";
@@ -83,15 +83,13 @@ TEST(NcclLink, DeckAcceptsTheBackendKeys) {
 }
 
 TEST(NcclLink, CudaAwareMpiSetting) {
-  EXPECT_TRUE(mpi_takes_device_pointers("true"));
-  EXPECT_FALSE(mpi_takes_device_pointers("false"));
+  EXPECT_TRUE(mpi_takes_device_pointers(CudaAwareMpi::Yes));
+  EXPECT_FALSE(mpi_takes_device_pointers(CudaAwareMpi::No));
   constexpr bool host_memory = Kokkos::SpaceAccessibility<HostSpace, MemSpace>::accessible;
   if (host_memory) {
-    EXPECT_FALSE(mpi_needs_staging("false"));  // host memory never stages
+    EXPECT_FALSE(mpi_needs_staging(CudaAwareMpi::No));  // host memory never stages
   }
-  EXPECT_FALSE(mpi_needs_staging("true"));
-  EXPECT_NE(error_of([] { mpi_takes_device_pointers("yes"); }).find("parallel.cuda_aware_mpi"),
-            std::string::npos);
+  EXPECT_FALSE(mpi_needs_staging(CudaAwareMpi::Yes));
 }
 
 #if !defined(KOKKOS_ENABLE_CUDA)
@@ -114,7 +112,7 @@ TEST(NcclLink, CpuKokkosGridRefusesNccl) {
       MPI_Comm_size(MPI_COMM_WORLD, &n);
       return n;
     }();
-    cfg.backend = "nccl";
+    cfg.backend = CommBackend::Nccl;
     ProcessGrid grid(cfg, 2, MPI_COMM_WORLD);
   });
   EXPECT_NE(e.find("parallel.backend = nccl needs Kokkos built with CUDA"), std::string::npos)

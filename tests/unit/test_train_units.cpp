@@ -18,8 +18,8 @@
 #include "modules/model/model_size.hpp"
 #include "modules/model/stage.hpp"
 #include "train/optimizer.hpp"
-#include "train/schedule.hpp"
-#include "train/tensor_table.hpp"
+#include "parallel/pipeline_schedule.hpp"
+#include "core/tensor_table.hpp"
 
 namespace kmoe {
 namespace {
@@ -75,8 +75,8 @@ double ref_lr(const OptimizerCfg& o, int max_steps, int s) {
   const double lr = o.lr, lr_min = o.lr * o.final_lr_ratio;
   const int W = o.warmup_steps;
   if (W > 0 && s <= W) return lr * static_cast<double>(s) / W;
-  if (o.schedule == "constant") return lr;
-  if (o.schedule == "wsd") {
+  if (o.schedule == LrSchedule::Constant) return lr;
+  if (o.schedule == LrSchedule::Wsd) {
     if (s > max_steps - o.decay_steps)
       return lr_min + (lr - lr_min) * static_cast<double>(max_steps - s) / o.decay_steps;
     return lr;
@@ -90,7 +90,7 @@ OptimizerCfg schedule_cfg(const std::string& schedule, int warmup, int decay = 0
   OptimizerCfg o;
   o.lr = 3e-3;
   o.final_lr_ratio = 0.1;
-  o.schedule = schedule;
+  o.schedule = choice_from<LrSchedule>(schedule);
   o.warmup_steps = warmup;
   o.decay_steps = decay;
   return o;
@@ -555,7 +555,7 @@ TEST(ModelSize, MatchesBuiltStage) {
     m.tie_embeddings = var.tie;
     m.qk_norm = var.qk_norm;
     m.n_kv_heads = var.kv_heads;
-    m.block_norm = var.block_norm;
+    m.block_norm = choice_from<BlockNorm>(var.block_norm);
     TensorTable table;
     Stage stage(m, MoeCfg(), max_seqs, T, table);
     const ModelSize s = model_size(m, MoeCfg(), max_seqs, T);
@@ -701,7 +701,7 @@ TEST(StageTensors, TiedHasNoLmHead) {
 TEST(StageTensors, NoQkNormPreNorm) {
   ModelCfg m = small_model();
   m.qk_norm = false;
-  m.block_norm = "pre";
+  m.block_norm = BlockNorm::Pre;
   m.init_std = 0.05;
   check_names_and_shapes(m);
 }
@@ -713,13 +713,13 @@ namespace kmoe {
 namespace {
 
 // Pipeline schedules: every micro-batch forward once and backward once, backward after its
-// forward, the in-flight count bounded as RUNTIME.md section 2 and train/schedule.hpp say.
+// forward, the in-flight count bounded as RUNTIME.md section 2 and parallel/pipeline_schedule.hpp say.
 TEST(Schedule, OneFOneBAndGPipe) {
   for (const char* kind : {"1f1b", "gpipe"})
     for (int P : {1, 2, 4})
       for (int s = 0; s < P; ++s)
         for (int M : {1, 2, 3, 8}) {
-          const auto ops = pipeline_schedule(kind, P, s, M);
+          const auto ops = pipeline_schedule(choice_from<PipeSchedule>(kind), P, s, M);
           std::vector<int> f(M, -1), b(M, -1);
           for (std::size_t k = 0; k < ops.size(); ++k)
             (ops[k].forward ? f : b)[ops[k].micro] = static_cast<int>(k);
@@ -734,7 +734,7 @@ TEST(Schedule, OneFOneBAndGPipe) {
           // Micro-batch i uses slot i mod slots: free again once i - slots is backwarded.
           for (int i = slots; i < M; ++i) EXPECT_GT(f[i], b[i - slots]);
         }
-  EXPECT_THROW(pipeline_schedule("interleaved", 2, 0, 4), Error);
+  EXPECT_THROW(choice_from<PipeSchedule>("interleaved"), Error);  // no such schedule
 }
 
 }  // namespace

@@ -22,6 +22,13 @@ enum class Shard {
   Stage,  // row blocks over all dp*ep ranks of the stage; no replica, no gradient sum
 };
 
+// A tensor's declaration. Modules declare through the named kinds, which say what a tensor is
+// (MODEL.md section 7), refined where needed:
+//   TensorSpec::matrix("blocks.0.attn.wq", {qd, D}, std)  N(0, std) cut at 3 std, decayed
+//   TensorSpec::gain("final_norm.weight", D)              ones, not decayed
+//   TensorSpec::zeros("blocks.1.engram.bk", {D})          zeros, not decayed
+//   TensorSpec::buffer("blocks.0.moe.router_bias", {E})   zeros; no gradient, no optimizer state
+//   .no_decay()  .with_lr_mult(x)  .row_block(shard, first_row, rows)  .as_tied_copy()
 struct TensorSpec {
   std::string name;                  // e.g. "blocks.3.attn.wq"
   std::vector<std::int64_t> shape;   // global shape
@@ -39,6 +46,17 @@ struct TensorSpec {
   // 0's; it is not saved and not counted in the gradient norm (stage 0's copy is).
   bool tied_copy = false;
 
+  static TensorSpec matrix(std::string name, std::vector<std::int64_t> shape, double init_std);
+  static TensorSpec gain(std::string name, std::int64_t size);
+  static TensorSpec zeros(std::string name, std::vector<std::int64_t> shape);
+  static TensorSpec buffer(std::string name, std::vector<std::int64_t> shape);
+  TensorSpec no_decay() const;
+  TensorSpec with_lr_mult(double mult) const;
+  // This rank holds rows [first_row, first_row + n_rows) of dimension 0, sharded as `how`.
+  TensorSpec row_block(Shard how, std::int64_t first_row, std::int64_t n_rows) const;
+  // The last pipeline stage's replica of a tensor that lives on stage 0 (see tied_copy).
+  TensorSpec as_tied_copy() const;
+
   std::int64_t global_rows() const { return shape.empty() ? 1 : shape[0]; }
   std::int64_t local_rows() const { return rows < 0 ? global_rows() : rows; }
   std::int64_t row_elements() const;  // product of dimensions 1..
@@ -54,13 +72,13 @@ struct TensorEntry {
 class TensorTable {
  public:
   // Declares a tensor; returns its index. Tensors declared back to back are adjacent in every
-  // flat buffer, which modules use to fuse GEMMs (wq|wk|wv, w1|w3). After bind(), add() instead
-  // returns the index of the existing tensor of that name (same spec required): further module
-  // instances (activation slots of a pipeline stage) share the parameters.
+  // flat buffer, which modules use to fuse GEMMs (wq|wk|wv, w1|w3). After allocate(), add()
+  // returns the index of the existing tensor of that name instead (same shape and rows
+  // required): further instances of a module (one Stage per micro-batch in flight) share the
+  // parameters of the first.
   int add(TensorSpec spec);
   // Allocates the four flat buffers (zeroed). No new tensors after this.
   void allocate();
-  void bind() { binding_ = true; }
 
   int size() const { return static_cast<int>(entries_.size()); }
   const TensorEntry& entry(int i) const { return entries_[i]; }
@@ -81,7 +99,6 @@ class TensorTable {
   std::vector<TensorEntry> entries_;
   std::int64_t total_ = 0;
   bool allocated_ = false;
-  bool binding_ = false;
 };
 
 }  // namespace kmoe

@@ -1,4 +1,4 @@
-#include "train/schedule.hpp"
+#include "parallel/pipeline_schedule.hpp"
 
 #include <algorithm>
 
@@ -6,7 +6,7 @@
 
 namespace kmoe {
 
-std::vector<PipeOp> pipeline_schedule(const std::string& kind, int P, int s, int M) {
+std::vector<PipeOp> pipeline_schedule(PipeSchedule kind, int P, int s, int M) {
   KMOE_REQUIRE(P >= 1 && s >= 0 && s < P && M >= 1,
                "pipeline_schedule: stage " << s << " of " << P << ", " << M << " micro-batches");
   std::vector<PipeOp> ops;
@@ -15,10 +15,10 @@ std::vector<PipeOp> pipeline_schedule(const std::string& kind, int P, int s, int
       ops.push_back({true, i});
       ops.push_back({false, i});
     }
-  } else if (kind == "gpipe") {
+  } else if (kind == PipeSchedule::GPipe) {
     for (int i = 0; i < M; ++i) ops.push_back({true, i});
     for (int i = 0; i < M; ++i) ops.push_back({false, i});
-  } else if (kind == "1f1b") {
+  } else {
     const int warmup = std::min(P - s - 1, M);
     for (int i = 0; i < warmup; ++i) ops.push_back({true, i});
     for (int i = 0; i < M - warmup; ++i) {
@@ -26,8 +26,6 @@ std::vector<PipeOp> pipeline_schedule(const std::string& kind, int P, int s, int
       ops.push_back({false, i});
     }
     for (int i = M - warmup; i < M; ++i) ops.push_back({false, i});
-  } else {
-    KMOE_FAIL("parallel.schedule = " << kind << ": expected 1f1b or gpipe");
   }
   return ops;
 }

@@ -5,8 +5,9 @@
 // With P = 1 both are plain gradient accumulation: forward i, backward i.
 #pragma once
 
-#include <string>
 #include <vector>
+
+#include "core/config.hpp"
 
 namespace kmoe {
 
@@ -15,7 +16,7 @@ struct PipeOp {
   int micro;  // 0..M-1, the rank's micro-batch
 };
 
-std::vector<PipeOp> pipeline_schedule(const std::string& kind, int stages, int stage, int micro);
+std::vector<PipeOp> pipeline_schedule(PipeSchedule kind, int stages, int stage, int micro);
 
 // Activation slots the schedule needs: the most micro-batches forwarded but not yet backwarded.
 int schedule_slots(const std::vector<PipeOp>& ops);

@@ -4,13 +4,10 @@
 // collective checkpoint I/O even when its stage holds only some of them.
 #pragma once
 
-#include <string>
 #include <vector>
 
-#include "modules/model/stage.hpp"
-#include "parallel/layer_comms.hpp"
+#include "core/tensor_table.hpp"
 #include "parallel/process_grid.hpp"
-#include "train/tensor_table.hpp"
 
 namespace kmoe {
 
@@ -23,11 +20,7 @@ bool owns(const TensorSpec& spec, const ProcessGrid& grid);
 const Communicator* gradient_comm(const TensorSpec& spec, const ProcessGrid& grid);
 
 // Every tensor of the model (all stages), in model order: name, global shape, trainable.
+// Collective over grid.world.
 std::vector<TensorSpec> global_catalog(const TensorTable& table, const ProcessGrid& grid);
-
-// The blocks, embedding and head of this rank's pipeline stage.
-StagePlan stage_plan(const ProcessGrid& grid);
-// The groups this rank's layers talk to: the ep axis for MoE, the Engram shard group.
-LayerComms layer_comms(const Config& cfg, const ProcessGrid& grid);
 
 }  // namespace kmoe

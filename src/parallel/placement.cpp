@@ -1,4 +1,4 @@
-#include "train/distribution.hpp"
+#include "parallel/placement.hpp"
 
 #include <set>
 #include <sstream>
@@ -53,31 +53,6 @@ std::vector<TensorSpec> global_catalog(const TensorTable& table, const ProcessGr
     }
   }
   return out;
-}
-
-StagePlan stage_plan(const ProcessGrid& grid) {
-  StagePlan p;
-  p.first_block = grid.first_block(grid.pp_rank);
-  p.last_block = grid.first_block(grid.pp_rank + 1);
-  p.embed = grid.first_stage();
-  p.head = grid.last_stage();
-  return p;
-}
-
-LayerComms layer_comms(const Config& cfg, const ProcessGrid& grid) {
-  LayerComms c;
-  c.ep = &grid.ep_axis;
-  c.ep_data = &grid.data(grid.ep_axis);
-  if (cfg.parallel.engram_shard == "ep") {
-    c.engram = &grid.ep_axis;
-    c.engram_data = &grid.data(grid.ep_axis);
-    c.engram_shard = Shard::Ep;
-  } else if (cfg.parallel.engram_shard == "stage") {
-    c.engram = &grid.stage;
-    c.engram_data = &grid.data(grid.stage);
-    c.engram_shard = Shard::Stage;
-  }
-  return c;
 }
 
 }  // namespace kmoe

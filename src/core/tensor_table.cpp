@@ -1,4 +1,4 @@
-#include "train/tensor_table.hpp"
+#include "core/tensor_table.hpp"
 
 #include "core/error.hpp"
 #include "core/rng.hpp"
@@ -17,15 +17,76 @@ std::vector<std::int64_t> TensorSpec::local_shape() const {
   return s;
 }
 
+TensorSpec TensorSpec::matrix(std::string name, std::vector<std::int64_t> shape,
+                              double init_std) {
+  TensorSpec s;
+  s.name = std::move(name);
+  s.shape = std::move(shape);
+  s.init = InitKind::Normal;
+  s.init_std = init_std;
+  s.weight_decay = true;
+  return s;
+}
+
+TensorSpec TensorSpec::gain(std::string name, std::int64_t size) {
+  TensorSpec s;
+  s.name = std::move(name);
+  s.shape = {size};
+  s.init = InitKind::Ones;
+  s.init_std = 0.0;
+  return s;
+}
+
+TensorSpec TensorSpec::zeros(std::string name, std::vector<std::int64_t> shape) {
+  TensorSpec s;
+  s.name = std::move(name);
+  s.shape = std::move(shape);
+  s.init = InitKind::Zeros;
+  s.init_std = 0.0;
+  return s;
+}
+
+TensorSpec TensorSpec::buffer(std::string name, std::vector<std::int64_t> shape) {
+  TensorSpec s = zeros(std::move(name), std::move(shape));
+  s.trainable = false;
+  return s;
+}
+
+TensorSpec TensorSpec::no_decay() const {
+  TensorSpec s = *this;
+  s.weight_decay = false;
+  return s;
+}
+
+TensorSpec TensorSpec::with_lr_mult(double mult) const {
+  TensorSpec s = *this;
+  s.lr_mult = mult;
+  return s;
+}
+
+TensorSpec TensorSpec::row_block(Shard how, std::int64_t first_row, std::int64_t n_rows) const {
+  TensorSpec s = *this;
+  s.shard = how;
+  s.row_begin = first_row;
+  s.rows = n_rows;
+  return s;
+}
+
+TensorSpec TensorSpec::as_tied_copy() const {
+  TensorSpec s = *this;
+  s.tied_copy = true;
+  return s;
+}
+
 int TensorTable::add(TensorSpec spec) {
-  if (binding_) {
+  if (allocated_) {  // a further instance of a module: share the declared tensor
     const int i = find(spec.name);
-    KMOE_REQUIRE(i >= 0 && entries_[i].spec.local_shape() == spec.local_shape() &&
+    KMOE_REQUIRE(i >= 0, "TensorTable: " << spec.name << " declared after allocation");
+    KMOE_REQUIRE(entries_[i].spec.local_shape() == spec.local_shape() &&
                      entries_[i].spec.row_begin == spec.row_begin,
-                 "TensorTable: " << spec.name << " bound with a different shape or shard");
+                 "TensorTable: " << spec.name << " shared with a different shape or shard");
     return i;
   }
-  KMOE_REQUIRE(!allocated_, "TensorTable: " << spec.name << " declared after allocation");
   KMOE_REQUIRE(find(spec.name) < 0, "TensorTable: duplicate tensor " << spec.name);
   KMOE_REQUIRE(spec.row_begin >= 0 && spec.row_begin + spec.local_rows() <= spec.global_rows(),
                "TensorTable: " << spec.name << " rows [" << spec.row_begin << ", "

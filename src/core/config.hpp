@@ -1,0 +1,244 @@
+// The resolved input deck as typed structs, one per deck section (RUNTIME.md section 5).
+// io/deck.cpp declares every key (type, default, help) and fills these; nothing else parses.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/error.hpp"
+
+namespace kmoe {
+
+// Every choice a deck spells as a word is an enum here; Choices<E>::all gives the deck
+// spellings, in the order --help and error messages list them.
+enum class BlockNorm { Reordered, Pre };             // model.block_norm
+enum class RouterScore { Softmax, Sigmoid };         // moe.score
+enum class EngramGate { Sigmoid, SignedSqrt };       // engram.gate
+enum class LrSchedule { Cosine, Constant, Wsd };     // optimizer.schedule
+enum class PipeSchedule { OneFOneB, GPipe };         // parallel.schedule
+enum class EngramShardGroup { None, Ep, Stage };       // parallel.engram_shard
+enum class CommBackend { Mpi, Nccl };                // parallel.backend
+enum class CudaAwareMpi { Auto, Yes, No };           // parallel.cuda_aware_mpi
+
+template <class E>
+struct Choice {
+  E value;
+  const char* name;
+};
+template <class E>
+struct Choices;
+template <>
+struct Choices<BlockNorm> {
+  static constexpr Choice<BlockNorm> all[] = {{BlockNorm::Reordered, "reordered"},
+                                              {BlockNorm::Pre, "pre"}};
+};
+template <>
+struct Choices<RouterScore> {
+  static constexpr Choice<RouterScore> all[] = {{RouterScore::Softmax, "softmax"},
+                                                {RouterScore::Sigmoid, "sigmoid"}};
+};
+template <>
+struct Choices<EngramGate> {
+  static constexpr Choice<EngramGate> all[] = {{EngramGate::Sigmoid, "sigmoid"},
+                                               {EngramGate::SignedSqrt, "signed_sqrt"}};
+};
+template <>
+struct Choices<LrSchedule> {
+  static constexpr Choice<LrSchedule> all[] = {
+      {LrSchedule::Cosine, "cosine"}, {LrSchedule::Constant, "constant"}, {LrSchedule::Wsd, "wsd"}};
+};
+template <>
+struct Choices<PipeSchedule> {
+  static constexpr Choice<PipeSchedule> all[] = {{PipeSchedule::OneFOneB, "1f1b"},
+                                                 {PipeSchedule::GPipe, "gpipe"}};
+};
+template <>
+struct Choices<EngramShardGroup> {
+  static constexpr Choice<EngramShardGroup> all[] = {{EngramShardGroup::None, "none"},
+                                                   {EngramShardGroup::Ep, "ep"},
+                                                   {EngramShardGroup::Stage, "stage"}};
+};
+template <>
+struct Choices<CommBackend> {
+  static constexpr Choice<CommBackend> all[] = {{CommBackend::Mpi, "mpi"},
+                                                {CommBackend::Nccl, "nccl"}};
+};
+template <>
+struct Choices<CudaAwareMpi> {
+  static constexpr Choice<CudaAwareMpi> all[] = {
+      {CudaAwareMpi::Auto, "auto"}, {CudaAwareMpi::Yes, "true"}, {CudaAwareMpi::No, "false"}};
+};
+
+// The deck spelling of a choice.
+template <class E>
+const char* choice_name(E value) {
+  for (const auto& c : Choices<E>::all)
+    if (c.value == value) return c.name;
+  return "?";
+}
+// "a | b | c": the spellings, as messages list them.
+template <class E>
+std::string choice_list() {
+  std::string out;
+  for (const auto& c : Choices<E>::all) out += (out.empty() ? "" : " | ") + std::string(c.name);
+  return out;
+}
+// False when `text` spells none of the choices.
+template <class E>
+bool parse_choice(const std::string& text, E* value) {
+  for (const auto& c : Choices<E>::all)
+    if (text == c.name) {
+      *value = c.value;
+      return true;
+    }
+  return false;
+}
+// The choice `text` spells; an Error listing the spellings otherwise.
+template <class E>
+E choice_from(const std::string& text) {
+  E value{};
+  KMOE_REQUIRE(parse_choice(text, &value),
+               "'" << text << "' is none of " << choice_list<E>());
+  return value;
+}
+
+struct ModelCfg {
+  int vocab_size = 0;
+  int d_model = 0;
+  int n_layers = 0;
+  int n_heads = 0;
+  int n_kv_heads = 0;  // resolved: n_heads when not given
+  int ffn_hidden = 0;
+  double norm_eps = 1e-6;
+  double rope_theta = 500000.0;
+  bool qk_norm = true;
+  BlockNorm block_norm = BlockNorm::Reordered;
+  bool tie_embeddings = false;
+  double init_std = 0.02;
+  double output_z_coef = 0.0;
+
+  int head_dim() const { return d_model / n_heads; }
+};
+
+// Mixture of experts (MODEL.md section 3). experts = 0: a dense model.
+struct MoeCfg {
+  int experts = 0;
+  int top_k = 2;
+  int expert_hidden = 0;
+  std::vector<int> layers;        // MoE blocks; empty: every block not in dense_layers
+  std::vector<int> dense_layers;  // blocks kept dense when `layers` is empty
+  RouterScore score = RouterScore::Softmax;
+  bool normalize_topk = false;
+  double lb_coef = 0.01;
+  double z_coef = 0.001;
+  double capacity_factor = 0.0;  // 0: dropless
+  int shared_experts = 0;
+  int shared_hidden = 0;
+  double bias_update_rate = 0.0;  // aux-loss-free balancing (DeepSeek-V3); 0: off
+
+  bool enabled() const { return experts > 0; }
+  bool is_moe_layer(int block) const {
+    if (!enabled()) return false;
+    auto has = [block](const std::vector<int>& v) {
+      for (int x : v)
+        if (x == block) return true;
+      return false;
+    };
+    return layers.empty() ? !has(dense_layers) : has(layers);
+  }
+};
+
+// Engram conditional memory (MODEL.md section 4). No layers: no Engram.
+struct EngramCfg {
+  std::vector<int> layers;
+  int max_ngram = 3;
+  int heads = 8;
+  int embed_per_ngram = 512;
+  std::vector<int> table_size;  // per order n = 2..max_ngram; empty: 5 * V' each
+  std::uint64_t seed = 0;
+  int kernel = 4;
+  int pad_id = 0;
+  EngramGate gate = EngramGate::Sigmoid;
+  double lr_mult = 5.0;
+  std::string compression_map;   // empty: identity
+  double init_std = 0.02;        // resolved: model.init_std when not given
+
+  bool enabled() const { return !layers.empty(); }
+};
+
+struct TrainCfg {
+  int seq_len = 0;
+  int global_batch = 0;
+  int micro_batch = 0;
+  int max_steps = 0;
+  std::uint64_t seed = 0;
+  int eval_every = 0;      // 0: evaluate at the end only
+  int eval_instances = 0;  // 0: all validation instances
+};
+
+struct OptimizerCfg {
+  double lr = 0.0;
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double eps = 1e-8;
+  double weight_decay = 0.1;
+  double clip = 1.0;  // 0: off
+  LrSchedule schedule = LrSchedule::Cosine;
+  int warmup_steps = 0;
+  double final_lr_ratio = 0.1;
+  int decay_steps = 0;
+};
+
+struct DataCfg {
+  std::vector<std::string> paths;      // as written in the deck (globs allowed)
+  std::vector<std::string> val_paths;  // may be empty
+  std::string dtype = "uint16";        // uint16 | uint32
+};
+
+struct ParallelCfg {
+  int pp = 1;
+  int dp = 1;
+  int ep = 1;
+  PipeSchedule schedule = PipeSchedule::OneFOneB;
+  std::vector<int> pp_layers;     // empty: even split
+  EngramShardGroup engram_shard = EngramShardGroup::None;
+  int watchdog_seconds = 300;
+  double bucket_mb = 25.0;         // gradient all-reduce bucket size
+  CommBackend backend = CommBackend::Mpi;  // data plane of the axes
+  CudaAwareMpi cuda_aware_mpi = CudaAwareMpi::Auto;  // MPI takes device pointers
+
+  int world() const { return pp * dp * ep; }
+};
+
+struct CheckpointCfg {
+  std::string dir = "checkpoints";
+  int every = 0;
+  int keep = 3;
+  std::string resume = "auto";  // auto | none | <file>
+  bool save_initial = false;
+};
+
+struct OutputCfg {
+  std::string dir = "run";
+  int log_every = 1;
+  double peak_flops = 0.0;  // per rank, FLOP/s; 0: MFU not reported
+  std::vector<int> dump_step;
+};
+
+struct Config {
+  ModelCfg model;
+  MoeCfg moe;
+  EngramCfg engram;
+  TrainCfg train;
+  OptimizerCfg optimizer;
+  DataCfg data;
+  ParallelCfg parallel;
+  CheckpointCfg checkpoint;
+  OutputCfg output;
+
+  std::string deck_path;      // the file it was read from ("" for a deck given as text)
+  std::string resolved_text;  // every key with its final value, as an INI deck
+};
+
+}  // namespace kmoe

@@ -1,0 +1,29 @@
+// Test-only fault injection through the environment (RUNTIME.md sections 2 and 4), so the
+// failure paths of a real run can be exercised by the regression tests:
+//   KMOE_FAULT=kill_during_save   SIGKILL halfway through writing a checkpoint's tensors;
+//   KMOE_FAULT=stall:<rank>:<step> world rank <rank> stops taking part at the start of <step>
+//                                  (it sleeps), so the other ranks' watchdog must fire.
+#pragma once
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <thread>
+
+namespace kmoe {
+
+inline bool fault_requested(const char* what) {
+  const char* f = std::getenv("KMOE_FAULT");
+  return f && std::strcmp(f, what) == 0;
+}
+
+inline void stall_if_requested(int world_rank, int step) {
+  const char* f = std::getenv("KMOE_FAULT");
+  int rank = -1, at = -1;
+  if (!f || std::sscanf(f, "stall:%d:%d", &rank, &at) != 2) return;
+  if (rank == world_rank && at == step)
+    for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
+}
+
+}  // namespace kmoe

@@ -1,0 +1,171 @@
+#!/usr/bin/env python3
+"""kmoe's include layering (docs/ARCHITECTURE.md "Layers"): every `#include "..."` of the
+framework goes to the same layer or one below it,
+
+    core -> parallel -> io -> modules -> train -> drivers
+
+(src/core, src/parallel, io, modules, src/train, drivers), the physics modules never include
+the model assembly (modules/model sits on top of them), and no two module folders include each
+other, directly or through others.
+
+    check_layering.py ROOT            check the tree at ROOT; exit 1 listing every violation
+    check_layering.py ROOT --planted  check that planted wrong includes are caught (a copy of
+                                      ROOT's sources in a temporary directory)
+"""
+import os
+import re
+import shutil
+import sys
+import tempfile
+
+# Layer of each folder, bottom first; an include may only go to the same rank or lower.
+LAYERS = [("src/core", "core"), ("src/parallel", "parallel"), ("io", "io"),
+          ("modules", "modules"), ("src/train", "train"), ("drivers", "drivers")]
+RANK = {name: i for i, (_, name) in enumerate(LAYERS)}
+# Include roots of the kmoe target (CMakeLists.txt): "core/x.hpp" is src/core/x.hpp,
+# "io/x.hpp" is io/x.hpp.
+ROOTS = ["src", "."]
+INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"')
+SOURCES = (".hpp", ".cpp", ".h", ".cc")
+
+
+def layer_of(rel):
+    for folder, name in LAYERS:
+        if rel == folder or rel.startswith(folder + "/"):
+            return name
+    return None
+
+
+def module_of(rel):
+    """modules/<name>/... -> <name>"""
+    parts = rel.split("/")
+    return parts[1] if parts[0] == "modules" and len(parts) > 2 else None
+
+
+def resolve(root, src_rel, target):
+    """The repository path an include names, or None outside the framework's folders."""
+    candidates = [os.path.join(os.path.dirname(src_rel), target)]
+    candidates += [os.path.normpath(os.path.join(r, target)) for r in ROOTS]
+    for c in candidates:
+        c = os.path.normpath(c)
+        if os.path.isfile(os.path.join(root, c)) and layer_of(c):
+            return c
+    return None
+
+
+def includes(root):
+    """[(file, line, include text, resolved path)] over every framework source file."""
+    out = []
+    for folder, _ in LAYERS:
+        for dirpath, _, files in os.walk(os.path.join(root, folder)):
+            for f in sorted(files):
+                if not f.endswith(SOURCES):
+                    continue
+                path = os.path.join(dirpath, f)
+                rel = os.path.relpath(path, root)
+                with open(path, encoding="utf-8") as fh:
+                    for n, text in enumerate(fh, 1):
+                        m = INCLUDE.match(text)
+                        if m:
+                            out.append((rel, n, m.group(1), resolve(root, rel, m.group(1))))
+    return out
+
+
+def module_cycles(edges):
+    """Cycles in the module-folder graph {a: {b, ...}}, each as a list a -> ... -> a."""
+    cycles, state, stack = [], {}, []
+
+    def visit(a):
+        state[a] = 1
+        stack.append(a)
+        for b in sorted(edges.get(a, ())):
+            if state.get(b) == 1:
+                cycles.append(stack[stack.index(b):] + [b])
+            elif not state.get(b):
+                visit(b)
+        stack.pop()
+        state[a] = 2
+
+    for a in sorted(edges):
+        if not state.get(a):
+            visit(a)
+    return cycles
+
+
+def check(root):
+    problems = []
+    module_edges = {}
+    order = " -> ".join(name for _, name in LAYERS)
+    for rel, line, text, target in includes(root):
+        if target is None:
+            if layer_of(text.split("/")[0]) or text.split("/")[0] in RANK:
+                problems.append(f"{rel}:{line}: #include \"{text}\" names no file of the tree")
+            continue
+        a, b = layer_of(rel), layer_of(target)
+        if RANK[b] > RANK[a]:
+            problems.append(f"{rel}:{line}: #include \"{text}\": {a} may not depend on {b} "
+                            f"(layers: {order})")
+        ma, mb = module_of(rel), module_of(target)
+        if ma and mb and ma != mb:
+            if mb == "model":
+                problems.append(f"{rel}:{line}: #include \"{text}\": the module {ma} may not "
+                                f"depend on the model assembly (modules/model)")
+            module_edges.setdefault(ma, set()).add(mb)
+    for cycle in module_cycles(module_edges):
+        problems.append("modules include each other: " + " -> ".join(cycle))
+    return problems
+
+
+def planted(root):
+    """Wrong includes planted into a copy of the tree must each be reported."""
+    plants = [
+        ("src/core/error.hpp", '#include "train/trainer.hpp"', "core may not depend on train"),
+        ("src/parallel/communicator.hpp", '#include "io/checkpoint.hpp"',
+         "parallel may not depend on io"),
+        ("io/checkpoint.cpp", '#include "modules/model/stage.hpp"', "io may not depend on modules"),
+        ("modules/norm/rmsnorm.hpp", '#include "modules/model/block.hpp"',
+         "may not depend on the model assembly"),
+        ("modules/norm/rmsnorm.cpp", '#include "modules/attention/attention.hpp"',
+         "modules include each other"),
+    ]
+    ok = True
+    with tempfile.TemporaryDirectory(prefix="kmoe-layer-") as tmp:
+        for folder, _ in LAYERS:
+            shutil.copytree(os.path.join(root, folder), os.path.join(tmp, folder))
+        clean = check(tmp)
+        if clean:
+            print("FAIL the copied tree is not clean:\n  " + "\n  ".join(clean))
+            return False
+        print("ok   the copied tree is clean")
+        for rel, text, expect in plants:
+            path = os.path.join(tmp, rel)
+            with open(path, encoding="utf-8") as f:
+                original = f.read()
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(text + "\n" + original)
+            found = [p for p in check(tmp) if expect in p and
+                     (rel in p or "modules include each other" in p)]
+            print(("ok   " if found else "FAIL ") + f"planted {text} in {rel}: " +
+                  (found[0] if found else "not reported"))
+            ok = ok and bool(found)
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(original)
+    return ok
+
+
+def main():
+    if len(sys.argv) < 2:
+        sys.exit(__doc__)
+    root = sys.argv[1]
+    if "--planted" in sys.argv[2:]:
+        sys.exit(0 if planted(root) else 1)
+    problems = check(root)
+    for p in problems:
+        print(p)
+    n = len(includes(root))
+    print(f"{n} includes checked, {len(problems)} going the wrong way")
+    sys.exit(1 if problems else 0)
+
+
+if __name__ == "__main__":
+    main()
