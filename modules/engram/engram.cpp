@@ -46,25 +46,15 @@ EngramLayer::EngramLayer(const ModelCfg& m, const EngramCfg& g, const EngramHash
       signed_sqrt_(g.gate == EngramGate::SignedSqrt),
       eps_(static_cast<float>(m.norm_eps)),
       hasher_(plan, g.max_ngram, g.heads, plan.pad_c),
-      buckets_(max_tokens * heads_total_, static_cast<int>(plan.rows)),
-      shard_(shard) {
+      buckets_(max_tokens * heads_total_, static_cast<int>(plan.rows)) {
   const double std = g.init_std;
   // The table: no weight decay, its own learning-rate multiplier (MODEL.md section 4).
   const TensorSpec table_spec =
       TensorSpec::matrix(prefix + "table", {R_, dh_}, std).no_decay().with_lr_mult(g.lr_mult);
-  P_ = shard.kind != Shard::None && shard.comm ? shard.comm->size() : 1;
-  if (P_ > 1) {
-    KMOE_REQUIRE(shard.data, "EngramLayer: a sharded table needs a data communicator");
-    block_ = (R_ + P_ - 1) / P_;
-    row0_ = std::min<std::int64_t>(R_, block_ * shard.comm->rank());
-    local_rows_ = std::min<std::int64_t>(block_, R_ - row0_);
-    table_ = table.add(table_spec.row_block(shard.kind, row0_, local_rows_));
-    const int requests = max_tokens * heads_total_;
-    owner_ = View1I("engram::owner", requests);
-    by_owner_ = KeyBuckets(requests, P_);
-    by_local_row_ = KeyBuckets(requests * P_, static_cast<int>(std::max<std::int64_t>(1, local_rows_)));
+  if (shard.kind != Shard::None && shard.comm && shard.comm->size() > 1) {
+    shard_ = std::make_unique<EngramShard>(shard, R_, dh_, max_tokens * heads_total_);
+    table_ = table.add(table_spec.row_block(shard.kind, shard_->first_row(), shard_->local_rows()));
   } else {
-    local_rows_ = R_;
     table_ = table.add(table_spec);
   }
   wk_ = table.add(TensorSpec::matrix(prefix + "wk", {D_, d_mem_}, std));
@@ -100,8 +90,9 @@ ConstMat EngramLayer::lookup(const TensorTable& table, ConstIVec tokens) {
 
   // mem[t, j*dh + i] = table[row(t, j), i].
   Mat mem = as_mat(mem_.data(), N, d_mem_);
-  if (P_ > 1) {
-    fetch_rows(table, N);
+  if (shard_) {
+    shard_->fetch(table, table_, ConstIVec(rows_.data(), N * heads_total_), N * heads_total_,
+                  mem.data());
     return as_cmat(mem);
   }
   auto tab = as_cmat(table.param(table_), R_, dh);
@@ -262,8 +253,8 @@ void EngramLayer::backward(TensorTable& table, ConstMat x, ConstMat dout, Mat dx
   gemm(Trans::N, Trans::N, 1.0f, as_cmat(dkey), as_cmat(table.param(wk_), D, dm), 0.0f, dmem);
   gemm(Trans::N, Trans::N, 1.0f, as_cmat(dval), as_cmat(table.param(wv_), D, dm), 1.0f, dmem);
 
-  if (P_ > 1) {
-    send_row_grads(table, as_cmat(dmem), N);
+  if (shard_) {
+    shard_->return_gradients(table, table_, dmem.data(), N * heads_total_);
     return;
   }
   // Table rows: (token, head) items grouped by row, summed in item order.
@@ -280,113 +271,6 @@ void EngramLayer::backward(TensorTable& table, ConstMat x, ConstMat dout, Mat dx
           const int item = ord(a), t = item / Kt, j = item % Kt;
           acc += dmem(t, j * dh + i);
         }
-        dtab(row, i) += acc;
-      });
-}
-
-namespace {
-void ensure(View1F& v, std::int64_t n, const char* label) {
-  if (std::int64_t(v.extent(0)) < n) v = View1F(std::string(label), n + n / 4);
-}
-void ensure(View1I& v, std::int64_t n, const char* label) {
-  if (std::int64_t(v.extent(0)) < n) v = View1I(std::string(label), n + n / 4);
-}
-// Row ids travel through the float data plane bit for bit (4-byte items; nothing converts).
-float* as_words(int* p) { return reinterpret_cast<float*>(p); }
-}  // namespace
-
-void EngramLayer::fetch_rows(const TensorTable& table, int N) {
-  const int Kt = heads_total_, dh = dh_, n_req = N * Kt;
-  const std::int64_t block = block_, row0 = row0_;
-  // Requests (token t, head j) = item t*Kt + j, grouped by holder in item order.
-  auto rows = Kokkos::subview(rows_, Kokkos::make_pair(0, N), Kokkos::ALL);
-  auto owner = owner_;
-  Kokkos::parallel_for(
-      "engram::owner", Range(0, n_req),
-      KOKKOS_LAMBDA(int a) { owner(a) = static_cast<int>(rows(a / Kt, a % Kt) / block); });
-  by_owner_.build(ConstIVec(owner_.data(), n_req));
-  auto off = Kokkos::create_mirror_view_and_copy(HostSpace(), by_owner_.offsets);
-  send_req_.assign(P_, 0);
-  recv_req_.assign(P_, 0);
-  for (int q = 0; q < P_; ++q) send_req_[q] = off(q + 1) - off(q);
-  shard_.comm->all_to_all(send_req_.data(), recv_req_.data(), 1);
-  std::int64_t n_in = 0;
-  for (auto c : recv_req_) n_in += c;
-
-  ensure(req_out_, n_req, "engram::req_out");
-  ensure(req_in_, n_in, "engram::req_in");
-  auto ord = by_owner_.order;
-  auto req_out = req_out_;
-  Kokkos::parallel_for(
-      "engram::pack_requests", Range(0, n_req),
-      KOKKOS_LAMBDA(int a) { req_out(a) = rows(ord(a) / Kt, ord(a) % Kt); });
-  shard_.data->all_to_all_v(as_words(req_out_.data()), send_req_, as_words(req_in_.data()),
-                            recv_req_);
-
-  // Serve: the requested rows of the local block, in the order asked.
-  ensure(rows_in_, n_in * dh, "engram::rows_in");
-  ensure(rows_out_, std::int64_t(n_req) * dh, "engram::rows_out");
-  auto tab = as_cmat(table.param(table_), std::max<std::int64_t>(1, local_rows_), dh);
-  auto req_in = req_in_;
-  auto served = as_mat(rows_in_.data(), std::max<std::int64_t>(1, n_in), dh);
-  Kokkos::parallel_for(
-      "engram::serve_rows", Range2({0, 0}, {int(n_in), dh}),
-      KOKKOS_LAMBDA(int a, int i) { served(a, i) = tab(req_in(a) - row0, i); });
-  std::vector<std::int64_t> back_send(P_), back_recv(P_);
-  for (int q = 0; q < P_; ++q) {
-    back_send[q] = recv_req_[q] * dh;
-    back_recv[q] = send_req_[q] * dh;
-  }
-  shard_.data->all_to_all_v(rows_in_.data(), back_send, rows_out_.data(), back_recv);
-
-  // Place: reply a belongs to request ord(a).
-  Mat mem = as_mat(mem_.data(), N, d_mem_);
-  auto got = as_cmat(rows_out_.data(), std::max(1, n_req), dh);
-  Kokkos::parallel_for(
-      "engram::place_rows", Range2({0, 0}, {n_req, dh}), KOKKOS_LAMBDA(int a, int i) {
-        const int item = ord(a);
-        mem(item / Kt, (item % Kt) * dh + i) = got(a, i);
-      });
-}
-
-void EngramLayer::send_row_grads(TensorTable& table, ConstMat dmem, int N) {
-  const int Kt = heads_total_, dh = dh_, n_req = N * Kt;
-  std::int64_t n_in = 0;
-  for (auto c : recv_req_) n_in += c;
-  // The requests' gradients in holder order (the order of the forward's requests) ...
-  auto ord = by_owner_.order;
-  auto out = as_mat(rows_out_.data(), std::max(1, n_req), dh);
-  Kokkos::parallel_for(
-      "engram::pack_row_grads", Range2({0, 0}, {n_req, dh}), KOKKOS_LAMBDA(int a, int i) {
-        const int item = ord(a);
-        out(a, i) = dmem(item / Kt, (item % Kt) * dh + i);
-      });
-  std::vector<std::int64_t> sc(P_), rc(P_);
-  for (int q = 0; q < P_; ++q) {
-    sc[q] = send_req_[q] * dh;
-    rc[q] = recv_req_[q] * dh;
-  }
-  shard_.data->all_to_all_v(rows_out_.data(), sc, rows_in_.data(), rc);
-  // ... summed per local row over the received requests in arrival order (member, then item).
-  const std::int64_t row0 = row0_;
-  auto req_in = req_in_;
-  auto local = owner_;  // free again: reused as the received requests' local rows
-  ensure(local, n_in, "engram::owner");
-  owner_ = local;
-  Kokkos::parallel_for(
-      "engram::local_rows", Range(0, int(n_in)),
-      KOKKOS_LAMBDA(int a) { local(a) = static_cast<int>(req_in(a) - row0); });
-  by_local_row_.build(ConstIVec(local.data(), n_in));
-  auto loff = by_local_row_.offsets;
-  auto lord = by_local_row_.order;
-  auto in = as_cmat(rows_in_.data(), std::max<std::int64_t>(1, n_in), dh);
-  auto dtab = as_mat(table.grad(table_), std::max<std::int64_t>(1, local_rows_), dh);
-  Kokkos::parallel_for(
-      "engram::table_grad_sharded", Range2({0, 0}, {int(local_rows_), dh}),
-      KOKKOS_LAMBDA(int row, int i) {
-        if (loff(row + 1) == loff(row)) return;
-        float acc = 0.0f;
-        for (int a = loff(row); a < loff(row + 1); ++a) acc += in(lord(a), i);
         dtab(row, i) += acc;
       });
 }

@@ -11,25 +11,18 @@
 #include "core/kokkos_types.hpp"
 #include "core/config.hpp"
 #include "modules/engram/engram_hash.hpp"
-#include "parallel/communicator.hpp"
+#include "modules/engram/engram_shard.hpp"
 #include "core/tensor_table.hpp"
 
 namespace kmoe {
-
-struct EngramSharding {
-  Shard kind = Shard::None;
-  const Communicator* comm = nullptr;  // counts (MPI)
-  const DataComm* data = nullptr;      // row ids, rows and row gradients
-};
 
 class EngramLayer {
  public:
   // Declares <prefix>table [R, dh_e], wk, wv [D, d_mem], bk, bv [D], q_norm.weight,
   // k_norm.weight, conv_norm.weight [D], conv [D, kernel].
   // With `shard` (parallel.engram_shard = ep | stage) the table is split into row blocks over
-  // the members of shard.comm: member q holds rows [q*B, (q+1)*B), B = ceil(R / members).
-  // Lookups then fetch rows from their holders by all-to-all (row ids, then rows) and the row
-  // gradients go back to the holders, which sum them in a fixed order.
+  // the members of shard.comm (EngramShard): lookups fetch their rows from the holders, and the
+  // row gradients go back to them.
   using Sharding = EngramSharding;
   EngramLayer(const ModelCfg& m, const EngramCfg& g, const EngramHashPlan& plan,
               const std::string& prefix, int max_tokens, int seq_len, TensorTable& table,
@@ -57,11 +50,6 @@ class EngramLayer {
   View1I touched() const { return touched_; }
 
  private:
-  // Sharded lookup: requests (token, head) -> holder, row ids out, rows back into mem_.
-  void fetch_rows(const TensorTable& table, int N);
-  // Sharded backward: dmem's row gradients to their holders, summed per local row.
-  void send_row_grads(TensorTable& table, ConstMat dmem, int N);
-
   int D_, T_, Nn_, kernel_, heads_total_, dh_, d_mem_;
   std::int64_t R_;
   bool signed_sqrt_;
@@ -81,16 +69,7 @@ class EngramLayer {
   View1D gate_sum_;                       // (1): the summed mean gates
   Kokkos::View<double, MemSpace> gate_now_;  // this forward's gate sum
   int N_ = 0;
-  // Sharding (P > 1): the group, the row block size and this rank's first row; per lookup the
-  // requests grouped by holder, the requests received, and transfer buffers (grown on demand).
-  Sharding shard_;
-  int P_ = 1;
-  std::int64_t block_ = 0, row0_ = 0, local_rows_ = 0;
-  View1I owner_;                       // (N * heads) holder of each request
-  KeyBuckets by_owner_, by_local_row_;
-  std::vector<std::int64_t> send_req_, recv_req_;  // requests per member
-  View1I req_out_, req_in_;            // row ids sent (holder order) / received
-  View1F rows_out_, rows_in_;          // (requests, dh) rows or row gradients in transit
+  std::unique_ptr<EngramShard> shard_;  // a row-sharded table (more than one member)
 };
 
 }  // namespace kmoe

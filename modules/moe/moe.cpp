@@ -4,6 +4,7 @@
 #include <climits>
 #include <cmath>
 
+#include "core/buffers.hpp"
 #include "core/error.hpp"
 #include "core/gemm.hpp"
 
@@ -34,19 +35,11 @@ void update_router_bias(TensorTable& table, int bias_index, const std::vector<do
   Kokkos::deep_copy(b, h);
 }
 
-namespace {
-// Grows a buffer to at least n elements (never shrinks; contents are not kept).
-void ensure(View1F& v, std::int64_t n, const char* label) {
-  if (std::int64_t(v.extent(0)) < n) v = View1F(std::string(label), n + n / 4);
-}
-}  // namespace
-
 MoeLayer::MoeLayer(const ModelCfg& m, const MoeCfg& e, const std::string& prefix,
                    std::int64_t max_tokens, TensorTable& table, const Communicator* ep,
                    const DataComm* ep_data)
     : D_(m.d_model), E_(e.experts), k_(e.top_k), Fe_(e.expert_hidden),
-      P_(ep ? ep->size() : 1), El_(e.experts / P_), e0_(ep ? ep->rank() * El_ : 0),
-      ep_(P_ > 1 ? ep : nullptr), ep_data_(ep_data ? ep_data : ep), cfg_(e),
+      P_(ep ? ep->size() : 1), El_(e.experts / P_), e0_(ep ? ep->rank() * El_ : 0), cfg_(e),
       buckets_(max_tokens * e.top_k, e.experts) {
   KMOE_REQUIRE(E_ % P_ == 0, "moe.experts (" << E_ << ") must be divisible by parallel.ep ("
                                              << P_ << ")");
@@ -73,7 +66,8 @@ MoeLayer::MoeLayer(const ModelCfg& m, const MoeCfg& e, const std::string& prefix
   slot_row_ = View1I("moe::slot_row", slots);
   row_slot_ = View1I("moe::row_slot", slots);
   row_offsets_ = View1I("moe::row_offsets", E_ + 1);
-  if (P_ > 1) ex_blocks_ = View1I("moe::ex_blocks", 2 * P_ * El_ + 1);
+  if (P_ > 1)
+    dispatch_ = std::make_unique<ExpertDispatch>(*ep, ep_data ? *ep_data : *ep, E_, D_);
   rows_in_ = View1F("moe::rows_in", slots * D_);
   if (P_ == 1) {  // with expert parallelism the expert side uses the ex_* buffers instead
     up1_ = View1F("moe::up1", slots * Fe_);
@@ -179,19 +173,19 @@ MoeStats MoeLayer::forward(const TensorTable& table, ConstMat x, Mat y) {
       });
 
   // Experts: one contiguous row block and three GEMMs each, here or on their ep rank.
-  if (!ep_) {
+  if (!dispatch_) {
     experts_forward(table, rows_in_.data(), host_offsets_, up1_.data(), up3_.data(), act_.data(),
                     rows_out_.data());
   } else {
-    plan_exchange();
-    const std::int64_t Rx = ex_off_[El_];
-    ensure(ex_in_, Rx * D, "moe::ex_in");
-    ensure(ex_out_, Rx * D, "moe::ex_out");
-    for (View1F* v : {&ex_up1_, &ex_up3_, &ex_act_}) ensure(*v, Rx * Fe, "moe::ex_hidden");
-    dispatch(rows_in_.data(), ex_in_.data());
-    experts_forward(table, ex_in_.data(), ex_off_, ex_up1_.data(), ex_up3_.data(),
-                    ex_act_.data(), ex_out_.data());
-    combine(ex_out_.data(), rows_out_.data());
+    dispatch_->plan(host_offsets_);
+    const std::int64_t Rx = dispatch_->local_rows();
+    ensure_size(ex_in_, Rx * D, "moe::ex_in");
+    ensure_size(ex_out_, Rx * D, "moe::ex_out");
+    for (View1F* v : {&ex_up1_, &ex_up3_, &ex_act_}) ensure_size(*v, Rx * Fe, "moe::ex_hidden");
+    dispatch_->dispatch(rows_in_.data(), ex_in_.data());
+    experts_forward(table, ex_in_.data(), dispatch_->local_offsets(), ex_up1_.data(),
+                    ex_up3_.data(), ex_act_.data(), ex_out_.data());
+    dispatch_->combine(ex_out_.data(), rows_out_.data());
   }
 
   // Combine: y = shared(x) + sum_j w_j expert_j(x), slots in order (dropped ones give 0).
@@ -260,15 +254,15 @@ void MoeLayer::backward(TensorTable& table, ConstMat x, ConstMat dy, Mat dx, Moe
       });
 
   // Experts backward (here or on their ep rank): d_rows then holds the input gradients.
-  if (!ep_) {
+  if (!dispatch_) {
     experts_backward(table, s.d_rows.data(), rows_in_.data(), up1_.data(), up3_.data(),
                      act_.data(), host_offsets_, s);
   } else {
-    ensure(ex_grad_, std::int64_t(ex_off_[El_]) * D, "moe::ex_grad");
-    dispatch(s.d_rows.data(), ex_grad_.data());
+    ensure_size(ex_grad_, std::int64_t(dispatch_->local_rows()) * D, "moe::ex_grad");
+    dispatch_->dispatch(s.d_rows.data(), ex_grad_.data());
     experts_backward(table, ex_grad_.data(), ex_in_.data(), ex_up1_.data(), ex_up3_.data(),
-                     ex_act_.data(), ex_off_, s);
-    combine(ex_grad_.data(), s.d_rows.data());
+                     ex_act_.data(), dispatch_->local_offsets(), s);
+    dispatch_->combine(ex_grad_.data(), s.d_rows.data());
   }
   Kokkos::parallel_for(
       "moe::scatter_inputs", row_policy(N), KOKKOS_LAMBDA(const TeamMember& tm) {
@@ -345,7 +339,7 @@ void MoeLayer::experts_backward(TensorTable& table, float* g_rows, const float* 
   const std::int64_t wsz = std::int64_t(Fe) * D;
   int most = 0;
   for (int le = 0; le < El_; ++le) most = std::max(most, off[le + 1] - off[le]);
-  for (View1F* v : {&s.d_act, &s.d_up1, &s.d_up3}) ensure(*v, std::int64_t(most) * Fe, "moe::d_hidden");
+  for (View1F* v : {&s.d_act, &s.d_up1, &s.d_up3}) ensure_size(*v, std::int64_t(most) * Fe, "moe::d_hidden");
   for (int le = 0; le < El_; ++le) {
     const int r0 = off[le], n = off[le + 1] - r0;
     if (n == 0) continue;
@@ -368,92 +362,6 @@ void MoeLayer::experts_backward(TensorTable& table, float* g_rows, const float* 
     gemm(Trans::N, Trans::N, 1.0f, as_cmat(du3), as_cmat(table.param(w3_) + le * wsz, Fe, D), 1.0f,
          g);
   }
-}
-
-void MoeLayer::plan_exchange() {
-  const int P = P_, El = El_;
-  // Kept rows per global expert (expert-major already), to the ranks that hold them.
-  std::vector<std::int64_t> counts(E_);
-  for (int e = 0; e < E_; ++e) counts[e] = host_offsets_[e + 1] - host_offsets_[e];
-  recv_counts_.assign(std::size_t(P) * El, 0);
-  ep_->all_to_all(counts.data(), recv_counts_.data(), El);
-  send_rows_.assign(P, 0);
-  recv_rows_.assign(P, 0);
-  for (int q = 0; q < P; ++q) {
-    send_rows_[q] = host_offsets_[(q + 1) * El] - host_offsets_[q * El];
-    for (int le = 0; le < El; ++le) recv_rows_[q] += recv_counts_[std::size_t(q) * El + le];
-  }
-  // Received rows are source-major (rank p: its rows for local expert 0, 1, ...); the experts
-  // want them expert-major (expert le: source 0, 1, ...). ex_perm(expert-major row) = received row.
-  ex_off_.assign(El + 1, 0);
-  for (int le = 0; le < El; ++le) {
-    std::int64_t n = 0;
-    for (int p = 0; p < P; ++p) n += recv_counts_[std::size_t(p) * El + le];
-    ex_off_[le + 1] = ex_off_[le] + static_cast<int>(n);
-  }
-  const int Rx = ex_off_[El];
-  if (std::int64_t(ex_perm_.extent(0)) < Rx) ex_perm_ = View1I("moe::ex_perm", Rx + Rx / 4);
-  // Block b = p*El + le (source p's rows for local expert le) starts at src(b) in the received
-  // rows and at dst(b) expert-major; the host fills these P*El bounds, a kernel the rows.
-  const int B = P * El;
-  auto bounds = Kokkos::create_mirror_view(ex_blocks_);  // src(0..B), then dst(0..B-1)
-  std::vector<int> fill(ex_off_.begin(), ex_off_.end() - 1);
-  bounds(0) = 0;
-  for (int b = 0; b < B; ++b) {
-    const int n = static_cast<int>(recv_counts_[b]);
-    bounds(b + 1) = bounds(b) + n;
-    bounds(B + 1 + b) = fill[b % El];
-    fill[b % El] += n;
-  }
-  Kokkos::deep_copy(ex_blocks_, bounds);
-  auto blocks = ex_blocks_;
-  auto perm = ex_perm_;
-  Kokkos::parallel_for(
-      "moe::ep_plan", Range(0, Rx), KOKKOS_LAMBDA(int i) {
-        int lo = 0, hi = B;  // the last block starting at or before i holds it (non-empty)
-        while (hi - lo > 1) {
-          const int mid = (lo + hi) / 2;
-          if (blocks(mid) <= i) lo = mid; else hi = mid;
-        }
-        perm(blocks(B + 1 + lo) + i - blocks(lo)) = i;
-      });
-  ensure(xfer_, std::int64_t(std::max<std::int64_t>(Rx, host_offsets_[E_])) * D_, "moe::xfer");
-}
-
-void MoeLayer::dispatch(const float* rows, float* ex) {
-  const int D = D_, Rx = ex_off_[El_];
-  std::vector<std::int64_t> sc(P_), rc(P_);
-  for (int q = 0; q < P_; ++q) {
-    sc[q] = send_rows_[q] * D;
-    rc[q] = recv_rows_[q] * D;
-  }
-  ep_data_->all_to_all_v(rows, sc, xfer_.data(), rc);
-  auto perm = ex_perm_;
-  auto from = as_cmat(xfer_.data(), std::max(Rx, 1), D);
-  auto to = as_mat(ex, std::max(Rx, 1), D);
-  Kokkos::parallel_for(
-      "moe::ep_regroup", row_policy(Rx), KOKKOS_LAMBDA(const TeamMember& tm) {
-        const int r = tm.league_rank(), src = perm(r);
-        Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, D), [&](int d) { to(r, d) = from(src, d); });
-      });
-}
-
-void MoeLayer::combine(const float* ex, float* rows) {
-  const int D = D_, Rx = ex_off_[El_];
-  auto perm = ex_perm_;
-  auto from = as_cmat(ex, std::max(Rx, 1), D);
-  auto to = as_mat(xfer_.data(), std::max(Rx, 1), D);
-  Kokkos::parallel_for(
-      "moe::ep_ungroup", row_policy(Rx), KOKKOS_LAMBDA(const TeamMember& tm) {
-        const int r = tm.league_rank(), dst = perm(r);
-        Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, D), [&](int d) { to(dst, d) = from(r, d); });
-      });
-  std::vector<std::int64_t> sc(P_), rc(P_);
-  for (int q = 0; q < P_; ++q) {
-    sc[q] = recv_rows_[q] * D;
-    rc[q] = send_rows_[q] * D;
-  }
-  ep_data_->all_to_all_v(xfer_.data(), sc, rows, rc);
 }
 
 }  // namespace kmoe

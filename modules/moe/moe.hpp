@@ -6,10 +6,9 @@
 //
 // Expert parallelism (RUNTIME.md section 1): with an ep group of P ranks, rank r holds experts
 // [r*E/P, (r+1)*E/P). Routing, capacity and the auxiliary losses stay with the micro-batch's
-// rank; the kept rows go to their experts' rank by all-to-all (per-expert counts first, then the
-// rows), are regrouped expert-major there (source rank order within an expert), run through the
-// expert GEMMs and come back the same way; backward sends the rows' output gradients and
-// returns their input gradients. Dropless: an expert takes every row it receives.
+// rank; the kept rows go to their experts' rank and back (ExpertDispatch, moe_dispatch.hpp);
+// backward sends the rows' output gradients and returns their input gradients. Dropless: an
+// expert takes every row it receives.
 #pragma once
 
 #include <memory>
@@ -20,6 +19,7 @@
 #include "core/kokkos_types.hpp"
 #include "core/config.hpp"
 #include "modules/mlp/swiglu.hpp"
+#include "modules/moe/moe_dispatch.hpp"
 #include "parallel/communicator.hpp"
 #include "core/tensor_table.hpp"
 
@@ -81,17 +81,8 @@ class MoeLayer {
   void experts_backward(TensorTable& table, float* g, const float* in, const float* up1,
                         const float* up3, const float* act, const std::vector<int>& off,
                         MoeScratch& s) const;
-  // Expert parallelism: exchanges the per-expert row counts and plans the regrouping.
-  void plan_exchange();
-  // rows (this rank's kept rows, expert-major) -> ex (the local experts' rows, expert-major).
-  void dispatch(const float* rows, float* ex);
-  // ex -> rows: the inverse of dispatch.
-  void combine(const float* ex, float* rows);
-
   int D_, E_, k_, Fe_;
   int P_ = 1, El_, e0_ = 0;  // ep group size, experts per rank, first local expert
-  const Communicator* ep_ = nullptr;
-  const DataComm* ep_data_ = nullptr;
   MoeCfg cfg_;
   int router_, w1_, w3_, w2_, bias_ = -1;
   std::unique_ptr<SwigluMlp> shared_;
@@ -108,13 +99,10 @@ class MoeLayer {
   View1F rows_in_, up1_, up3_, act_, rows_out_;  // (N*k, D|Fe): gathered inputs ... outputs
   View1D aux_sums_;                              // (E+1): sum_t p_te, then sum_t lse_t^2
   int N_ = 0;
-  // Expert parallelism (P > 1), grown on demand: rows sent to / received from each rank, the
-  // local experts' row bounds, expert-major row -> received row, and the expert-side buffers.
-  std::vector<std::int64_t> send_rows_, recv_rows_, recv_counts_;
-  std::vector<int> ex_off_;
-  View1I ex_blocks_;  // (2*P*El + 1): block starts received, then expert-major
-  View1I ex_perm_;
-  View1F xfer_, ex_in_, ex_up1_, ex_up3_, ex_act_, ex_out_, ex_grad_;
+  // Expert parallelism (P > 1): the row traffic, and the expert side's buffers (the local
+  // experts' rows from every rank), grown on demand.
+  std::unique_ptr<ExpertDispatch> dispatch_;
+  View1F ex_in_, ex_up1_, ex_up3_, ex_act_, ex_out_, ex_grad_;
 };
 
 }  // namespace kmoe

@@ -1,0 +1,82 @@
+#include "modules/engram/engram_shard.hpp"
+
+#include <algorithm>
+
+#include "core/buffers.hpp"
+#include "core/error.hpp"
+
+namespace kmoe {
+
+namespace {
+const EngramSharding& checked(const EngramSharding& sh) {
+  KMOE_REQUIRE(sh.comm && sh.data,
+               "EngramShard: a sharded table needs its group and its data communicator");
+  return sh;
+}
+}  // namespace
+
+EngramShard::EngramShard(const EngramSharding& sh, std::int64_t rows, int width,
+                         int max_requests)
+    : exchange_(*checked(sh).comm, *sh.data, "engram::shard"), width_(width) {
+  const int P = sh.comm->size();
+  block_ = (rows + P - 1) / P;
+  row0_ = std::min<std::int64_t>(rows, block_ * sh.comm->rank());
+  local_rows_ = std::min<std::int64_t>(block_, rows - row0_);
+  owner_ = View1I("engram::owner", max_requests);
+  by_local_row_ = KeyBuckets(max_requests * P, static_cast<int>(std::max<std::int64_t>(1, local_rows_)));
+}
+
+void EngramShard::fetch(const TensorTable& table, int tab_index, ConstIVec rows, int n,
+                        float* mem) {
+  const int dh = width_;
+  const std::int64_t block = block_, row0 = row0_;
+  auto owner = owner_;
+  Kokkos::parallel_for(
+      "engram::owner", Range(0, n),
+      KOKKOS_LAMBDA(int a) { owner(a) = static_cast<int>(rows(a) / block); });
+  exchange_.plan(ConstIVec(owner_.data(), n), n);
+  const int n_in = static_cast<int>(exchange_.rows_received());
+  ensure_size(req_in_, n_in, "engram::req_in");
+  exchange_.forward(rows.data(), req_in_.data(), 1);
+
+  // Serve: the requested rows of the local block, in the order asked.
+  ensure_size(served_, std::int64_t(n_in) * dh, "engram::served");
+  auto tab = ConstMat(table.param(tab_index), local_rows_, dh);
+  auto req_in = req_in_;
+  auto served = Mat(served_.data(), n_in, dh);
+  Kokkos::parallel_for(
+      "engram::serve_rows", Range2({0, 0}, {n_in, dh}),
+      KOKKOS_LAMBDA(int a, int i) { served(a, i) = tab(req_in(a) - row0, i); });
+  exchange_.reverse(served_.data(), mem, dh);
+}
+
+void EngramShard::return_gradients(TensorTable& table, int tab_index, const float* d_mem,
+                                   int n) {
+  const int dh = width_, n_in = static_cast<int>(exchange_.rows_received());
+  KMOE_REQUIRE(n == exchange_.rows_sent(), "EngramShard: gradients of " << n << " requests, the "
+                                           "last fetch had " << exchange_.rows_sent());
+  exchange_.forward(d_mem, served_.data(), dh);
+  // Summed per local row over the received requests in arrival order (member, then request).
+  const std::int64_t row0 = row0_;
+  ensure_size(local_, n_in, "engram::local_rows");
+  auto req_in = req_in_;
+  auto local = local_;
+  Kokkos::parallel_for(
+      "engram::local_rows", Range(0, n_in),
+      KOKKOS_LAMBDA(int a) { local(a) = static_cast<int>(req_in(a) - row0); });
+  by_local_row_.build(ConstIVec(local_.data(), n_in));
+  auto loff = by_local_row_.offsets;
+  auto lord = by_local_row_.order;
+  auto in = ConstMat(served_.data(), n_in, dh);
+  auto dtab = Mat(table.grad(tab_index), local_rows_, dh);
+  Kokkos::parallel_for(
+      "engram::table_grad_sharded", Range2({0, 0}, {int(local_rows_), dh}),
+      KOKKOS_LAMBDA(int row, int i) {
+        if (loff(row + 1) == loff(row)) return;
+        float acc = 0.0f;
+        for (int a = loff(row); a < loff(row + 1); ++a) acc += in(lord(a), i);
+        dtab(row, i) += acc;
+      });
+}
+
+}  // namespace kmoe

@@ -1,0 +1,42 @@
+// Expert parallelism's row traffic (RUNTIME.md section 1): ep rank r holds experts
+// [r*El, (r+1)*El). The kept rows of a micro-batch, already grouped per global expert, go to
+// the ranks holding their experts (a RowExchange planned from the per-expert counts); there
+// they are regrouped expert-major, source rank order within an expert, so each local expert's
+// rows form one contiguous block for its GEMMs. The results (forward outputs, backward input
+// gradients) travel back the same way.
+#pragma once
+
+#include <vector>
+
+#include "core/kokkos_types.hpp"
+#include "parallel/row_exchange.hpp"
+
+namespace kmoe {
+
+class ExpertDispatch {
+ public:
+  // ep: the expert-parallel group (counts), ep_data: its data plane (rows); rows are D wide.
+  ExpertDispatch(const Communicator& ep, const DataComm& ep_data, int experts, int d_model);
+
+  // offsets: (E+1) row bounds of each global expert's block of this rank's kept rows.
+  // Collective over the group: exchanges the per-expert counts, plans the regrouping.
+  void plan(const std::vector<int>& offsets);
+  // After plan(): (El+1) row bounds of each local expert's block of the rows received.
+  const std::vector<int>& local_offsets() const { return local_off_; }
+  int local_rows() const { return local_off_.back(); }
+
+  // rows: (kept rows, D), expert-major -> ex: (local_rows(), D), the local experts' rows.
+  void dispatch(const float* rows, float* ex);
+  // ex -> rows: the inverse of dispatch.
+  void combine(const float* ex, float* rows);
+
+ private:
+  RowExchange exchange_;
+  int P_, E_, El_, D_;
+  std::vector<int> local_off_;
+  View1I blocks_;  // (2*P*El + 1): received block starts, then their expert-major starts
+  View1I perm_;    // (local rows): expert-major row -> received row
+  View1F xfer_;    // (max(kept, received) rows, D): rows as they travel
+};
+
+}  // namespace kmoe
