@@ -26,7 +26,8 @@ struct StepDump {
   int top_k = 0;
 };
 
-// Collective over grid.world; the first data replica writes.
+// Collective over grid.world: world rank 0 writes the tokens and routes, each gradient element
+// is written by its owner (parallel/placement.hpp).
 void write_step_dump(const Config& cfg, const ProcessGrid& grid, const TensorTable& table,
                      const StepDump& d);
 

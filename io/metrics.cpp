@@ -12,7 +12,7 @@ const char* MetricsWriter::csv_header() {
 }
 
 MetricsWriter::MetricsWriter(const std::string& dir, bool append,
-                             const std::vector<std::string>& extra_columns) {
+                             const std::vector<std::string>& layer_columns) {
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   KMOE_REQUIRE(!ec, "output.dir = " << dir << ": cannot create directory: " << ec.message());
@@ -22,8 +22,8 @@ MetricsWriter::MetricsWriter(const std::string& dir, bool append,
   KMOE_REQUIRE(csv_, "cannot open " << path << " for writing");
   if (fresh) {
     std::fprintf(csv_, "%s", csv_header());
-    for (const auto& c : extra_columns) std::fprintf(csv_, ",%s", c.c_str());
-    std::fprintf(csv_, "\n");
+    for (const auto& c : layer_columns) std::fprintf(csv_, ",%s", c.c_str());
+    std::fprintf(csv_, ",comm_s\n");
   }
 }
 
@@ -37,33 +37,28 @@ void MetricsWriter::write(const StepMetrics& m) {
   if (m.mfu) std::fprintf(csv_, "%.6g", *m.mfu);
   std::fprintf(csv_, ",%.6g,%.6g,", m.step_time_s, m.mem_hwm_mib);
   if (m.val_loss) std::fprintf(csv_, "%.17g", *m.val_loss);
-  for (const auto& [name, value] : m.extra) std::fprintf(csv_, ",%.9g", value);
-  std::fprintf(csv_, "\n");
+  for (const auto& [name, value] : m.layer_stats) std::fprintf(csv_, ",%.9g", value);
+  std::fprintf(csv_, ",%.9g\n", m.comm_s);
   std::fflush(csv_);
 }
 
 std::string MetricsWriter::console_line(const StepMetrics& m) {
-  char buf[512];
-  int n = std::snprintf(buf, sizeof buf,
-                        "step %6d | loss %.4f ce %.4f aux %.4f | lr %.3e | gnorm %.3f | "
-                        "%.0f tok/s (%.0f/rank) | %.2f GFLOP/s",
-                        m.step, m.loss, m.ce, m.aux, m.lr, m.grad_norm, m.tokens_per_s,
-                        m.tokens_per_s_per_rank, m.model_flops_per_s / 1e9);
+  char buf[256];
+  int n = std::snprintf(buf, sizeof buf, "step %6d | loss %.4f | lr %.3e | gnorm %.3f | %.0f tok/s",
+                        m.step, m.loss, m.lr, m.grad_norm, m.tokens_per_s);
   std::string line(buf, n);
   if (m.mfu) {
-    n = std::snprintf(buf, sizeof buf, " mfu %.1f%%", 100.0 * *m.mfu);
+    n = std::snprintf(buf, sizeof buf, " | mfu %.1f%%", 100.0 * *m.mfu);
     line.append(buf, n);
   }
-  n = std::snprintf(buf, sizeof buf, " | %.3f s/step | mem %.0f MiB", m.step_time_s,
-                    m.mem_hwm_mib);
+  n = std::snprintf(buf, sizeof buf, " | mem %.0f MiB", m.mem_hwm_mib);
   line.append(buf, n);
   if (m.val_loss) {
     n = std::snprintf(buf, sizeof buf, " | val_loss %.4f", *m.val_loss);
     line.append(buf, n);
   }
-  if (!m.extra.empty()) line += " |";
-  for (const auto& [name, value] : m.extra) {
-    n = std::snprintf(buf, sizeof buf, " %s %.3f", name.c_str(), value);
+  for (const auto& [label, value] : m.summaries) {
+    n = std::snprintf(buf, sizeof buf, " | %s %.3f", label.c_str(), value);
     line.append(buf, n);
   }
   return line;

@@ -1,5 +1,6 @@
-// Training output (RUNTIME.md section 5): one console line per logged step on rank 0 and the
-// same row in <output.dir>/metrics.csv, with val_loss on the steps that evaluate.
+// Training output (RUNTIME.md section 5): one console line per logged step on rank 0 and a row
+// in <output.dir>/metrics.csv: the fixed columns through val_loss, then the layers' columns
+// (StepStats, in declaration order), then comm_s.
 #pragma once
 
 #include <cstdio>
@@ -19,21 +20,25 @@ struct StepMetrics {
   double step_time_s = 0;
   double mem_hwm_mib = 0;     // max over ranks
   std::optional<double> val_loss;
-  // Model-specific columns after val_loss, e.g. per MoE layer (name, value), in a fixed order.
-  std::vector<std::pair<std::string, double>> extra;
+  // The layers' columns (name, value) in their fixed order, e.g. per MoE layer, and the
+  // console's one summary per kind of layer (label, value).
+  std::vector<std::pair<std::string, double>> layer_stats, summaries;
+  double comm_s = 0;  // seconds rank 0 waited on communication in the step
 };
 
 class MetricsWriter {
  public:
   // Opens (truncating, or appending when `append`) <dir>/metrics.csv; creates `dir`.
-  // `extra_columns` names StepMetrics::extra, in order.
+  // `layer_columns` names StepMetrics::layer_stats, in order.
   MetricsWriter(const std::string& dir, bool append,
-                const std::vector<std::string>& extra_columns = {});
+                const std::vector<std::string>& layer_columns = {});
   ~MetricsWriter();
   MetricsWriter(const MetricsWriter&) = delete;
   MetricsWriter& operator=(const MetricsWriter&) = delete;
 
-  void write(const StepMetrics& m);             // csv row, flushed
+  void write(const StepMetrics& m);  // csv row, flushed
+  // The compact console line: loss, lr, gradient norm, throughput, MFU when known, memory,
+  // val_loss when evaluated, and the layer summaries (every column is in metrics.csv).
   static std::string console_line(const StepMetrics& m);
   static const char* csv_header();
 

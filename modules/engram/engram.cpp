@@ -34,7 +34,7 @@ void add_bias(Mat y, const float* b_data) {
 
 EngramLayer::EngramLayer(const ModelCfg& m, const EngramCfg& g, const EngramHashPlan& plan,
                          const std::string& prefix, int max_tokens, int seq_len,
-                         TensorTable& table, const Sharding& shard)
+                         TensorTable& table, const Sharding& shard, StepStats* stats)
     : D_(m.d_model),
       T_(seq_len),
       Nn_(g.max_ngram),
@@ -46,7 +46,9 @@ EngramLayer::EngramLayer(const ModelCfg& m, const EngramCfg& g, const EngramHash
       signed_sqrt_(g.gate == EngramGate::SignedSqrt),
       eps_(static_cast<float>(m.norm_eps)),
       hasher_(plan, g.max_ngram, g.heads, plan.pad_c),
-      buckets_(max_tokens * heads_total_, static_cast<int>(plan.rows)) {
+      buckets_(max_tokens * heads_total_, static_cast<int>(plan.rows)),
+      stats_(stats) {
+  if (stats_) cols_ = declare_stats(*stats_, plan.layer);
   const double std = g.init_std;
   // The table: no weight decay, its own learning-rate multiplier (MODEL.md section 4).
   const TensorSpec table_spec =
@@ -74,8 +76,6 @@ EngramLayer::EngramLayer(const ModelCfg& m, const EngramCfg& g, const EngramHash
   for (View1F* v : {&rstd_k_, &rstd_q_, &rstd_c_, &score_, &gate_, &d_gate_})
     *v = View1F("engram::row", N);
   d_mem_buf_ = View1F("engram::d_mem", N * d_mem_);
-  touched_ = View1I("engram::touched", R_);
-  gate_sum_ = View1D("engram::gate_sum", 1);
   gate_now_ = Kokkos::View<double, MemSpace>("engram::gate_now");
 }
 
@@ -83,10 +83,12 @@ ConstMat EngramLayer::lookup(const TensorTable& table, ConstIVec tokens) {
   const int N = tokens.extent(0), dh = dh_;
   auto rows = Kokkos::subview(rows_, Kokkos::make_pair(0, N), Kokkos::ALL);
   hasher_.rows(tokens, T_, rows_);
-  auto touched = touched_;
-  Kokkos::parallel_for(
-      "engram::count_lookups", Range2({0, 0}, {N, heads_total_}),
-      KOKKOS_LAMBDA(int t, int j) { Kokkos::atomic_add(&touched(rows(t, j)), 1); });
+  if (stats_) {  // lookups per row, for the rows-touched metric (integer atomics: exact)
+    auto touched = stats_->counters(cols_.touched, R_);
+    Kokkos::parallel_for(
+        "engram::count_lookups", Range2({0, 0}, {N, heads_total_}),
+        KOKKOS_LAMBDA(int t, int j) { Kokkos::atomic_add(&touched(rows(t, j)), 1); });
+  }
 
   // mem[t, j*dh + i] = table[row(t, j), i].
   Mat mem = as_mat(mem_.data(), N, d_mem_);
@@ -141,14 +143,15 @@ void EngramLayer::forward(const TensorTable& table, ConstMat x, ConstIVec tokens
         gate(t) = alpha;
         for (int d = 0; d < D; ++d) v(t, d) = alpha * val(t, d);
       });
-  // The gate metric stays on the device: this forward's mean joins the running sum.
-  auto gsum = gate_sum_;
-  Kokkos::parallel_reduce(
-      "engram::gate_sum", Range(0, N), KOKKOS_LAMBDA(int t, double& acc) { acc += gate(t); },
-      gate_now_);
-  auto now = gate_now_;
-  Kokkos::parallel_for(
-      "engram::gate_mean", Range(0, 1), KOKKOS_LAMBDA(int) { gsum(0) += now() / N; });
+  if (stats_) {  // the gate metric stays on the device: this forward's mean joins the sum
+    auto gsum = stats_->device(cols_.gate);
+    Kokkos::parallel_reduce(
+        "engram::gate_sum", Range(0, N), KOKKOS_LAMBDA(int t, double& acc) { acc += gate(t); },
+        gate_now_);
+    auto now = gate_now_;
+    Kokkos::parallel_for(
+        "engram::gate_mean", Range(0, 1), KOKKOS_LAMBDA(int) { gsum(0) += now() / N; });
+  }
 
   // u = RMSNorm_c(v); causal depthwise conv with dilation N within each sequence;
   // out = v + silu(c).
@@ -275,11 +278,23 @@ void EngramLayer::backward(TensorTable& table, ConstMat x, ConstMat dout, Mat dx
       });
 }
 
-double EngramLayer::take_gate_sum() const {
-  // Read before the reset: on a host backend the mirror is the view itself.
-  const double sum = Kokkos::create_mirror_view_and_copy(HostSpace(), gate_sum_)(0);
-  Kokkos::deep_copy(gate_sum_, 0.0);
-  return sum;
+EngramStatColumns EngramLayer::declare_stats(StepStats& stats, int block) {
+  const std::string p = "engram" + std::to_string(block);
+  EngramStatColumns c;
+  c.gate = stats.add(
+      StatColumn::mean_per_micro_batch(p + "_gate").summarized("engram gate", StatSummary::Mean));
+  c.touched = stats.add(StatColumn::sum(p + "_rows_touched"));
+  return c;
+}
+
+void EngramLayer::finish_step(StepStats& stats, const Communicator& counted_over,
+                              bool write) const {
+  if (!stats_) return;
+  auto counts = Kokkos::create_mirror_view_and_copy(HostSpace(), stats.counters(cols_.touched, R_));
+  counted_over.allreduce_sum(counts.data(), counts.size());
+  std::int64_t used = 0;
+  for (std::size_t r = 0; r < counts.size(); ++r) used += counts(r) > 0;
+  if (write) stats.host(cols_.touched)[0] = double(used) / counts.size();
 }
 
 double EngramLayer::mean_gate() const {

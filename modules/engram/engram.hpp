@@ -9,12 +9,20 @@
 
 #include "core/bucket_sort.hpp"
 #include "core/kokkos_types.hpp"
+#include "core/step_stats.hpp"
 #include "core/config.hpp"
 #include "modules/engram/engram_hash.hpp"
 #include "modules/engram/engram_shard.hpp"
 #include "core/tensor_table.hpp"
 
 namespace kmoe {
+
+// An Engram layer's metrics.csv columns: engram<l>_gate (the mean gate value, averaged over the
+// step's micro-batches) and engram<l>_rows_touched (the fraction of table rows the step's whole
+// global batch looked up).
+struct EngramStatColumns {
+  int gate = -1, touched = -1;
+};
 
 class EngramLayer {
  public:
@@ -23,10 +31,19 @@ class EngramLayer {
   // With `shard` (parallel.engram_shard = ep | stage) the table is split into row blocks over
   // the members of shard.comm (EngramShard): lookups fetch their rows from the holders, and the
   // row gradients go back to them.
+  // With `stats`, every forward adds to the columns of its block (plan.layer).
   using Sharding = EngramSharding;
   EngramLayer(const ModelCfg& m, const EngramCfg& g, const EngramHashPlan& plan,
               const std::string& prefix, int max_tokens, int seq_len, TensorTable& table,
-              const Sharding& shard = Sharding());
+              const Sharding& shard = Sharding(), StepStats* stats = nullptr);
+
+  // Declares (or finds) the columns of the Engram layer at `block`.
+  static EngramStatColumns declare_stats(StepStats& stats, int block);
+  // Before the world's sum of the statistics: the rows touched by the step, from the lookup
+  // counts of every in-flight instance summed over `counted_over` (the stage's replicas, which
+  // together hold the global batch's micro-batches for this layer); `write`: this rank stores
+  // the fraction (one rank per stage, so the world's sum is the value). Collective over it.
+  void finish_step(StepStats& stats, const Communicator& counted_over, bool write) const;
 
   // x: (N, D) residual stream, tokens: (N) compressed ids (EngramCompression) -> out: (N, D).
   void forward(const TensorTable& table, ConstMat x, ConstIVec tokens, Mat out);
@@ -41,13 +58,6 @@ class EngramLayer {
 
   // Mean gate value of the last forward (reads the device).
   double mean_gate() const;
-  // The sum of every forward's mean gate since the last call (accumulated on the device, so a
-  // step reads it once), and resets it.
-  double take_gate_sum() const;
-
-  // Lookups per table row since the last reset (R): the touched-rows metric.
-  void reset_touched() const { Kokkos::deep_copy(touched_, 0); }
-  View1I touched() const { return touched_; }
 
  private:
   int D_, T_, Nn_, kernel_, heads_total_, dh_, d_mem_;
@@ -65,8 +75,8 @@ class EngramLayer {
   View1F v_, u_, c_;                 // (N, D)
   View1F d_a_, d_b_, d_mem_buf_;     // backward temporaries (N, D), (N, D), (N, d_mem)
   View1F d_gate_;                    // (N)
-  View1I touched_;                   // (R) lookup counts
-  View1D gate_sum_;                       // (1): the summed mean gates
+  StepStats* stats_ = nullptr;
+  EngramStatColumns cols_;
   Kokkos::View<double, MemSpace> gate_now_;  // this forward's gate sum
   int N_ = 0;
   std::unique_ptr<EngramShard> shard_;  // a row-sharded table (more than one member)

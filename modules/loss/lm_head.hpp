@@ -3,12 +3,11 @@
 // logits written in place by the same fused kernel.
 #pragma once
 
-#include <utility>
+#include <cstdint>
 #include <vector>
 
 #include "core/kokkos_types.hpp"
 #include "core/config.hpp"
-#include "modules/moe/moe.hpp"
 #include "core/tensor_table.hpp"
 
 namespace kmoe {
@@ -20,10 +19,9 @@ struct LossSums {
   double ce = 0.0;             // sum of seq_ce
   double z = 0.0;              // sum of logsumexp^2 over the same positions
   std::int64_t targets = 0;    // nseq * (T-1)
-  // Sum over MoE layers of lb_coef * LB + z_coef * RZ (MODEL.md section 2), and each MoE
-  // layer's report, in block order (filled by the stage).
+  // Sum over the stage's MoE layers of lb_coef * LB + z_coef * RZ (MODEL.md section 2), in
+  // block order (filled by the stage).
   double moe_aux = 0.0;
-  std::vector<std::pair<int, MoeStats>> moe;
 };
 
 class LmHead {

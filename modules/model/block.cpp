@@ -19,7 +19,8 @@ std::string block_prefix(int layer) { return "blocks." + std::to_string(layer) +
 }  // namespace
 
 Block::Block(const ModelCfg& m, const MoeCfg& e, const EngramCfg& g, const EngramHashPlan* plan,
-             int layer, int max_seqs, int T, TensorTable& table, const LayerComms& comms)
+             int layer, int max_seqs, int T, TensorTable& table, const LayerComms& comms,
+             StepStats* stats)
     : D_(m.d_model),
       reordered_(m.block_norm == BlockNorm::Reordered),
       eps_(static_cast<float>(m.norm_eps)),
@@ -33,12 +34,12 @@ Block::Block(const ModelCfg& m, const MoeCfg& e, const EngramCfg& g, const Engra
     sh.comm = comms.engram;
     sh.data = comms.engram_data ? comms.engram_data : comms.engram;
     engram_ = std::make_unique<EngramLayer>(m, g, *plan, block_prefix(layer) + "engram.", N, T,
-                                            table, sh);
+                                            table, sh, stats);
     x_engram_ = View1F("block::x_engram", N * D_);
   }
   if (e.is_moe_layer(layer))
     moe_ = std::make_unique<MoeLayer>(m, e, block_prefix(layer) + "moe.", N, table, comms.ep,
-                                      comms.ep_data);
+                                      comms.ep_data, stats, layer);
   else
     mlp_ = std::make_unique<SwigluMlp>(block_prefix(layer) + "mlp.", D_, m.ffn_hidden, m.init_std,
                                        N, table);
@@ -84,7 +85,7 @@ void Block::forward(const TensorTable& table, const RopeTables& rope, ConstMat x
 
 void Block::ffn_forward(const TensorTable& table, ConstMat in, Mat out) {
   if (moe_)
-    moe_stats_ = moe_->forward(table, in, out);
+    moe_->forward(table, in, out);
   else
     mlp_->forward(table, in, out);
 }
@@ -126,6 +127,14 @@ void Block::backward(TensorTable& table, const RopeTables& rope, ConstMat x_bloc
     engram_->backward(table, x_block, as_cmat(dx_in), dq);
     add(as_cmat(dx_in), as_cmat(dq), dx_block);
   }
+}
+
+void Block::finish_step(StepStats& stats, const Communicator& stage_replicas, bool write) const {
+  if (engram_) engram_->finish_step(stats, stage_replicas, write);
+}
+
+void Block::after_optimizer_step(TensorTable& table, const StepStats& stats) const {
+  if (moe_) moe_->after_optimizer_step(table, stats);
 }
 
 }  // namespace kmoe

@@ -28,9 +28,10 @@ class Block {
  public:
   // The FFN is an MoE layer when e.is_moe_layer(layer), else the dense SwiGLU MLP. With an
   // Engram plan for this block, x + Engram(x, tokens) enters the block instead of x.
+  // With `stats`, its MoE and Engram layers add their statistics there.
   Block(const ModelCfg& m, const MoeCfg& e, const EngramCfg& g, const EngramHashPlan* plan,
         int layer, int max_seqs, int seq_len, TensorTable& table,
-        const LayerComms& comms = LayerComms());
+        const LayerComms& comms = LayerComms(), StepStats* stats = nullptr);
 
   // x_in, x_out: (N, D); tokens: (N) ids (Engram). Saves what backward needs (x_in itself is
   // kept by the caller).
@@ -44,10 +45,13 @@ class Block {
   bool is_moe() const { return moe_ != nullptr; }
   // The lowest table index among the block's tensors (declared first: attn_norm.weight).
   int first_tensor() const { return attn_norm_; }
-  const EngramLayer* engram() const { return engram_.get(); }
-  // The MoE layer's report of the last forward (empty for a dense block).
-  const MoeStats& moe_stats() const { return moe_stats_; }
+  // The last forward's MoE auxiliary loss term (lb_coef * LB + z_coef * RZ; 0 when dense).
+  double aux_loss() const { return moe_ ? moe_->aux_loss() : 0.0; }
   ConstIVec moe_routes() const { return moe_->selected(); }
+
+  // Step hooks (Stage::finish_step, Stage::after_optimizer_step).
+  void finish_step(StepStats& stats, const Communicator& stage_replicas, bool write) const;
+  void after_optimizer_step(TensorTable& table, const StepStats& stats) const;
 
  private:
   Mat buf(const View1F& v, int rows) const { return as_mat(v.data(), rows, D_); }
@@ -64,7 +68,6 @@ class Block {
   std::unique_ptr<MoeLayer> moe_;
   std::unique_ptr<EngramLayer> engram_;
   View1F x_engram_;  // (N, D): x + Engram(x), the attention input of an Engram block
-  MoeStats moe_stats_;
   // Saved (N, D): attn_in/ffn_in (pre only: the normed inputs), attn_out, h, ffn_out; rstds (N).
   View1F attn_in_, attn_out_, h_, ffn_in_, ffn_out_;
   View1F rstd_attn_, rstd_ffn_;

@@ -1,6 +1,7 @@
 // Parameter counts, model FLOPs and a per-rank memory estimate from the config alone, for
-// --dry-run and MFU (DESIGN.md: FLOPs/token = 6 x active non-embedding parameters
-// + 6 x layers x d_model x T). A unit test checks the counts against a built TensorTable.
+// --dry-run and MFU (docs/CONVENTIONS.md "Loss and metrics": FLOPs/token = 6 x active
+// non-embedding parameters + 6 x layers x d_model x T). A unit test checks the counts
+// against a built TensorTable.
 #pragma once
 
 #include <cstdint>

@@ -1,11 +1,27 @@
 #include "modules/model/stage.hpp"
 
+#include <algorithm>
+
 #include "core/error.hpp"
 
 namespace kmoe {
 
+namespace {
+// Every block's columns in metrics.csv order: the MoE layers' in block order, then the Engram
+// layers'.
+void declare_model_stats(StepStats& stats, const ModelCfg& m, const MoeCfg& e,
+                         const EngramCfg& g) {
+  for (int l = 0; l < m.n_layers; ++l)
+    if (e.is_moe_layer(l)) MoeLayer::declare_stats(stats, l, e);
+  for (int l = 0; l < m.n_layers; ++l)
+    if (std::find(g.layers.begin(), g.layers.end(), l) != g.layers.end())
+      EngramLayer::declare_stats(stats, l);
+}
+}  // namespace
+
 Stage::Stage(const ModelCfg& m, const MoeCfg& e, int max_seqs, int T, TensorTable& table,
-             const EngramCfg& g, const StagePlan& plan, const LayerComms& comms)
+             const EngramCfg& g, const StagePlan& plan, const LayerComms& comms,
+             StepStats* stats)
     : D_(m.d_model),
       T_(T),
       max_seqs_(max_seqs),
@@ -18,9 +34,8 @@ Stage::Stage(const ModelCfg& m, const MoeCfg& e, int max_seqs, int T, TensorTabl
       tokens_("stage::tokens", max_seqs * T),
       d_x_("stage::d_x", std::int64_t(max_seqs) * T * m.d_model),
       d_y_("stage::d_y", std::int64_t(max_seqs) * T * m.d_model),
-      lb_coef_(e.lb_coef),
-      z_coef_(e.z_coef),
       top_k_(e.top_k) {
+  if (stats) declare_model_stats(*stats, m, e, g);
   const int last = plan.last_block < 0 ? m.n_layers : plan.last_block;
   KMOE_REQUIRE(first_ >= 0 && first_ < last && last <= m.n_layers,
                "Stage: blocks [" << first_ << ", " << last << ") of " << m.n_layers);
@@ -36,7 +51,7 @@ Stage::Stage(const ModelCfg& m, const MoeCfg& e, int max_seqs, int T, TensorTabl
     const EngramHashPlan* ep = nullptr;
     for (const auto& p : plans)
       if (p.layer == l) ep = &p;
-    blocks_.push_back(std::make_unique<Block>(m, e, g, ep, l, max_seqs, T, table, comms));
+    blocks_.push_back(std::make_unique<Block>(m, e, g, ep, l, max_seqs, T, table, comms, stats));
   }
   if (has_head_) {
     if (m.tie_embeddings && !has_embed_) {  // the last stage's replica of the tied matrix
@@ -82,20 +97,17 @@ LossSums Stage::forward(const TensorTable& table, const std::int32_t* tokens, in
   LossSums sums;
   if (has_head_) sums = head_->forward(table, as_cmat(resid(blocks_.size(), N)), tok, T_, grad_scale);
   aux_scale_ = static_cast<float>(double(grad_scale) * nseq * (T_ - 1));
-  for (std::size_t l = 0; l < blocks_.size(); ++l) {
-    if (!blocks_[l]->is_moe()) continue;
-    const MoeStats& st = blocks_[l]->moe_stats();
-    sums.moe_aux += lb_coef_ * st.lb + z_coef_ * st.rz;
-    sums.moe.emplace_back(first_ + static_cast<int>(l), st);
-  }
+  for (const auto& block : blocks_)
+    if (block->is_moe()) sums.moe_aux += block->aux_loss();
   return sums;
 }
 
-std::vector<std::pair<int, const EngramLayer*>> Stage::engram_layers() const {
-  std::vector<std::pair<int, const EngramLayer*>> out;
-  for (std::size_t l = 0; l < blocks_.size(); ++l)
-    if (blocks_[l]->engram()) out.emplace_back(first_ + static_cast<int>(l), blocks_[l]->engram());
-  return out;
+void Stage::finish_step(StepStats& stats, const ProcessGrid& grid) const {
+  for (const auto& block : blocks_) block->finish_step(stats, grid.stage, grid.replica() == 0);
+}
+
+void Stage::after_optimizer_step(TensorTable& table, const StepStats& stats) const {
+  for (const auto& block : blocks_) block->after_optimizer_step(table, stats);
 }
 
 std::vector<std::pair<int, ConstIVec>> Stage::moe_routes() const {

@@ -37,12 +37,11 @@ class Stage {
   // Declares every tensor of its blocks into `table` (plus embedding and head); buffers are
   // sized for micro-batches of up to max_seqs sequences of seq_len tokens. A last stage without
   // the embedding but with tied embeddings declares a tied copy of embed.weight for the head.
+  // With `stats`, it declares the statistics columns of every block of the model (all
+  // stages, so that every rank has the same columns) and its own blocks add into them.
   Stage(const ModelCfg& m, const MoeCfg& e, int max_seqs, int seq_len, TensorTable& table,
         const EngramCfg& g = EngramCfg(), const StagePlan& plan = StagePlan::whole(),
-        const LayerComms& comms = LayerComms());
-
-  // Each Engram block's layer: (block index, layer), for metrics.
-  std::vector<std::pair<int, const EngramLayer*>> engram_layers() const;
+        const LayerComms& comms = LayerComms(), StepStats* stats = nullptr);
 
   // The (N, D) buffer a stage without the embedding receives its input into before forward().
   float* input_buffer() { return resid_[0].data(); }
@@ -67,6 +66,14 @@ class Stage {
 
   // Each MoE block's routing of the last forward(): (block index, (N*k) expert ids).
   std::vector<std::pair<int, ConstIVec>> moe_routes() const;
+
+  // Step hooks, called on one instance per step (the instances share parameters and
+  // statistics). The step starts with StepStats::begin_step(). finish_step: the statistics that
+  // need the stage's replicas (Engram rows touched), before the world's sum; collective over
+  // grid.stage. after_optimizer_step: updates that follow AdamW (MoE router biases from the
+  // step's global expert counts).
+  void finish_step(StepStats& stats, const ProcessGrid& grid) const;
+  void after_optimizer_step(TensorTable& table, const StepStats& stats) const;
   int top_k() const { return top_k_; }
   int d_model() const { return D_; }
 
@@ -88,7 +95,6 @@ class Stage {
   View1F d_x_, d_y_;              // (N, D) backward ping-pong
   int nseq_ = 0;
   float aux_scale_ = 0.0f;
-  double lb_coef_, z_coef_;
   int top_k_;
 };
 

@@ -35,12 +35,33 @@ void update_router_bias(TensorTable& table, int bias_index, const std::vector<do
   Kokkos::deep_copy(b, h);
 }
 
+MoeStatColumns MoeLayer::declare_stats(StepStats& stats, int block, const MoeCfg& e) {
+  const std::string p = "moe" + std::to_string(block) + "_";
+  MoeStatColumns c;
+  c.lb = stats.add(StatColumn::mean_per_micro_batch(p + "lb"));
+  c.rz = stats.add(StatColumn::mean_per_micro_batch(p + "rz"));
+  c.load = stats.add(StatColumn::max_over_mean(p + "load_max_mean", e.experts)
+                         .summarized("moe load max/mean", StatSummary::Max));
+  if (e.capacity_factor > 0)
+    c.drop = stats.add(StatColumn::fraction_of(p + "drop", p + "load_max_mean"));
+  return c;
+}
+
+void MoeLayer::after_optimizer_step(TensorTable& table, const StepStats& stats) const {
+  if (bias_ < 0 || !stats_) return;
+  // Every rank holds the same global counts, so the replicated biases stay identical.
+  const double* counts = stats.host(cols_.load);
+  update_router_bias(table, bias_, std::vector<double>(counts, counts + E_), cfg_.bias_update_rate);
+}
+
 MoeLayer::MoeLayer(const ModelCfg& m, const MoeCfg& e, const std::string& prefix,
                    std::int64_t max_tokens, TensorTable& table, const Communicator* ep,
-                   const DataComm* ep_data)
+                   const DataComm* ep_data, StepStats* stats, int block)
     : D_(m.d_model), E_(e.experts), k_(e.top_k), Fe_(e.expert_hidden),
       P_(ep ? ep->size() : 1), El_(e.experts / P_), e0_(ep ? ep->rank() * El_ : 0), cfg_(e),
+      stats_(stats),
       buckets_(max_tokens * e.top_k, e.experts) {
+  if (stats_) cols_ = declare_stats(*stats_, block, e);
   KMOE_REQUIRE(E_ % P_ == 0, "moe.experts (" << E_ << ") must be divisible by parallel.ep ("
                                              << P_ << ")");
   const double std = m.init_std;
@@ -218,6 +239,14 @@ MoeStats MoeLayer::forward(const TensorTable& table, ConstMat x, Mat y) {
   for (int e = 0; e < E; ++e) stats.lb += double(stats.load[e]) / N * (hs(e) / N);
   stats.lb *= double(E) / k;
   stats.rz = hs(E) / N;
+  aux_loss_ = cfg_.lb_coef * stats.lb + cfg_.z_coef * stats.rz;
+  if (stats_) {
+    stats_->host(cols_.lb)[0] += stats.lb;
+    stats_->host(cols_.rz)[0] += stats.rz;
+    double* load = stats_->host(cols_.load);
+    for (int e = 0; e < E; ++e) load[e] += stats.load[e];
+    if (cols_.drop >= 0) stats_->host(cols_.drop)[0] += stats.dropped;
+  }
   return stats;
 }
 

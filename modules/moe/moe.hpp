@@ -17,6 +17,7 @@
 
 #include "core/bucket_sort.hpp"
 #include "core/kokkos_types.hpp"
+#include "core/step_stats.hpp"
 #include "core/config.hpp"
 #include "modules/mlp/swiglu.hpp"
 #include "modules/moe/moe_dispatch.hpp"
@@ -49,6 +50,14 @@ struct MoeScratch {
 void update_router_bias(TensorTable& table, int bias_index, const std::vector<double>& counts,
                         double gamma);
 
+// An MoE layer's metrics.csv columns (MODEL.md section 3 metrics): moe<l>_lb and moe<l>_rz (mean
+// over the step's micro-batches), moe<l>_load_max_mean (the busiest expert's assignments over
+// the mean; its E accumulators are the step's global counts) and, with a capacity, moe<l>_drop
+// (dropped assignments over all).
+struct MoeStatColumns {
+  int lb = -1, rz = -1, load = -1, drop = -1;
+};
+
 class MoeLayer {
  public:
   // Declares <prefix>router [E, D], experts.w1/w3 [E, Fe, D], experts.w2 [E, D, Fe] and, with
@@ -56,12 +65,18 @@ class MoeLayer {
   // `ep`: the expert-parallel group (null or one rank: all experts here). Expert tensors are
   // declared as this rank's row block [E/P experts] of the global [E, ...] shape.
   // Counts go over `ep` (MPI, host), rows over `ep_data` (its data plane; ep when null).
+  // With `stats`, every forward adds its report to the columns of block `block`.
   MoeLayer(const ModelCfg& m, const MoeCfg& e, const std::string& prefix,
            std::int64_t max_tokens, TensorTable& table, const Communicator* ep = nullptr,
-           const DataComm* ep_data = nullptr);
+           const DataComm* ep_data = nullptr, StepStats* stats = nullptr, int block = 0);
 
-  // x: (N, D) -> y: (N, D); saves what backward needs.
+  // Declares (or finds) the columns of the MoE layer at `block`.
+  static MoeStatColumns declare_stats(StepStats& stats, int block, const MoeCfg& e);
+
+  // x: (N, D) -> y: (N, D); saves what backward needs. Returns this micro-batch's report.
   MoeStats forward(const TensorTable& table, ConstMat x, Mat y);
+  // lb_coef * LB + z_coef * RZ of the last forward: its term of the step loss.
+  double aux_loss() const { return aux_loss_; }
   // dy: (N, D) -> dx: (N, D) (assigned). aux_scale weights this micro-batch's LB and RZ terms in
   // the step loss (1 / micro-batches per step).
   void backward(TensorTable& table, ConstMat x, ConstMat dy, Mat dx, MoeScratch& s,
@@ -69,6 +84,9 @@ class MoeLayer {
 
   // The router_bias buffer's table index, or -1 without aux-loss-free balancing.
   int bias_index() const { return bias_; }
+  // After the step's optimizer update: the router bias from the step's global expert counts
+  // (`stats` summed over the world).
+  void after_optimizer_step(TensorTable& table, const StepStats& stats) const;
 
   // Routing of the last forward: (N*k) expert ids, token-major (the buffer's first N*k).
   ConstIVec selected() const { return ConstIVec(sel_.data(), sel_.extent(0)); }
@@ -85,6 +103,9 @@ class MoeLayer {
   int P_ = 1, El_, e0_ = 0;  // ep group size, experts per rank, first local expert
   MoeCfg cfg_;
   int router_, w1_, w3_, w2_, bias_ = -1;
+  StepStats* stats_ = nullptr;
+  MoeStatColumns cols_;
+  double aux_loss_ = 0.0;
   std::unique_ptr<SwigluMlp> shared_;
   KeyBuckets buckets_;
   // Saved for backward, sized for max_tokens.

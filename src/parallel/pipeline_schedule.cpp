@@ -30,7 +30,7 @@ std::vector<PipeOp> pipeline_schedule(PipeSchedule kind, int P, int s, int M) {
   return ops;
 }
 
-int schedule_slots(const std::vector<PipeOp>& ops) {
+int max_in_flight(const std::vector<PipeOp>& ops) {
   int live = 0, most = 0;
   for (const PipeOp& op : ops) {
     live += op.forward ? 1 : -1;

@@ -73,7 +73,7 @@ void ProcessGrid::build_data_plane(const ParallelCfg& cfg) {
       data_.emplace_back(axis, std::make_unique<StagedMpiComm>(*axis));
 }
 
-const DataComm& ProcessGrid::data(const Communicator& axis) const {
+const DataComm& ProcessGrid::data_plane(const Communicator& axis) const {
   for (const auto& [mpi, dc] : data_)
     if (mpi == &axis) return *dc;
   return axis;

@@ -46,7 +46,7 @@ class ProcessGrid {
   // The data plane of an axis (gradients, expert rows, activations): the MPI communicator
   // itself, the NCCL communicator built over it (parallel.backend = nccl), or the MPI one
   // staging device buffers through pinned host memory (device memory, MPI not CUDA-aware).
-  const DataComm& data(const Communicator& axis) const;
+  const DataComm& data_plane(const Communicator& axis) const;
 
  private:
   // Fills data_ from parallel.backend and parallel.cuda_aware_mpi.

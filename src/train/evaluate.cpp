@@ -20,7 +20,7 @@ EvalResult evaluate(Stage& stage, const TensorTable& table, const TokenDataset& 
   // each round's all-to-alls: a replica without a batch in a round runs instance 0 and
   // discards the result.
   const bool lockstep = grid.ep > 1 || (grid.replicas() > 1 && engram_sharded);
-  const DataComm& pipe = grid.data(grid.pipe);
+  const DataComm& pipe = grid.data_plane(grid.pipe);
   for (std::int64_t round = 0; round * R < n_batches; ++round) {
     const std::int64_t c = round * R + grid.replica();
     const bool real = c < n_batches;

@@ -20,7 +20,7 @@ GradReducer::GradReducer(TensorTable& table, const ProcessGrid& grid, double buc
     if (!e.spec.trainable) continue;
     const Communicator* axis = gradient_comm(e.spec, grid);
     if (!axis || axis->size() == 1) continue;
-    const DataComm* c = &grid.data(*axis);
+    const DataComm* c = &grid.data_plane(*axis);
     // Declared back to back, so adjacent in the flat buffer: extend the open bucket downwards.
     Bucket* b = buckets_.empty() ? nullptr : &buckets_.back();
     const bool next = prev == i + 1;
@@ -49,7 +49,7 @@ void GradReducer::finish() {
   pending_.clear();
   next_ = 0;
   if (tied_ >= 0) {
-    const DataComm& tie = grid_.data(grid_.tie);
+    const DataComm& tie = grid_.data_plane(grid_.tie);
     Pending p = tie.start_allreduce_sum(table_.grad(tied_), table_.entry(tied_).size);
     tie.complete(p);
   }

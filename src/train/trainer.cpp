@@ -12,15 +12,32 @@
 #include "core/memory.hpp"
 #include "core/stop_signal.hpp"
 #include "core/timer.hpp"
-#include "io/dump.hpp"
-#include "modules/moe/moe.hpp"
+#include "parallel/layer_comms.hpp"
 #include "parallel/placement.hpp"
 #include "train/optimizer.hpp"
 
 namespace kmoe {
 
+namespace {
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+void require_finite(const StepMetrics& m) {
+  if (std::isfinite(m.loss) && std::isfinite(m.grad_norm)) return;
+  std::ostringstream os;
+  os << "non-finite " << (std::isfinite(m.loss) ? "gradient norm" : "loss") << " at step "
+     << m.step << " (loss " << m.loss << ", gradient norm " << m.grad_norm
+     << "); stopping without a checkpoint";
+  throw NonFiniteError(os.str());
+}
+}  // namespace
+
 Trainer::Trainer(const Config& cfg, ProcessGrid& grid)
-    : cfg_(cfg), grid_(grid), size_(model_size(cfg.model, cfg.moe, cfg.train.micro_batch, cfg.train.seq_len, cfg.engram)) {
+    : cfg_(cfg),
+      grid_(grid),
+      size_(model_size(cfg.model, cfg.moe, cfg.train.micro_batch, cfg.train.seq_len,
+                       cfg.engram)) {
   const auto& t = cfg.train;
   train_data_ = std::make_unique<TokenDataset>(cfg.data.paths, cfg.data.dtype, t.seq_len,
                                                cfg.model.vocab_size, "data.paths");
@@ -33,18 +50,17 @@ Trainer::Trainer(const Config& cfg, ProcessGrid& grid)
                                                cfg.model.vocab_size, "data.val_paths");
   stream_ = std::make_unique<InstanceStream>(train_data_->num_instances(), t.seed);
 
-  // This rank's micro-batches per step and the pipeline schedule over them; one activation
-  // slot (a Stage bound to the same parameters) per micro-batch the schedule keeps in flight.
+  // This rank's micro-batches per step and the pipeline schedule over them; one Stage instance
+  // per micro-batch the schedule keeps in flight, all on the same parameters.
   const int n_micro = t.global_batch / t.micro_batch;
   schedule_ = pipeline_schedule(cfg.parallel.schedule, grid.pp, grid.pp_rank,
                                 n_micro / grid.replicas());
   const StagePlan plan = StagePlan::of(grid);
   const LayerComms comms = layer_comms(cfg, grid);
-  const int n_slots = schedule_slots(schedule_);
-  for (int i = 0; i < n_slots; ++i) {
-    slots_.push_back(std::make_unique<Stage>(cfg.model, cfg.moe, t.micro_batch, t.seq_len, table_,
-                                             cfg.engram, plan, comms));
-    if (i == 0) {
+  for (int i = 0; i < max_in_flight(schedule_); ++i) {
+    stages_.push_back(std::make_unique<Stage>(cfg.model, cfg.moe, t.micro_batch, t.seq_len,
+                                              table_, cfg.engram, plan, comms, &stats_));
+    if (i == 0) {  // later instances share the first one's tensors
       table_.allocate();
       table_.initialize(t.seed);
     }
@@ -61,7 +77,7 @@ Trainer::Trainer(const Config& cfg, ProcessGrid& grid)
     const auto t0 = std::chrono::steady_clock::now();
     state_ = load_checkpoint(from, cfg, grid, table_, /*with_optimizer=*/true, &changes);
     grid_.world.barrier();
-    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const double secs = seconds_since(t0);
     resumed_ = true;
     if (grid_.is_root()) {
       const double mib = std::filesystem::file_size(from) / (1024.0 * 1024.0);
@@ -72,22 +88,9 @@ Trainer::Trainer(const Config& cfg, ProcessGrid& grid)
       if (!changes.empty()) std::printf("deck changes since the checkpoint:%s\n", changes.c_str());
     }
   }
-  for (int l = 0; l < cfg.model.n_layers; ++l) {
-    if (!cfg.moe.is_moe_layer(l)) continue;
-    moe_layers_.push_back(l);
-    const std::string p = "moe" + std::to_string(l) + "_";
-    for (const char* c : {"lb", "rz", "load_max_mean"}) moe_columns_.push_back(p + c);
-    if (cfg.moe.capacity_factor > 0) moe_columns_.push_back(p + "drop");
-  }
-  for (int l = 0; l < cfg.model.n_layers; ++l)  // block order
-    if (std::find(cfg.engram.layers.begin(), cfg.engram.layers.end(), l) != cfg.engram.layers.end()) {
-      engram_layers_.push_back(l);
-      for (const char* c : {"_gate", "_rows_touched"})
-        moe_columns_.push_back("engram" + std::to_string(l) + c);
-    }
-  moe_columns_.push_back("comm_s");  // seconds this step waited on communication (rank 0)
   if (grid_.is_root()) {
-    metrics_ = std::make_unique<MetricsWriter>(cfg.output.dir, /*append=*/resumed_, moe_columns_);
+    metrics_ = std::make_unique<MetricsWriter>(cfg.output.dir, /*append=*/resumed_,
+                                               stats_.names());
     std::ofstream(cfg.output.dir + "/deck.resolved") << cfg.resolved_text;
   }
 }
@@ -95,7 +98,8 @@ Trainer::Trainer(const Config& cfg, ProcessGrid& grid)
 void Trainer::load_positions(std::int64_t first, int count) {
   const int T = cfg_.train.seq_len;
   for (int i = 0; i < count; ++i)
-    train_data_->read_instance(stream_->instance_at(first + i), host_tokens_.data() + std::size_t(i) * T);
+    train_data_->read_instance(stream_->instance_at(first + i),
+                               host_tokens_.data() + std::size_t(i) * T);
 }
 
 StepMetrics Trainer::train_step(int step) {
@@ -111,40 +115,21 @@ StepMetrics Trainer::train_step(int step) {
   PhaseTimer timer;
 
   Kokkos::deep_copy(table_.grads, 0.0f);
+  stats_.begin_step();
   const auto& dumps = cfg_.output.dump_step;
   const bool dump = std::find(dumps.begin(), dumps.end(), step) != dumps.end();
   StepDump d{step, 0, 0, 0, 0, 0, {}, t.global_batch, T, {}, cfg_.moe.top_k};
   double sums[3] = {0.0, 0.0, 0.0};  // CE, z and MoE aux sums over this rank's micro-batches
-  // Per MoE layer of the model: LB sum, RZ sum, dropped, then E loads (summed over
-  // micro-batches; each layer's stage fills its rows, the others leave 0).
-  const int E = cfg_.moe.experts, per_layer = 3 + E;
-  std::vector<double> moe_sums(moe_layers_.size() * per_layer, 0.0);
-  auto moe_row = [&](int block) {
-    const auto it = std::find(moe_layers_.begin(), moe_layers_.end(), block);
-    return moe_sums.data() + (it - moe_layers_.begin()) * per_layer;
-  };
-  // Per Engram layer of the model: the mean gate summed over micro-batches, then the fraction
-  // of rows touched (filled below).
-  std::vector<double> engram_stats(2 * engram_layers_.size(), 0.0);
-  auto engram_row = [&](int block) {
-    const auto it = std::find(engram_layers_.begin(), engram_layers_.end(), block);
-    return engram_stats.data() + 2 * (it - engram_layers_.begin());
-  };
-  for (auto& slot : slots_)
-    for (const auto& [block, layer] : slot->engram_layers()) {
-      layer->reset_touched();
-      layer->take_gate_sum();  // evaluation forwards count nothing
-    }
 
   // The rank's micro-batches i = 0..M-1 are the step's micro-batches j = me + i*R (RUNTIME.md
-  // section 2), run in schedule order; micro-batch i lives in activation slot i mod S.
-  const int S = static_cast<int>(slots_.size());
-  std::vector<Pending> sends(S);  // a slot's outgoing transfer, done before the slot is reused
-  const DataComm& pipe = grid_.data(grid_.pipe);
+  // section 2), run in schedule order; micro-batch i runs on Stage instance i mod S.
+  const int S = static_cast<int>(stages_.size());
+  std::vector<Pending> sends(S);  // an instance's outgoing transfer, done before its reuse
+  const DataComm& pipe = grid_.data_plane(grid_.pipe);
   timer.start();
   for (std::size_t k = 0; k < schedule_.size(); ++k) {
     const PipeOp op = schedule_[k];
-    Stage& slot = *slots_[op.micro % S];
+    Stage& stage = *stages_[op.micro % S];
     Pending& out = sends[op.micro % S];
     if (op.forward) {
       const int j = me + op.micro * R;
@@ -152,35 +137,28 @@ StepMetrics Trainer::train_step(int step) {
       load_positions(state_.next_position + std::int64_t(j) * b, b);
       timer.stop(phases_.data);
       if (!grid_.first_stage()) {
-        pipe.recv(slot.input_buffer(), acts, grid_.pp_rank - 1);
-        timer.stop(phases_.comm);
+        pipe.recv(stage.input_buffer(), acts, grid_.pp_rank - 1);
+        timer.stop(phases_.pipeline);
       }
-      const LossSums s = slot.forward(table_, host_tokens_.data(), b, grad_scale);
-      if (!grid_.last_stage()) out = pipe.start_send(slot.output(), acts, grid_.pp_rank + 1);
+      const LossSums s = stage.forward(table_, host_tokens_.data(), b, grad_scale);
+      if (!grid_.last_stage()) out = pipe.start_send(stage.output(), acts, grid_.pp_rank + 1);
       timer.stop(phases_.forward);
-      if (dump) record_routes(slot, d, std::int64_t(j) * b * T);
+      if (dump) record_routes(stage, d, std::int64_t(j) * b * T);
       sums[0] += s.ce;
       sums[1] += s.z;
       sums[2] += s.moe_aux;
-      for (const auto& [block, st] : s.moe) {
-        double* acc = moe_row(block);
-        acc[0] += st.lb;
-        acc[1] += st.rz;
-        acc[2] += st.dropped;
-        for (int e = 0; e < E; ++e) acc[3 + e] += st.load[e];
-      }
     } else {
       if (!grid_.last_stage()) {
-        pipe.recv(slot.output_grad_buffer(), acts, grid_.pp_rank + 1);
-        timer.stop(phases_.comm);
+        pipe.recv(stage.output_grad_buffer(), acts, grid_.pp_rank + 1);
+        timer.stop(phases_.pipeline);
       }
       // The step's last backward finalizes the gradients: buckets start as they complete.
       const bool last = k + 1 == schedule_.size();
-      const float* dx = slot.backward(
+      const float* dx = stage.backward(
           table_, last ? std::function<void(int)>([this](int i) { reducer_->ready_from(i); })
                        : std::function<void(int)>());
       if (!grid_.first_stage()) {
-        pipe.complete(out);  // a middle stage's activation send of this slot (long received)
+        pipe.complete(out);  // a middle stage's activation send of this instance (long received)
         out = pipe.start_send(dx, acts, grid_.pp_rank - 1);
       }
       timer.stop(phases_.backward);
@@ -188,122 +166,81 @@ StepMetrics Trainer::train_step(int step) {
   }
   for (auto& p : sends) pipe.complete(p);
   reducer_->finish();
-  // Loss terms, MoE and Engram statistics: each rank holds its own micro-batches' share of the
+  // Loss terms and the layers' statistics: each rank holds its own micro-batches' share of the
   // layers on its stage; a sum over the world assembles the global batch.
   grid_.world.allreduce_sum(sums, 3);
-  grid_.world.allreduce_sum(moe_sums.data(), moe_sums.size());
-  for (auto& slot : slots_)  // each forward's mean gate, summed on the device
-    for (const auto& [block, layer] : slot->engram_layers())
-      engram_row(block)[0] += layer->take_gate_sum();
-  for (const auto& [block, layer] : slots_[0]->engram_layers()) {
-    // Distinct rows looked up by the whole global batch: lookup counts summed over the slots
-    // and the stage's ranks.
-    auto counts = Kokkos::create_mirror_view_and_copy(HostSpace(), layer->touched());
-    for (int i = 1; i < S; ++i) {
-      for (const auto& [b2, other] : slots_[i]->engram_layers()) {
-        if (b2 != block) continue;
-        auto more = Kokkos::create_mirror_view_and_copy(HostSpace(), other->touched());
-        for (std::size_t r = 0; r < counts.size(); ++r) counts(r) += more(r);
-      }
-    }
-    grid_.stage.allreduce_sum(counts.data(), counts.size());
-    std::int64_t used = 0;
-    for (std::size_t r = 0; r < counts.size(); ++r) used += counts(r) > 0;
-    if (grid_.replica() == 0) engram_row(block)[1] = double(used) / counts.size();
-  }
-  grid_.world.allreduce_sum(engram_stats.data(), engram_stats.size());
-  timer.stop(phases_.comm);
+  stats_.gather_device();
+  stages_[0]->finish_step(stats_, grid_);
+  grid_.world.allreduce_sum(stats_.sums(), stats_.num_sums());
+  timer.stop(phases_.reduce);
 
-  const double total_targets = n_micro * targets_per_micro;
   StepMetrics m;
   m.step = step;
+  const double total_targets = n_micro * targets_per_micro;
   m.ce = sums[0] / total_targets;
   // Step loss = mean over micro-batches of CE_mb + zc Z_mb + MoE aux_mb (MODEL.md section 2).
   m.aux = cfg_.model.output_z_coef * sums[1] / total_targets + sums[2] / n_micro;
   m.loss = m.ce + m.aux;
-  for (std::size_t i = 0; i < moe_layers_.size(); ++i) {
-    const double* acc = moe_sums.data() + i * per_layer;
-    double max_load = 0.0, total = 0.0;
-    for (int e = 0; e < E; ++e) {
-      max_load = std::max(max_load, acc[3 + e]);
-      total += acc[3 + e];
-    }
-    const std::string p = "moe" + std::to_string(moe_layers_[i]) + "_";
-    m.extra.emplace_back(p + "lb", acc[0] / n_micro);
-    m.extra.emplace_back(p + "rz", acc[1] / n_micro);
-    m.extra.emplace_back(p + "load_max_mean", total > 0 ? max_load / (total / E) : 0.0);
-    if (cfg_.moe.capacity_factor > 0) m.extra.emplace_back(p + "drop", acc[2] / total);
-  }
-  for (std::size_t i = 0; i < engram_layers_.size(); ++i) {
-    const std::string p = "engram" + std::to_string(engram_layers_[i]);
-    m.extra.emplace_back(p + "_gate", engram_stats[2 * i] / n_micro);
-    m.extra.emplace_back(p + "_rows_touched", engram_stats[2 * i + 1]);
-  }
+  m.layer_stats = stats_.finish(n_micro);
+  m.summaries = stats_.summaries(m.layer_stats);
   // Every parameter once: each rank sums the squares of what it owns.
   double sq = grad_sq_sum(table_, &owned_);
   grid_.world.allreduce_sum(&sq, 1);
   m.grad_norm = std::sqrt(sq);
   m.lr = learning_rate(cfg_.optimizer, t.max_steps, step);
-  if (!std::isfinite(m.loss) || !std::isfinite(m.grad_norm)) {
-    std::ostringstream os;
-    os << "non-finite " << (std::isfinite(m.loss) ? "gradient norm" : "loss") << " at step "
-       << step << " (loss " << m.loss << ", gradient norm " << m.grad_norm
-       << "); stopping without a checkpoint";
-    throw NonFiniteError(os.str());
-  }
+  require_finite(m);
   if (dump) {
-    d.loss = m.loss;
-    d.ce = m.ce;
-    d.aux = m.aux;
-    d.grad_norm = m.grad_norm;
-    d.lr = m.lr;
-    for (auto& route : d.routes) grid_.world.allreduce_sum(route.second.data(), route.second.size());
-    load_positions(state_.next_position, t.global_batch);
-    d.tokens.assign(host_tokens_.begin(), host_tokens_.end());
-    write_step_dump(cfg_, grid_, table_, d);
+    write_dump(d, m);
     timer.stop(phases_.checkpoint);
   }
   const double clip = cfg_.optimizer.clip;
   const double clip_scale = clip > 0 ? std::min(1.0, clip / (m.grad_norm + 1e-6)) : 1.0;
   adamw_step(cfg_.optimizer, table_, step, m.lr, clip_scale);
-  if (cfg_.moe.bias_update_rate > 0) {
-    // Every rank holds the same global counts, so the replicated biases stay identical; each
-    // stage updates the biases of its own MoE blocks.
-    for (std::size_t i = 0; i < moe_layers_.size(); ++i) {
-      const double* acc = moe_sums.data() + i * per_layer + 3;
-      const int idx = table_.find("blocks." + std::to_string(moe_layers_[i]) + ".moe.router_bias");
-      if (idx < 0) continue;
-      update_router_bias(table_, idx, std::vector<double>(acc, acc + E), cfg_.moe.bias_update_rate);
-    }
-  }
+  stages_[0]->after_optimizer_step(table_, stats_);
   timer.stop(phases_.optimizer);
 
   state_.step = step;
   state_.next_position += t.global_batch;
   state_.tokens_seen += std::int64_t(t.global_batch) * T;
+  const double comm_s = comm_wait_seconds() - comm_at_start;
+  phases_.comm_wait += comm_s;
+  add_throughput(m, seconds_since(t_step), comm_s);
+  return m;
+}
 
-  m.step_time_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_step).count();
-  m.step_time_s = grid_.world.allreduce_max(m.step_time_s);
-  const double tokens = double(t.global_batch) * T;
+void Trainer::add_throughput(StepMetrics& m, double seconds, double comm_seconds) const {
+  m.step_time_s = grid_.world.allreduce_max(seconds);
+  const double tokens = double(cfg_.train.global_batch) * cfg_.train.seq_len;
   m.tokens_per_s = tokens / m.step_time_s;
   m.tokens_per_s_per_rank = m.tokens_per_s / grid_.world.size();
   m.model_flops_per_s = m.tokens_per_s * size_.flops_per_token;
   if (cfg_.output.peak_flops > 0)
     m.mfu = m.model_flops_per_s / (cfg_.output.peak_flops * grid_.world.size());
-  m.extra.emplace_back("comm_s", comm_wait_seconds() - comm_at_start);
-  phases_.comm_wait += comm_wait_seconds() - comm_at_start;
+  m.comm_s = comm_seconds;
   m.mem_hwm_mib = grid_.world.allreduce_max(peak_rss_mib());
-  return m;
 }
 
-void Trainer::record_routes(const Stage& slot, StepDump& d, std::int64_t first_token) {
+void Trainer::write_dump(StepDump& d, const StepMetrics& m) {
+  d.loss = m.loss;
+  d.ce = m.ce;
+  d.aux = m.aux;
+  d.grad_norm = m.grad_norm;
+  d.lr = m.lr;
+  for (auto& route : d.routes) grid_.world.allreduce_sum(route.second.data(), route.second.size());
+  load_positions(state_.next_position, cfg_.train.global_batch);
+  d.tokens.assign(host_tokens_.begin(), host_tokens_.end());
+  write_step_dump(cfg_, grid_, table_, d);
+}
+
+void Trainer::record_routes(const Stage& stage, StepDump& d, std::int64_t first_token) const {
   // Each rank fills its own micro-batches' rows of its stage's MoE layers; the others stay 0,
   // so a sum over the world assembles the global batch exactly.
   if (d.routes.empty())
-    for (int l : moe_layers_)
-      d.routes.emplace_back(l, std::vector<std::int32_t>(std::size_t(d.global_batch) *
-                                                         d.seq_len * d.top_k, 0));
-  for (const auto& [block, route] : slot.moe_routes()) {
+    for (int l = 0; l < cfg_.model.n_layers; ++l)
+      if (cfg_.moe.is_moe_layer(l))
+        d.routes.emplace_back(
+            l, std::vector<std::int32_t>(std::size_t(d.global_batch) * d.seq_len * d.top_k, 0));
+  for (const auto& [block, route] : stage.moe_routes()) {
     auto h = Kokkos::create_mirror_view_and_copy(HostSpace(), route);
     for (auto& r : d.routes)
       if (r.first == block)
@@ -329,31 +266,34 @@ void Trainer::run() {
     const bool eval_now = val_data_ && ((t.eval_every > 0 && step % t.eval_every == 0) ||
                                         step == t.max_steps);
     if (eval_now) {
-      m.val_loss = evaluate(*slots_[0], table_, *val_data_, grid_, t.micro_batch, t.eval_instances,
-                            cfg_.parallel.engram_shard != EngramShardGroup::None)
+      m.val_loss = evaluate(*stages_[0], table_, *val_data_, grid_, t.micro_batch,
+                            t.eval_instances, cfg_.parallel.engram_shard != EngramShardGroup::None)
                        .loss;
       timer.stop(phases_.eval);
     }
     // A stop signal on any rank: every rank checkpoints this step and stops.
-    const int stop = static_cast<int>(grid_.world.allreduce_max(double(static_cast<int>(requested_stop()))));
-    if ((c.every > 0 && step % c.every == 0) || step == t.max_steps || stop) {
+    const auto stop = static_cast<StopKind>(static_cast<int>(
+        grid_.world.allreduce_max(double(static_cast<int>(requested_stop())))));
+    const bool stopping = stop != StopKind::None;
+    if ((c.every > 0 && step % c.every == 0) || step == t.max_steps || stopping) {
       save();
       timer.stop(phases_.checkpoint);
     }
     const bool log_now =
-        step % cfg_.output.log_every == 0 || step == t.max_steps || eval_now || stop;
+        step % cfg_.output.log_every == 0 || step == t.max_steps || eval_now || stopping;
     if (grid_.is_root() && log_now) {
       std::printf("%s\n", MetricsWriter::console_line(m).c_str());
       std::fflush(stdout);
       metrics_->write(m);
     }
-    if (stop && step < t.max_steps) {
+    if (stopping && step < t.max_steps) {
       print_phases();
+      const bool cancel = stop == StopKind::Cancel;
       std::ostringstream os;
-      os << "stopped by " << (stop == 2 ? "SIGTERM" : "SIGUSR1") << " after step " << step
+      os << "stopped by " << (cancel ? "SIGTERM" : "SIGUSR1") << " after step " << step
          << " with checkpoint " << cfg_.checkpoint.dir << "/" << checkpoint_file_name(step)
-         << "; exit code " << (stop == 2 ? "86 (resumable, do not requeue)" : "85 (requeue)");
-      throw StopRequest(stop == 2 ? 86 : 85, os.str());
+         << "; exit code " << (cancel ? "86 (resumable, do not requeue)" : "85 (requeue)");
+      throw StopRequest(cancel ? 86 : 85, os.str());
     }
   }
   print_phases();
@@ -362,7 +302,7 @@ void Trainer::run() {
 void Trainer::save() {
   const auto t0 = std::chrono::steady_clock::now();
   save_checkpoint(cfg_, grid_, table_, state_);
-  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double secs = seconds_since(t0);
   if (grid_.is_root()) {
     const std::string path = cfg_.checkpoint.dir + "/" + checkpoint_file_name(state_.step);
     const double mib = std::filesystem::file_size(path) / (1024.0 * 1024.0);
@@ -375,11 +315,11 @@ void Trainer::save() {
 void Trainer::print_phases() const {
   if (grid_.is_root()) {
     const auto& p = phases_;
-    std::printf("time per phase (rank 0, s): data %.2f forward %.2f backward %.2f reduce %.2f "
-                "optimizer %.2f eval %.2f checkpoint %.2f; waiting on communication in "
-                "training steps %.2f\n",
-                p.data, p.forward, p.backward, p.comm, p.optimizer, p.eval, p.checkpoint,
-                p.comm_wait);
+    std::printf("time per phase (rank 0, s): data %.2f forward %.2f backward %.2f pipeline %.2f "
+                "reduce %.2f optimizer %.2f eval %.2f checkpoint %.2f; waiting on "
+                "communication in training steps %.2f\n",
+                p.data, p.forward, p.backward, p.pipeline, p.reduce, p.optimizer, p.eval,
+                p.checkpoint, p.comm_wait);
   }
 }
 

@@ -1,33 +1,36 @@
-// The training loop (DESIGN.md "one step"): this rank's micro-batches forward and backward
-// through its pipeline stage in schedule order (1F1B or GPipe; activations to the next stage,
-// gradients to the previous), bucketed gradient reduction over the grid, global-norm clipping
-// over every parameter once, AdamW, the learning-rate schedule, metrics, evaluation, dumps and
-// checkpoints.
+// The training loop (docs/ARCHITECTURE.md "One step"): this rank's micro-batches forward and
+// backward through its pipeline stage in schedule order (1F1B or GPipe; activations to the
+// next stage, gradients to the previous), bucketed gradient reduction over the grid, the
+// layers' statistics summed over the world, global-norm clipping over every parameter once,
+// AdamW, the learning-rate schedule, metrics, evaluation, dumps and checkpoints.
 #pragma once
 
 #include <memory>
 #include <vector>
 
-#include "core/error.hpp"
-#include "io/checkpoint.hpp"
 #include "core/config.hpp"
+#include "core/error.hpp"
+#include "core/step_stats.hpp"
+#include "io/checkpoint.hpp"
 #include "io/dump.hpp"
 #include "io/metrics.hpp"
 #include "io/token_data.hpp"
 #include "modules/model/model_size.hpp"
 #include "modules/model/stage.hpp"
+#include "parallel/pipeline_schedule.hpp"
 #include "parallel/process_grid.hpp"
 #include "train/evaluate.hpp"
 #include "train/grad_reducer.hpp"
-#include "parallel/pipeline_schedule.hpp"
 
 namespace kmoe {
 
+// Seconds per phase on this rank over the run.
 struct PhaseTotals {
-  // comm: the step's reductions after the last backward; comm_wait: every wait on
-  // communication inside training steps (all-to-alls, pipeline transfers, reductions).
-  double data = 0, forward = 0, backward = 0, comm = 0, optimizer = 0, eval = 0, checkpoint = 0;
-  double comm_wait = 0;
+  double data = 0, forward = 0, backward = 0;
+  double pipeline = 0;  // waiting for activations / gradients from the neighbouring stages
+  double reduce = 0;    // the step's reductions after the last backward
+  double optimizer = 0, eval = 0, checkpoint = 0;
+  double comm_wait = 0;  // every wait on communication inside training steps
 };
 
 class Trainer {
@@ -44,12 +47,16 @@ class Trainer {
 
  private:
   StepMetrics train_step(int step);
+  // Throughput, MFU, communication wait and memory of a step that took `seconds` here.
+  void add_throughput(StepMetrics& m, double seconds, double comm_seconds) const;
+  // Writes the step dump of output.dump_step (collective).
+  void write_dump(StepDump& d, const StepMetrics& m);
   void print_phases() const;
   // Writes the current state's checkpoint and prints its size and time (rank 0).
   void save();
-  // Copies the MoE routes of the micro-batch `slot` last ran forward (its first token at
+  // Copies the MoE routes of the micro-batch `stage` last ran forward (its first token at
   // `first_token` of the global batch) into a step dump.
-  void record_routes(const Stage& slot, StepDump& d, std::int64_t first_token);
+  void record_routes(const Stage& stage, StepDump& d, std::int64_t first_token) const;
   // Token ids of stream positions [first, first + count) into host_tokens_.
   void load_positions(std::int64_t first, int count);
 
@@ -57,8 +64,10 @@ class Trainer {
   ProcessGrid& grid_;
   ModelSize size_;
   TensorTable table_;
-  // One Stage per activation slot of the pipeline schedule, all on the same parameters.
-  std::vector<std::unique_ptr<Stage>> slots_;
+  StepStats stats_;  // the layers' step statistics (metrics.csv columns after val_loss)
+  // The stage once per micro-batch in flight under the pipeline schedule: micro-batch i runs
+  // on instance i mod size(); all share the parameters in table_ and the statistics.
+  std::vector<std::unique_ptr<Stage>> stages_;
   std::vector<PipeOp> schedule_;
   std::unique_ptr<GradReducer> reducer_;
   std::vector<char> owned_;  // per tensor: counted in the gradient norm here
@@ -67,9 +76,6 @@ class Trainer {
   std::unique_ptr<MetricsWriter> metrics_;  // rank 0 only
   std::vector<std::int32_t> host_tokens_;
   TrainState state_;
-  std::vector<int> moe_layers_;           // MoE block indices (the whole model)
-  std::vector<int> engram_layers_;        // Engram block indices (the whole model)
-  std::vector<std::string> moe_columns_;  // their metrics columns
   bool resumed_ = false;
   PhaseTotals phases_;
 };

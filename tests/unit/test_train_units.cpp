@@ -728,7 +728,7 @@ TEST(Schedule, OneFOneBAndGPipe) {
             EXPECT_GT(b[i], f[i]) << kind << " P " << P << " s " << s << " M " << M;
           }
           EXPECT_EQ(ops.size(), std::size_t(2 * M));
-          const int slots = schedule_slots(ops);
+          const int slots = max_in_flight(ops);
           const bool gpipe = std::string(kind) == "gpipe" && P > 1;
           EXPECT_EQ(slots, P == 1 ? 1 : (gpipe ? M : std::min(P - s, M)));
           // Micro-batch i uses slot i mod slots: free again once i - slots is backwarded.
