@@ -8,7 +8,8 @@ int main(int argc, char** argv) {
   Kokkos::ScopeGuard kokkos(argc, argv);
   using namespace kmoe;
   // The tiny model's projection shapes, then large squares for the machine's peak.
-  const int sizes[][3] = {{2048, 768, 256}, {2048, 256, 768}, {1024, 1024, 1024}, {2048, 2048, 2048}};
+  const int sizes[][3] = {
+      {2048, 768, 256}, {2048, 256, 768}, {1024, 1024, 1024}, {2048, 2048, 2048}};
   double peak = 0.0;
   for (const auto& s : sizes) {
     const int m = s[0], n = s[1], k = s[2];
@@ -19,7 +20,8 @@ int main(int argc, char** argv) {
     const int reps = m * n * k > (1 << 30) ? 4 : 20;
     Kokkos::fence();
     auto t0 = std::chrono::steady_clock::now();
-    for (int r = 0; r < reps; ++r) gemm(Trans::N, Trans::T, 1.0f, as_cmat(a), as_cmat(b), 0.0f, as_mat(c));
+    for (int r = 0; r < reps; ++r)
+      gemm(Trans::N, Trans::T, 1.0f, as_cmat(a), as_cmat(b), 0.0f, as_mat(c));
     Kokkos::fence();
     double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     const double rate = 2.0 * m * n * k * reps / dt / 1e9;

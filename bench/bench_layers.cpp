@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "core/gemm.hpp"
 #include "modules/attention/attention.hpp"
 #include "modules/embedding/embedding.hpp"
 #include "modules/engram/engram.hpp"
@@ -15,7 +16,6 @@
 #include "modules/mlp/swiglu.hpp"
 #include "modules/model/stage.hpp"
 #include "modules/moe/moe.hpp"
-#include "core/gemm.hpp"
 #include "modules/norm/rmsnorm.hpp"
 
 using namespace kmoe;
@@ -50,12 +50,18 @@ int main(int argc, char** argv) {
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i];
     const int v = std::stoi(argv[i + 1]);
-    if (k == "--d_model") m.d_model = v;
-    else if (k == "--n_heads") m.n_heads = m.n_kv_heads = v;
-    else if (k == "--ffn_hidden") m.ffn_hidden = v;
-    else if (k == "--seq_len") T = v;
-    else if (k == "--micro_batch") b = v;
-    else if (k == "--reps") reps = v;
+    if (k == "--d_model")
+      m.d_model = v;
+    else if (k == "--n_heads")
+      m.n_heads = m.n_kv_heads = v;
+    else if (k == "--ffn_hidden")
+      m.ffn_hidden = v;
+    else if (k == "--seq_len")
+      T = v;
+    else if (k == "--micro_batch")
+      b = v;
+    else if (k == "--reps")
+      reps = v;
   }
   const int N = b * T, D = m.d_model, F = m.ffn_hidden, V = m.vocab_size;
   TensorTable table;
@@ -87,11 +93,13 @@ int main(int argc, char** argv) {
   View1F g("g", D);
   Kokkos::deep_copy(g, 1.0f);
 
-  const double attn_proj = 2.0 * N * D * (4.0 * D), attn_core = 2.0 * 2.0 * b * m.n_heads * T * T * m.head_dim();
+  const double attn_proj = 2.0 * N * D * (4.0 * D),
+               attn_core = 2.0 * 2.0 * b * m.n_heads * T * T * m.head_dim();
   const double mlp_f = 2.0 * N * D * 3.0 * F, head_f = 2.0 * N * D * V;
   std::printf("bench_layers: N = %d tokens (b %d x T %d), D %d, H %d, F %d, V %d\n", N, b, T, D,
               m.n_heads, F, V);
-  report("attention forward", time_it(reps, [&] { attn.forward(table, rope, as_cmat(x), as_mat(y), as); }),
+  report("attention forward",
+         time_it(reps, [&] { attn.forward(table, rope, as_cmat(x), as_mat(y), as); }),
          attn_proj + attn_core);
   report("attention backward",
          time_it(reps, [&] { attn.backward(table, rope, as_cmat(x), as_cmat(dx), as_mat(y), as); }),
@@ -104,19 +112,21 @@ int main(int argc, char** argv) {
     View2F up("up", N, 2 * F), act("act", N, F), dup("dup", N, 2 * F);
     Kokkos::deep_copy(up, 0.3f);
     report("swiglu activate", time_it(reps, [&] { swiglu_activate(as_cmat(up), as_mat(act)); }), 0);
-    report("swiglu activate backward", time_it(reps, [&] {
-             swiglu_activate_backward(as_cmat(up), as_cmat(act), as_mat(dup));
-           }), 0);
+    report("swiglu activate backward",
+           time_it(reps, [&] { swiglu_activate_backward(as_cmat(up), as_cmat(act), as_mat(dup)); }),
+           0);
   }
   report("rmsnorm forward",
-         time_it(reps, [&] {
-           rmsnorm_forward(as_cmat(x), ConstVec(g.data(), D), 1e-6f, ConstMat(), as_mat(y),
-                           Vec(rstd.data(), N));
-         }),
+         time_it(reps,
+                 [&] {
+                   rmsnorm_forward(as_cmat(x), ConstVec(g.data(), D), 1e-6f, ConstMat(), as_mat(y),
+                                   Vec(rstd.data(), N));
+                 }),
          0);
-  report("head + loss forward",
-         time_it(reps, [&] { head.forward(table, as_cmat(x), ConstIVec(tokens.data(), N), T, 1.0f); }),
-         head_f);
+  report(
+      "head + loss forward",
+      time_it(reps, [&] { head.forward(table, as_cmat(x), ConstIVec(tokens.data(), N), T, 1.0f); }),
+      head_f);
   report("head backward", time_it(reps, [&] { head.backward(table, as_cmat(x), as_mat(y)); }),
          2 * head_f);
   {
@@ -145,15 +155,15 @@ int main(int argc, char** argv) {
         const int n = st.load[ex];
         auto in = as_mat(rows.data(), n, D);
         auto a = as_mat(h1.data(), n, Fe), b = as_mat(h2.data(), n, Fe);
-        gemm(Trans::N, Trans::T, 1.0f, as_cmat(in), as_cmat(w13), 0.0f, a);  // up1
-        gemm(Trans::N, Trans::T, 1.0f, as_cmat(in), as_cmat(w13), 0.0f, b);  // up3
-        gemm(Trans::N, Trans::T, 1.0f, as_cmat(a), as_cmat(w2), 0.0f, in);   // down
-        gemm(Trans::N, Trans::N, 1.0f, as_cmat(in), as_cmat(w2), 0.0f, a);   // d act
-        gemm(Trans::T, Trans::N, 1.0f, as_cmat(in), as_cmat(b), 1.0f, as_mat(w2));  // d w2
+        gemm(Trans::N, Trans::T, 1.0f, as_cmat(in), as_cmat(w13), 0.0f, a);          // up1
+        gemm(Trans::N, Trans::T, 1.0f, as_cmat(in), as_cmat(w13), 0.0f, b);          // up3
+        gemm(Trans::N, Trans::T, 1.0f, as_cmat(a), as_cmat(w2), 0.0f, in);           // down
+        gemm(Trans::N, Trans::N, 1.0f, as_cmat(in), as_cmat(w2), 0.0f, a);           // d act
+        gemm(Trans::T, Trans::N, 1.0f, as_cmat(in), as_cmat(b), 1.0f, as_mat(w2));   // d w2
         gemm(Trans::T, Trans::N, 1.0f, as_cmat(a), as_cmat(in), 1.0f, as_mat(w13));  // d w1
         gemm(Trans::T, Trans::N, 1.0f, as_cmat(b), as_cmat(in), 1.0f, as_mat(w13));  // d w3
-        gemm(Trans::N, Trans::N, 1.0f, as_cmat(a), as_cmat(w13), 0.0f, in);  // d in (w1)
-        gemm(Trans::N, Trans::N, 1.0f, as_cmat(b), as_cmat(w13), 1.0f, in);  // d in (w3)
+        gemm(Trans::N, Trans::N, 1.0f, as_cmat(a), as_cmat(w13), 0.0f, in);          // d in (w1)
+        gemm(Trans::N, Trans::N, 1.0f, as_cmat(b), as_cmat(w13), 1.0f, in);          // d in (w3)
       }
     });
     const double t_dense = time_it(reps, [&] {
@@ -197,13 +207,16 @@ int main(int argc, char** argv) {
     const double gathered = double(N) * eng.memory_width() * sizeof(float);
     std::printf("  engram layer (N %d, K %d, De %d, d_mem %d, %lld rows = %.1f MiB table)\n",
                 g.max_ngram, g.heads, g.embed_per_ngram, eng.memory_width(),
-                static_cast<long long>(rows), rows * (g.embed_per_ngram / g.heads) * 4.0 / (1 << 20));
-    std::printf("    lookup (hash + gather)   %9.3f ms = %.2f us/token, %.2f GB/s of rows gathered\n",
-                1e3 * t_look, 1e6 * t_look / N, gathered / t_look / 1e9);
+                static_cast<long long>(rows),
+                rows * (g.embed_per_ngram / g.heads) * 4.0 / (1 << 20));
+    std::printf(
+        "    lookup (hash + gather)   %9.3f ms = %.2f us/token, %.2f GB/s of rows gathered\n",
+        1e3 * t_look, 1e6 * t_look / N, gathered / t_look / 1e9);
     std::printf("    forward                  %9.3f ms = %.2f us/token\n", 1e3 * t_fwd,
                 1e6 * t_fwd / N);
-    std::printf("    forward + backward       %9.3f ms = %.2f us/token (projections %.1f GFLOP/s)\n",
-                1e3 * t_fb, 1e6 * t_fb / N, 3 * 2.0 * 2.0 * N * D * eng.memory_width() / t_fb / 1e9);
+    std::printf(
+        "    forward + backward       %9.3f ms = %.2f us/token (projections %.1f GFLOP/s)\n",
+        1e3 * t_fb, 1e6 * t_fb / N, 3 * 2.0 * 2.0 * N * D * eng.memory_width() / t_fb / 1e9);
   }
   {
     ModelCfg full = m;
@@ -218,10 +231,11 @@ int main(int argc, char** argv) {
     report("stage forward (4 layers)",
            time_it(reps, [&] { stage.forward(t2, ids.data(), b, 1.0f / N); }), 0);
     report("stage forward+backward",
-           time_it(reps, [&] {
-             stage.forward(t2, ids.data(), b, 1.0f / N);
-             stage.backward(t2);
-           }),
+           time_it(reps,
+                   [&] {
+                     stage.forward(t2, ids.data(), b, 1.0f / N);
+                     stage.backward(t2);
+                   }),
            0);
   }
   return 0;

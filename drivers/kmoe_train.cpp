@@ -65,16 +65,15 @@ void print_dry_run(const kmoe::Config& cfg, const kmoe::ProcessGrid& grid) {
                               << "train.global_batch (" << cfg.train.global_batch << ")");
   std::int64_t val = 0;
   if (!cfg.data.val_paths.empty())
-    val = TokenDataset(cfg.data.val_paths, cfg.data.dtype, cfg.train.seq_len,
-                       cfg.model.vocab_size, "data.val_paths")
+    val = TokenDataset(cfg.data.val_paths, cfg.data.dtype, cfg.train.seq_len, cfg.model.vocab_size,
+                       "data.val_paths")
               .num_instances();
   if (!grid.is_root()) return;
   const double mib = 1024.0 * 1024.0;
   std::printf("dry run: grid pp %d x dp %d x ep %d = %d ranks\n", grid.pp, grid.dp, grid.ep,
               grid.world.size());
-  std::printf("  parameters: total %lld, active %lld (embedding %lld)\n",
-              (long long)s.total_params, (long long)s.active_params,
-              (long long)s.embedding_params);
+  std::printf("  parameters: total %lld, active %lld (embedding %lld)\n", (long long)s.total_params,
+              (long long)s.active_params, (long long)s.embedding_params);
   std::printf("  model FLOPs per token: %.4g (forward + backward)\n", s.flops_per_token);
   std::printf("  memory per rank (estimate): %.1f MiB state + %.1f MiB activations = %.1f MiB\n",
               s.state_bytes / mib, s.activation_bytes / mib,
@@ -87,29 +86,28 @@ void print_dry_run(const kmoe::Config& cfg, const kmoe::ProcessGrid& grid) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  return kmoe::run_driver(argc, argv, "kmoe-train", std::string(kUsage) + "\n" + kmoe::deck_help(),
-                          [](int argc, char** argv) {
-                            kmoe::install_stop_handlers();
-                            const Args args = parse_args(argc, argv);
-                            const kmoe::Config cfg = kmoe::read_deck(args.deck, args.overrides);
-                            if (args.print_grid) {
-                              int rank = 0;
-                              MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-                              const auto& p = cfg.parallel;
-                              if (rank == 0)
-                                std::printf("pp %d dp %d ep %d ranks %d\nmax_steps %d "
-                                            "checkpoint_dir %s\n",
-                                            p.pp, p.dp, p.ep, p.world(), cfg.train.max_steps,
-                                            cfg.checkpoint.dir.c_str());
-                              return;
-                            }
-                            kmoe::ProcessGrid grid(cfg.parallel, cfg.model.n_layers, MPI_COMM_WORLD);
-                            if (args.dry_run) {
-                              print_dry_run(cfg, grid);
-                              return;
-                            }
-                            if (grid.is_root()) std::cout << cfg.resolved_text << std::endl;
-                            kmoe::Trainer trainer(cfg, grid);
-                            trainer.run();
-                          });
+  return kmoe::run_driver(
+      argc, argv, "kmoe-train", std::string(kUsage) + "\n" + kmoe::deck_help(),
+      [](int argc, char** argv) {
+        kmoe::install_stop_handlers();
+        const Args args = parse_args(argc, argv);
+        const kmoe::Config cfg = kmoe::read_deck(args.deck, args.overrides);
+        if (args.print_grid) {
+          int rank = 0;
+          MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+          const auto& p = cfg.parallel;
+          if (rank == 0)
+            std::printf("pp %d dp %d ep %d ranks %d\nmax_steps %d checkpoint_dir %s\n", p.pp, p.dp,
+                        p.ep, p.world(), cfg.train.max_steps, cfg.checkpoint.dir.c_str());
+          return;
+        }
+        kmoe::ProcessGrid grid(cfg.parallel, cfg.model.n_layers, MPI_COMM_WORLD);
+        if (args.dry_run) {
+          print_dry_run(cfg, grid);
+          return;
+        }
+        if (grid.is_root()) std::cout << cfg.resolved_text << std::endl;
+        kmoe::Trainer trainer(cfg, grid);
+        trainer.run();
+      });
 }

@@ -26,8 +26,8 @@ constexpr std::int64_t kFormatVersion = 1;
 
 // Deck keys that define the trained function: they must match on resume.
 bool is_model_key(const std::string& key) {
-  return key.rfind("model.", 0) == 0 || key.rfind("moe.", 0) == 0 ||
-         key.rfind("engram.", 0) == 0 || key == "train.seq_len" || key == "train.seed";
+  return key.rfind("model.", 0) == 0 || key.rfind("moe.", 0) == 0 || key.rfind("engram.", 0) == 0 ||
+         key == "train.seq_len" || key == "train.seed";
 }
 
 void write_text_atomically(const fs::path& path, const std::string& text) {
@@ -134,8 +134,8 @@ std::string resume_file(const CheckpointCfg& c) {
     std::getline(in, name);
     KMOE_REQUIRE(!name.empty(), latest.string() << " is empty; remove it or set checkpoint.resume");
     const fs::path file = fs::path(c.dir) / name;
-    KMOE_REQUIRE(fs::exists(file), latest.string() << " names " << name
-                                                   << ", which does not exist in " << c.dir);
+    KMOE_REQUIRE(fs::exists(file),
+                 latest.string() << " names " << name << ", which does not exist in " << c.dir);
     return file.string();
   }
   KMOE_REQUIRE(fs::exists(c.resume), "checkpoint.resume = " << c.resume << ": no such file");
@@ -204,9 +204,9 @@ TrainState load_checkpoint(const std::string& path, const Config& cfg, const Pro
   s.step = static_cast<int>(f.attr_int("/", "step"));
   s.tokens_seen = f.attr_int("/", "tokens_seen");
   s.next_position = f.attr_int("/data", "next_position");
-  KMOE_REQUIRE(f.attr_int("/data", "next_step") == s.step + 1 &&
-                   f.attr_int("/optimizer", "step") == s.step,
-               path << ": inconsistent step attributes");
+  KMOE_REQUIRE(
+      f.attr_int("/data", "next_step") == s.step + 1 && f.attr_int("/optimizer", "step") == s.step,
+      path << ": inconsistent step attributes");
   Kokkos::deep_copy(table.params, params);
   if (with_optimizer) {
     Kokkos::deep_copy(table.exp_avg, m);

@@ -7,14 +7,14 @@
 #include <string>
 
 #include "core/config.hpp"
-#include "parallel/process_grid.hpp"
 #include "core/tensor_table.hpp"
+#include "parallel/process_grid.hpp"
 
 namespace kmoe {
 
 // What, besides the tensors, a run needs to continue.
 struct TrainState {
-  int step = 0;                    // steps completed: the file holds the state after it
+  int step = 0;  // steps completed: the file holds the state after it
   std::int64_t tokens_seen = 0;
   std::int64_t next_position = 0;  // data-stream position of step + 1
 };

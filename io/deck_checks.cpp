@@ -164,9 +164,9 @@ void check_moe(const MoeCfg& e, const ModelCfg& m, int ep, const Locate& locate)
                     "moe.top_k must be in [1, moe.experts = " << e.experts << "]");
   KMOE_DECK_REQUIRE(e.expert_hidden >= 1, "moe.expert_hidden",
                     "moe.expert_hidden must be positive when moe.experts > 0");
-  KMOE_DECK_REQUIRE(e.experts % ep == 0, "moe.experts",
-                    "moe.experts (" << e.experts << ") must be divisible by parallel.ep (" << ep
-                                    << ")");
+  KMOE_DECK_REQUIRE(
+      e.experts % ep == 0, "moe.experts",
+      "moe.experts (" << e.experts << ") must be divisible by parallel.ep (" << ep << ")");
   KMOE_DECK_REQUIRE(e.lb_coef >= 0, "moe.lb_coef", "moe.lb_coef must be >= 0");
   KMOE_DECK_REQUIRE(e.z_coef >= 0, "moe.z_coef", "moe.z_coef must be >= 0");
   KMOE_DECK_REQUIRE(e.capacity_factor >= 0, "moe.capacity_factor",
@@ -187,19 +187,18 @@ void check_moe(const MoeCfg& e, const ModelCfg& m, int ep, const Locate& locate)
 
 void check_engram(const EngramCfg& g, const ModelCfg& m, const Locate& locate) {
   for (int l : g.layers)
-    KMOE_DECK_REQUIRE(l >= 0 && l < m.n_layers, "engram.layers",
-                      "engram.layers entry " << l << " is not a block in [0, " << m.n_layers << ")");
+    KMOE_DECK_REQUIRE(
+        l >= 0 && l < m.n_layers, "engram.layers",
+        "engram.layers entry " << l << " is not a block in [0, " << m.n_layers << ")");
   KMOE_DECK_REQUIRE(g.max_ngram >= 2, "engram.max_ngram", "engram.max_ngram must be at least 2");
   KMOE_DECK_REQUIRE(g.heads >= 1, "engram.heads", "engram.heads must be positive");
-  KMOE_DECK_REQUIRE(g.embed_per_ngram >= 1 && g.embed_per_ngram % g.heads == 0,
-                    "engram.embed_per_ngram",
-                    "engram.embed_per_ngram must be a positive multiple of engram.heads ("
-                        << g.heads << ")");
+  KMOE_DECK_REQUIRE(
+      g.embed_per_ngram >= 1 && g.embed_per_ngram % g.heads == 0, "engram.embed_per_ngram",
+      "engram.embed_per_ngram must be a positive multiple of engram.heads (" << g.heads << ")");
   KMOE_DECK_REQUIRE(g.table_size.empty() || int(g.table_size.size()) == g.max_ngram - 1,
                     "engram.table_size",
-                    "engram.table_size needs one entry per order 2.." << g.max_ngram << " ("
-                                                                      << g.max_ngram - 1
-                                                                      << " entries)");
+                    "engram.table_size needs one entry per order 2.."
+                        << g.max_ngram << " (" << g.max_ngram - 1 << " entries)");
   for (int t : g.table_size)
     KMOE_DECK_REQUIRE(t >= 2, "engram.table_size", "engram.table_size entries must be >= 2");
   KMOE_DECK_REQUIRE(g.kernel >= 1, "engram.kernel", "engram.kernel must be positive");

@@ -245,7 +245,8 @@ Schema::Schema(Config& c) : options_("kmoe input deck") {
   section("moe", "mixture of experts (MODEL.md section 3); experts = 0 is a dense model");
   key(c.moe.experts, "experts", 0, "routed experts E; 0 = dense");
   key(c.moe.top_k, "top_k", 2, "experts per token k");
-  key(c.moe.expert_hidden, "expert_hidden", 0, "hidden width Fe of each expert (needed with experts)");
+  key(c.moe.expert_hidden, "expert_hidden", 0,
+      "hidden width Fe of each expert (needed with experts)");
   key(c.moe.layers, "layers", std::vector<int>{},
       "MoE blocks, comma-separated; empty = every block not in dense_layers");
   key(c.moe.dense_layers, "dense_layers", std::vector<int>{},
@@ -262,10 +263,12 @@ Schema::Schema(Config& c) : options_("kmoe input deck") {
       "aux-loss-free balancing rate gamma (DeepSeek-V3); 0 = off");
 
   section("engram", "Engram conditional memory (MODEL.md section 4); no layers = none");
-  key(c.engram.layers, "layers", std::vector<int>{}, "Engram blocks, comma-separated; empty = none");
+  key(c.engram.layers, "layers", std::vector<int>{},
+      "Engram blocks, comma-separated; empty = none");
   key(c.engram.max_ngram, "max_ngram", 3, "largest n-gram order N (orders 2..N)");
   key(c.engram.heads, "heads", 8, "hash heads K per order");
-  key(c.engram.embed_per_ngram, "embed_per_ngram", 512, "memory width De per order (multiple of heads)");
+  key(c.engram.embed_per_ngram, "embed_per_ngram", 512,
+      "memory width De per order (multiple of heads)");
   key(c.engram.table_size, "table_size", std::vector<int>{},
       "base rows per order n = 2..N, comma-separated; empty = 5 * V' each");
   key(c.engram.seed, "seed", std::uint64_t{0}, "seed of the hash multipliers");
@@ -296,7 +299,8 @@ Schema::Schema(Config& c) : options_("kmoe input deck") {
   key(c.optimizer.eps, "eps", 1e-8, "AdamW epsilon");
   key(c.optimizer.weight_decay, "weight_decay", 0.1, "decoupled weight decay");
   key(c.optimizer.clip, "clip", 1.0, "global gradient-norm clip; 0 = off");
-  key(c.optimizer.schedule, "schedule", LrSchedule::Cosine, "cosine | constant | wsd (warmup-stable-decay)");
+  key(c.optimizer.schedule, "schedule", LrSchedule::Cosine,
+      "cosine | constant | wsd (warmup-stable-decay)");
   key(c.optimizer.warmup_steps, "warmup_steps", 0, "linear warmup steps");
   key(c.optimizer.final_lr_ratio, "final_lr_ratio", 0.1, "final lr as a fraction of lr");
   key(c.optimizer.decay_steps, "decay_steps", 0, "wsd: length of the final linear decay");

@@ -11,8 +11,8 @@
 #include <vector>
 
 #include "core/config.hpp"
-#include "parallel/process_grid.hpp"
 #include "core/tensor_table.hpp"
+#include "parallel/process_grid.hpp"
 
 namespace kmoe {
 

@@ -122,9 +122,9 @@ void H5File::write_raw(const std::string& dataset, const std::vector<std::int64_
   // early and would otherwise write the whole dataset twice).
   H5Handle dcpl(H5Pcreate(H5P_DATASET_CREATE), H5Pclose);
   H5Pset_fill_time(dcpl.get(), H5D_FILL_TIME_NEVER);
-  H5Handle d(H5Dcreate2(id(), dataset.c_str(), type, space.get(), lcpl.get(), dcpl.get(),
-                        H5P_DEFAULT),
-             H5Dclose);
+  H5Handle d(
+      H5Dcreate2(id(), dataset.c_str(), type, space.get(), lcpl.get(), dcpl.get(), H5P_DEFAULT),
+      H5Dclose);
   KMOE_REQUIRE(d.get() >= 0, path_ << ": cannot create dataset " << dataset);
   if (!write || shape.empty()) return;
   std::int64_t row_elems = 1;
@@ -132,8 +132,8 @@ void H5File::write_raw(const std::string& dataset, const std::vector<std::int64_
   KMOE_REQUIRE(row_begin >= 0 && row_begin + rows <= shape[0],
                path_ << ": rows [" << row_begin << ", " << row_begin + rows << ") of dataset "
                      << dataset << " outside its " << shape[0] << " rows");
-  const std::int64_t block =
-      std::max<std::int64_t>(1, kMaxTransferBytes / std::max<std::int64_t>(1, row_elems * elem_bytes));
+  const std::int64_t block = std::max<std::int64_t>(
+      1, kMaxTransferBytes / std::max<std::int64_t>(1, row_elems * elem_bytes));
   for (std::int64_t r0 = 0; r0 < rows; r0 += block) {
     const std::int64_t nr = std::min(block, rows - r0);
     std::vector<hsize_t> start(dims.size(), 0), count = dims;
@@ -205,7 +205,8 @@ void H5File::read_rows_f32(const std::string& dataset, const std::vector<std::in
 }
 
 H5Handle H5File::open_or_create_group(const std::string& object) {
-  if (object == "/" || exists(object)) return H5Handle(H5Oopen(id(), object.c_str(), H5P_DEFAULT), H5Oclose);
+  if (object == "/" || exists(object))
+    return H5Handle(H5Oopen(id(), object.c_str(), H5P_DEFAULT), H5Oclose);
   H5Handle lcpl(H5Pcreate(H5P_LINK_CREATE), H5Pclose);
   H5Pset_create_intermediate_group(lcpl.get(), 1);
   H5Handle g(H5Gcreate2(id(), object.c_str(), lcpl.get(), H5P_DEFAULT, H5P_DEFAULT), H5Gclose);

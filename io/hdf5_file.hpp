@@ -76,9 +76,9 @@ class H5File {
 
  private:
   H5File(std::string path, H5Handle file) : path_(std::move(path)), file_(std::move(file)) {}
-  void write_raw(const std::string& dataset, const std::vector<std::int64_t>& shape,
-                 hid_t type, const void* data, std::size_t elem_bytes, bool write,
-                 std::int64_t row_begin, std::int64_t rows);
+  void write_raw(const std::string& dataset, const std::vector<std::int64_t>& shape, hid_t type,
+                 const void* data, std::size_t elem_bytes, bool write, std::int64_t row_begin,
+                 std::int64_t rows);
   H5Handle open_or_create_group(const std::string& object);
 
   std::string path_;

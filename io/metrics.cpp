@@ -43,15 +43,18 @@ void MetricsWriter::write(const StepMetrics& m) {
 }
 
 std::string MetricsWriter::console_line(const StepMetrics& m) {
-  char buf[256];
-  int n = std::snprintf(buf, sizeof buf, "step %6d | loss %.4f | lr %.3e | gnorm %.3f | %.0f tok/s",
-                        m.step, m.loss, m.lr, m.grad_norm, m.tokens_per_s);
+  char buf[512];
+  int n = std::snprintf(buf, sizeof buf,
+                        "step %6d | loss %.4f ce %.4f aux %.4f | lr %.3e | gnorm %.3f | "
+                        "%.0f tok/s (%.0f/rank) | %.2f GFLOP/s",
+                        m.step, m.loss, m.ce, m.aux, m.lr, m.grad_norm, m.tokens_per_s,
+                        m.tokens_per_s_per_rank, m.model_flops_per_s / 1e9);
   std::string line(buf, n);
   if (m.mfu) {
-    n = std::snprintf(buf, sizeof buf, " | mfu %.1f%%", 100.0 * *m.mfu);
+    n = std::snprintf(buf, sizeof buf, " mfu %.1f%%", 100.0 * *m.mfu);
     line.append(buf, n);
   }
-  n = std::snprintf(buf, sizeof buf, " | mem %.0f MiB", m.mem_hwm_mib);
+  n = std::snprintf(buf, sizeof buf, " | %.3f s/step | mem %.0f MiB", m.step_time_s, m.mem_hwm_mib);
   line.append(buf, n);
   if (m.val_loss) {
     n = std::snprintf(buf, sizeof buf, " | val_loss %.4f", *m.val_loss);

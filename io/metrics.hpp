@@ -18,7 +18,7 @@ struct StepMetrics {
   double model_flops_per_s = 0;
   std::optional<double> mfu;  // absent when output.peak_flops is 0
   double step_time_s = 0;
-  double mem_hwm_mib = 0;     // max over ranks
+  double mem_hwm_mib = 0;  // max over ranks
   std::optional<double> val_loss;
   // The layers' columns (name, value) in their fixed order, e.g. per MoE layer, and the
   // console's one summary per kind of layer (label, value).
@@ -37,8 +37,9 @@ class MetricsWriter {
   MetricsWriter& operator=(const MetricsWriter&) = delete;
 
   void write(const StepMetrics& m);  // csv row, flushed
-  // The compact console line: loss, lr, gradient norm, throughput, MFU when known, memory,
-  // val_loss when evaluated, and the layer summaries (every column is in metrics.csv).
+  // The console line (RUNTIME.md section 5): loss, CE, aux, lr, gradient norm, throughput,
+  // model FLOP/s, MFU when known, seconds per step, memory, val_loss when evaluated, then one
+  // summary per kind of layer instead of the layers' columns (those are in metrics.csv).
   static std::string console_line(const StepMetrics& m);
   static const char* csv_header();
 

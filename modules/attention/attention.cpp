@@ -261,8 +261,7 @@ void Attention::backward(TensorTable& table, const RopeTables& rope, ConstMat a,
             const float mean_dot = dot / width;
             team.team_barrier();
             Kokkos::parallel_for(Kokkos::TeamThreadRange(team, width), [&](int c) {
-              d_qkv(r, c0 + c) =
-                  s * (g[c] * d_qkv(r, c0 + c) - qkv(r, c0 + c) * s * mean_dot);
+              d_qkv(r, c0 + c) = s * (g[c] * d_qkv(r, c0 + c) - qkv(r, c0 + c) * s * mean_dot);
             });
             team.team_barrier();
           }

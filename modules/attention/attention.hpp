@@ -5,10 +5,10 @@
 
 #include <string>
 
-#include "core/kokkos_types.hpp"
 #include "core/config.hpp"
-#include "modules/attention/rope.hpp"
+#include "core/kokkos_types.hpp"
 #include "core/tensor_table.hpp"
+#include "modules/attention/rope.hpp"
 
 namespace kmoe {
 
@@ -41,11 +41,11 @@ class Attention {
   float eps_;
   int wq_, wo_, q_norm_ = -1, k_norm_ = -1;
   // Saved activations, sized for max_seqs sequences.
-  View1F qkv_;           // (N, (H+2Hkv)*dh), before QK-norm
+  View1F qkv_;              // (N, (H+2Hkv)*dh), before QK-norm
   View1F rstd_q_, rstd_k_;  // (N)
-  View1F q_, k_, v_;     // (nseq, H|Hkv, T, dh), after norm and RoPE
-  View1F probs_;         // (nseq, H, T, T), causal softmax
-  View1F merged_;        // (N, H*dh), heads concatenated
+  View1F q_, k_, v_;        // (nseq, H|Hkv, T, dh), after norm and RoPE
+  View1F probs_;            // (nseq, H, T, T), causal softmax
+  View1F merged_;           // (N, H*dh), heads concatenated
 };
 
 }  // namespace kmoe

@@ -16,8 +16,8 @@ class Embedding {
   static TensorSpec weight_spec(int vocab, int d_model, double init_std);
 
   int weight_index() const { return weight_; }
-  void forward(const TensorTable& table, ConstIVec tokens, Mat x);     // x: (N, D)
-  void backward(TensorTable& table, ConstIVec tokens, ConstMat dx);    // embed grad +=
+  void forward(const TensorTable& table, ConstIVec tokens, Mat x);   // x: (N, D)
+  void backward(TensorTable& table, ConstIVec tokens, ConstMat dx);  // embed grad +=
 
  private:
   int V_, D_, weight_;

@@ -33,8 +33,8 @@ void add_bias(Mat y, const float* b_data) {
 }  // namespace
 
 EngramLayer::EngramLayer(const ModelCfg& m, const EngramCfg& g, const EngramHashPlan& plan,
-                         const std::string& prefix, int max_tokens, int seq_len,
-                         TensorTable& table, const Sharding& shard, StepStats* stats)
+                         const std::string& prefix, int max_tokens, int seq_len, TensorTable& table,
+                         const Sharding& shard, StepStats* stats)
     : D_(m.d_model),
       T_(seq_len),
       Nn_(g.max_ngram),
@@ -207,8 +207,8 @@ void EngramLayer::backward(TensorTable& table, ConstMat x, ConstMat dout, Mat dx
       });
   // dv = dout + RMSNorm_c backward of du (into dc, free again).
   Mat dv = dc;
-  rmsnorm_backward(v, ConstVec(table.param(c_norm_), D), ConstVec(rstd_c_.data(), N),
-                   as_cmat(du), dout, dv, Vec(table.grad(c_norm_), D));
+  rmsnorm_backward(v, ConstVec(table.param(c_norm_), D), ConstVec(rstd_c_.data(), N), as_cmat(du),
+                   dout, dv, Vec(table.grad(c_norm_), D));
 
   // v = alpha * val: dval = alpha dv (into du, consumed above); dalpha = <dv, val>, then
   // through the gate to d score. Saved buffers whose last reader is done are reused below.
@@ -239,8 +239,8 @@ void EngramLayer::backward(TensorTable& table, ConstMat x, ConstMat dout, Mat dx
         dkn(t, d) = dgate(t) * qn(t, d);
         dqn(t, d) = dgate(t) * kn(t, d);
       });
-  rmsnorm_backward(x, ConstVec(table.param(q_norm_), D), ConstVec(rstd_q_.data(), N),
-                   as_cmat(dqn), ConstMat(), dx, Vec(table.grad(q_norm_), D));
+  rmsnorm_backward(x, ConstVec(table.param(q_norm_), D), ConstVec(rstd_q_.data(), N), as_cmat(dqn),
+                   ConstMat(), dx, Vec(table.grad(q_norm_), D));
   Mat dkey = as_mat(c_.data(), N, D);  // c no longer needed
   rmsnorm_backward(as_cmat(key_.data(), N, D), ConstVec(table.param(k_norm_), D),
                    ConstVec(rstd_k_.data(), N), as_cmat(dkn), ConstMat(), dkey,
@@ -298,8 +298,8 @@ void EngramLayer::finish_step(StepStats& stats, const Communicator& counted_over
 }
 
 double EngramLayer::mean_gate() const {
-  auto h = Kokkos::create_mirror_view_and_copy(
-      HostSpace(), Kokkos::subview(gate_, Kokkos::make_pair(0, N_)));
+  auto h = Kokkos::create_mirror_view_and_copy(HostSpace(),
+                                               Kokkos::subview(gate_, Kokkos::make_pair(0, N_)));
   double s = 0.0;
   for (int t = 0; t < N_; ++t) s += h(t);
   return N_ > 0 ? s / N_ : 0.0;

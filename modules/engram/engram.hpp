@@ -8,12 +8,12 @@
 #include <string>
 
 #include "core/bucket_sort.hpp"
+#include "core/config.hpp"
 #include "core/kokkos_types.hpp"
 #include "core/step_stats.hpp"
-#include "core/config.hpp"
+#include "core/tensor_table.hpp"
 #include "modules/engram/engram_hash.hpp"
 #include "modules/engram/engram_shard.hpp"
-#include "core/tensor_table.hpp"
 
 namespace kmoe {
 
@@ -68,13 +68,13 @@ class EngramLayer {
   EngramHasher hasher_;
   KeyBuckets buckets_;
   Kokkos::View<int**, Layout, MemSpace> rows_;  // (N, heads_total)
-  View1F mem_;                       // (N, d_mem) looked-up rows
-  View1F key_, val_, kn_, qn_;       // (N, D)
-  View1F rstd_k_, rstd_q_, rstd_c_;  // (N)
-  View1F score_, gate_;              // (N)
-  View1F v_, u_, c_;                 // (N, D)
-  View1F d_a_, d_b_, d_mem_buf_;     // backward temporaries (N, D), (N, D), (N, d_mem)
-  View1F d_gate_;                    // (N)
+  View1F mem_;                                  // (N, d_mem) looked-up rows
+  View1F key_, val_, kn_, qn_;                  // (N, D)
+  View1F rstd_k_, rstd_q_, rstd_c_;             // (N)
+  View1F score_, gate_;                         // (N)
+  View1F v_, u_, c_;                            // (N, D)
+  View1F d_a_, d_b_, d_mem_buf_;                // backward temporaries (N, D), (N, D), (N, d_mem)
+  View1F d_gate_;                               // (N)
   StepStats* stats_ = nullptr;
   EngramStatColumns cols_;
   Kokkos::View<double, MemSpace> gate_now_;  // this forward's gate sum

@@ -51,10 +51,9 @@ EngramCompression load_engram_compression(const EngramCfg& cfg, int vocab_size) 
   const TokenDataset file({cfg.compression_map}, "uint32", 1, std::numeric_limits<int>::max(),
                           "engram.compression_map");
   KMOE_REQUIRE(file.num_instances() == vocab_size,
-               "engram.compression_map = " << cfg.compression_map << " holds "
-                                           << file.num_instances()
-                                           << " ids; it needs one per token id (model.vocab_size = "
-                                           << vocab_size << ")");
+               "engram.compression_map = "
+                   << cfg.compression_map << " holds " << file.num_instances()
+                   << " ids; it needs one per token id (model.vocab_size = " << vocab_size << ")");
   std::int32_t max_id = 0;
   for (int v = 0; v < vocab_size; ++v) {
     file.read_instance(v, &c.map[v]);
@@ -130,8 +129,9 @@ void EngramHasher::rows(ConstIVec tokens, int T, Kokkos::View<int**, Layout, Mem
           const int n = k + 1;
           for (int h = 0; h < K; ++h) {
             const int j = (n - 2) * K + h;
-            rows(i, j) = static_cast<int>(offsets(j) + static_cast<std::int64_t>(
-                                                           mix % static_cast<std::uint64_t>(primes(j))));
+            rows(i, j) =
+                static_cast<int>(offsets(j) + static_cast<std::int64_t>(
+                                                  mix % static_cast<std::uint64_t>(primes(j))));
           }
         }
       });

@@ -7,19 +7,19 @@
 #include <cstdint>
 #include <vector>
 
-#include "core/kokkos_types.hpp"
 #include "core/config.hpp"
+#include "core/kokkos_types.hpp"
 
 namespace kmoe {
 
 // The addressing of one Engram layer.
 struct EngramHashPlan {
-  int layer = 0;                          // block index
+  int layer = 0;                           // block index
   std::vector<std::uint64_t> multipliers;  // m_0 .. m_{N-1}
-  std::vector<std::int64_t> primes;       // p_j, j = (n-2)*K + h: order-2 heads first
-  std::vector<std::int64_t> offsets;      // o_j = sum_{i<j} p_i
-  std::int64_t rows = 0;                  // R = sum_j p_j
-  int pad_c = 0;                          // compress(engram.pad_id); set by the model builder
+  std::vector<std::int64_t> primes;        // p_j, j = (n-2)*K + h: order-2 heads first
+  std::vector<std::int64_t> offsets;       // o_j = sum_{i<j} p_i
+  std::int64_t rows = 0;                   // R = sum_j p_j
+  int pad_c = 0;                           // compress(engram.pad_id); set by the model builder
 };
 
 // m_k of `layer`: splitmix64 draws from state seed + 10007*layer; M = floor((2^63-1)/V'),

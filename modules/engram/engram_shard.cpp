@@ -15,15 +15,15 @@ const EngramSharding& checked(const EngramSharding& sh) {
 }
 }  // namespace
 
-EngramShard::EngramShard(const EngramSharding& sh, std::int64_t rows, int width,
-                         int max_requests)
+EngramShard::EngramShard(const EngramSharding& sh, std::int64_t rows, int width, int max_requests)
     : exchange_(*checked(sh).comm, *sh.data, "engram::shard"), width_(width) {
   const int P = sh.comm->size();
   block_ = (rows + P - 1) / P;
   row0_ = std::min<std::int64_t>(rows, block_ * sh.comm->rank());
   local_rows_ = std::min<std::int64_t>(block_, rows - row0_);
   owner_ = View1I("engram::owner", max_requests);
-  by_local_row_ = KeyBuckets(max_requests * P, static_cast<int>(std::max<std::int64_t>(1, local_rows_)));
+  by_local_row_ =
+      KeyBuckets(max_requests * P, static_cast<int>(std::max<std::int64_t>(1, local_rows_)));
 }
 
 void EngramShard::fetch(const TensorTable& table, int tab_index, ConstIVec rows, int n,
@@ -50,11 +50,12 @@ void EngramShard::fetch(const TensorTable& table, int tab_index, ConstIVec rows,
   exchange_.reverse(served_.data(), mem, dh);
 }
 
-void EngramShard::return_gradients(TensorTable& table, int tab_index, const float* d_mem,
-                                   int n) {
+void EngramShard::return_gradients(TensorTable& table, int tab_index, const float* d_mem, int n) {
   const int dh = width_, n_in = static_cast<int>(exchange_.rows_received());
-  KMOE_REQUIRE(n == exchange_.rows_sent(), "EngramShard: gradients of " << n << " requests, the "
-                                           "last fetch had " << exchange_.rows_sent());
+  KMOE_REQUIRE(n == exchange_.rows_sent(), "EngramShard: gradients of " << n
+                                                                        << " requests, the "
+                                                                           "last fetch had "
+                                                                        << exchange_.rows_sent());
   exchange_.forward(d_mem, served_.data(), dh);
   // Summed per local row over the received requests in arrival order (member, then request).
   const std::int64_t row0 = row0_;

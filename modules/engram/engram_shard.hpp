@@ -42,10 +42,10 @@ class EngramShard {
   RowExchange exchange_;
   int width_;
   std::int64_t block_, row0_, local_rows_;
-  View1I owner_;           // (requests): the holder of each request
-  View1I req_in_;          // (requests received): their global row ids
-  View1I local_;           // (requests received): their rows in the local block
-  View1F served_;          // (requests received, width): answers, then row gradients
+  View1I owner_;             // (requests): the holder of each request
+  View1I req_in_;            // (requests received): their global row ids
+  View1I local_;             // (requests received): their rows in the local block
+  View1F served_;            // (requests received, width): answers, then row gradients
   KeyBuckets by_local_row_;  // received requests grouped by local row, arrival order
 };
 

@@ -61,8 +61,7 @@ LossSums LmHead::forward(const TensorTable& table, ConstMat x, ConstIVec tokens,
           const float zf = 1.0f + 2.0f * zc * lse;
           Kokkos::parallel_for(Kokkos::TeamThreadRange(team, V), [&](int j) {
             const float p = math::exp(logits(r, j) - lse);
-            logits(r, j) =
-                has_target ? grad_scale * (p * zf - (j == target ? 1.0f : 0.0f)) : 0.0f;
+            logits(r, j) = has_target ? grad_scale * (p * zf - (j == target ? 1.0f : 0.0f)) : 0.0f;
           });
         }
       });

@@ -6,8 +6,8 @@
 #include <cstdint>
 #include <vector>
 
-#include "core/kokkos_types.hpp"
 #include "core/config.hpp"
+#include "core/kokkos_types.hpp"
 #include "core/tensor_table.hpp"
 
 namespace kmoe {
@@ -43,10 +43,10 @@ class LmHead {
   int V_, D_;
   float eps_, z_coef_;
   int norm_, weight_;
-  View1F normed_;   // (N, D)
-  View1F rstd_;     // (N)
-  View1F logits_;   // (N, V), then its gradient
-  View1F d_normed_; // (N, D)
+  View1F normed_;          // (N, D)
+  View1F rstd_;            // (N)
+  View1F logits_;          // (N, V), then its gradient
+  View1F d_normed_;        // (N, D)
   View1F row_ce_, row_z_;  // (N)
   View1D seq_sums_;        // (2 * nseq) CE and z sums per sequence
 };

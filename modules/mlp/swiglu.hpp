@@ -5,8 +5,8 @@
 
 #include <string>
 
-#include "core/kokkos_types.hpp"
 #include "core/config.hpp"
+#include "core/kokkos_types.hpp"
 #include "core/tensor_table.hpp"
 
 namespace kmoe {

@@ -98,8 +98,8 @@ void Block::ffn_backward(TensorTable& table, ConstMat in, ConstMat dy, Mat dx, B
     mlp_->backward(table, in, dy, dx, s.mlp);
 }
 
-void Block::backward(TensorTable& table, const RopeTables& rope, ConstMat x_block,
-                     ConstMat dx_out, Mat dx_block, BlockScratch& s, float aux_scale) {
+void Block::backward(TensorTable& table, const RopeTables& rope, ConstMat x_block, ConstMat dx_out,
+                     Mat dx_block, BlockScratch& s, float aux_scale) {
   const int N = x_block.extent(0);
   const ConstMat x_in = engram_ ? as_cmat(buf(x_engram_, N)) : x_block;
   // With Engram the body's input gradient goes to a temporary, then through Engram.

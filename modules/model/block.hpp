@@ -19,8 +19,8 @@ struct BlockScratch {
   AttentionScratch attn;
   MlpScratch mlp;
   std::unique_ptr<MoeScratch> moe;  // with MoE layers only
-  View1F d_h, d_a, d_b;  // (N, D)
-  View1F d_engram;       // (N, D): gradient w.r.t. x + Engram(x)
+  View1F d_h, d_a, d_b;             // (N, D)
+  View1F d_engram;                  // (N, D): gradient w.r.t. x + Engram(x)
   BlockScratch(const ModelCfg& m, const MoeCfg& e, int max_seqs, int seq_len);
 };
 

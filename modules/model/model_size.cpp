@@ -23,8 +23,8 @@ ModelSize model_size(const ModelCfg& m, const MoeCfg& e, int b, int T, const Eng
   // The LM head matmul counts (tied or not); the embedding lookup does not.
   const std::int64_t d_mem = std::int64_t(g.max_ngram - 1) * g.embed_per_ngram;
   for (const auto& plan : engram_hash_plans(g, load_engram_compression(g, V).vocab_c)) {
-    s.total_params += plan.rows * (g.embed_per_ngram / g.heads) + 2 * D * d_mem + 5 * D +
-                      D * g.kernel;
+    s.total_params +=
+        plan.rows * (g.embed_per_ngram / g.heads) + 2 * D * d_mem + 5 * D + D * g.kernel;
     s.active_params += d_mem + 2 * D * d_mem + 5 * D + D * g.kernel;
   }
   const std::int64_t matmul_params =
@@ -36,7 +36,8 @@ ModelSize model_size(const ModelCfg& m, const MoeCfg& e, int b, int T, const Eng
   const std::int64_t N = std::int64_t(b) * T, H = m.n_heads, W = qd + 2 * kd;
   const std::int64_t probs = std::int64_t(b) * H * T * T;
   const std::int64_t attn_saved = N * W + 2 * N + N * qd + 2 * N * kd + probs + N * qd;
-  const std::int64_t block_saved = attn_saved + N * 3 * F + N * D * (m.block_norm == BlockNorm::Pre ? 5 : 3) + 2 * N;
+  const std::int64_t block_saved =
+      attn_saved + N * 3 * F + N * D * (m.block_norm == BlockNorm::Pre ? 5 : 3) + 2 * N;
   const std::int64_t scratch = 2 * N * qd + probs + 2 * N * kd + N * W + N * 3 * F + 3 * N * D;
   const std::int64_t stage = (L + 1) * N * D + 2 * N * D + 2 * N * D + N * V + 3 * N;
   // An MoE layer saves logits/probs (N, E) and up to N*k rows of inputs, outputs and hiddens.

@@ -14,8 +14,8 @@ struct ModelSize {
   std::int64_t total_params = 0;   // every trainable element
   std::int64_t active_params = 0;  // touched per token: k of the E experts
   std::int64_t embedding_params = 0;
-  double flops_per_token = 0.0;    // forward + backward
-  std::int64_t state_bytes = 0;     // params, grads, two moments
+  double flops_per_token = 0.0;       // forward + backward
+  std::int64_t state_bytes = 0;       // params, grads, two moments
   std::int64_t activation_bytes = 0;  // saved activations and scratch for one micro-batch
 };
 

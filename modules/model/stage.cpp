@@ -9,8 +9,7 @@ namespace kmoe {
 namespace {
 // Every block's columns in metrics.csv order: the MoE layers' in block order, then the Engram
 // layers'.
-void declare_model_stats(StepStats& stats, const ModelCfg& m, const MoeCfg& e,
-                         const EngramCfg& g) {
+void declare_model_stats(StepStats& stats, const ModelCfg& m, const MoeCfg& e, const EngramCfg& g) {
   for (int l = 0; l < m.n_layers; ++l)
     if (e.is_moe_layer(l)) MoeLayer::declare_stats(stats, l, e);
   for (int l = 0; l < m.n_layers; ++l)
@@ -20,8 +19,7 @@ void declare_model_stats(StepStats& stats, const ModelCfg& m, const MoeCfg& e,
 }  // namespace
 
 Stage::Stage(const ModelCfg& m, const MoeCfg& e, int max_seqs, int T, TensorTable& table,
-             const EngramCfg& g, const StagePlan& plan, const LayerComms& comms,
-             StepStats* stats)
+             const EngramCfg& g, const StagePlan& plan, const LayerComms& comms, StepStats* stats)
     : D_(m.d_model),
       T_(T),
       max_seqs_(max_seqs),
@@ -73,8 +71,8 @@ Stage::Stage(const ModelCfg& m, const MoeCfg& e, int max_seqs, int T, TensorTabl
 
 LossSums Stage::forward(const TensorTable& table, const std::int32_t* tokens, int nseq,
                         float grad_scale) {
-  KMOE_REQUIRE(nseq >= 1 && nseq <= max_seqs_, "Stage: " << nseq << " sequences, buffers hold "
-                                                         << max_seqs_);
+  KMOE_REQUIRE(nseq >= 1 && nseq <= max_seqs_,
+               "Stage: " << nseq << " sequences, buffers hold " << max_seqs_);
   nseq_ = nseq;
   const int N = nseq * T_;
   Kokkos::View<const std::int32_t*, HostSpace, Unmanaged> host_ids(tokens, N);
@@ -92,10 +90,10 @@ LossSums Stage::forward(const TensorTable& table, const std::int32_t* tokens, in
     engram_tok = ConstIVec(compressed_.data(), N);
   }
   for (std::size_t l = 0; l < blocks_.size(); ++l)
-    blocks_[l]->forward(table, rope_, as_cmat(resid(l, N)), engram_tok, resid(l + 1, N),
-                        scratch_);
+    blocks_[l]->forward(table, rope_, as_cmat(resid(l, N)), engram_tok, resid(l + 1, N), scratch_);
   LossSums sums;
-  if (has_head_) sums = head_->forward(table, as_cmat(resid(blocks_.size(), N)), tok, T_, grad_scale);
+  if (has_head_)
+    sums = head_->forward(table, as_cmat(resid(blocks_.size(), N)), tok, T_, grad_scale);
   aux_scale_ = static_cast<float>(double(grad_scale) * nseq * (T_ - 1));
   for (const auto& block : blocks_)
     if (block->is_moe()) sums.moe_aux += block->aux_loss();
@@ -128,8 +126,7 @@ const float* Stage::backward(TensorTable& table, const std::function<void(int)>&
     if (ready) ready(head_->first_tensor());
   }
   for (int l = static_cast<int>(blocks_.size()) - 1; l >= 0; --l) {
-    blocks_[l]->backward(table, rope_, as_cmat(resid(l, N)), as_cmat(dy), dx, scratch_,
-                         aux_scale_);
+    blocks_[l]->backward(table, rope_, as_cmat(resid(l, N)), as_cmat(dy), dx, scratch_, aux_scale_);
     std::swap(dx, dy);
     if (ready) ready(l > 0 || has_embed_ ? blocks_[l]->first_tensor() : 0);
   }

@@ -57,27 +57,33 @@ void MoeLayer::after_optimizer_step(TensorTable& table, const StepStats& stats) 
 MoeLayer::MoeLayer(const ModelCfg& m, const MoeCfg& e, const std::string& prefix,
                    std::int64_t max_tokens, TensorTable& table, const Communicator* ep,
                    const DataComm* ep_data, StepStats* stats, int block)
-    : D_(m.d_model), E_(e.experts), k_(e.top_k), Fe_(e.expert_hidden),
-      P_(ep ? ep->size() : 1), El_(e.experts / P_), e0_(ep ? ep->rank() * El_ : 0), cfg_(e),
+    : D_(m.d_model),
+      E_(e.experts),
+      k_(e.top_k),
+      Fe_(e.expert_hidden),
+      P_(ep ? ep->size() : 1),
+      El_(e.experts / P_),
+      e0_(ep ? ep->rank() * El_ : 0),
+      cfg_(e),
       stats_(stats),
       buckets_(max_tokens * e.top_k, e.experts) {
   if (stats_) cols_ = declare_stats(*stats_, block, e);
-  KMOE_REQUIRE(E_ % P_ == 0, "moe.experts (" << E_ << ") must be divisible by parallel.ep ("
-                                             << P_ << ")");
+  KMOE_REQUIRE(E_ % P_ == 0,
+               "moe.experts (" << E_ << ") must be divisible by parallel.ep (" << P_ << ")");
   const double std = m.init_std;
   router_ = table.add(TensorSpec::matrix(prefix + "router", {E_, D_}, std));
   // This ep rank's row block [E/P experts] of the global [E, ...] tensors.
   auto expert = [&](const char* name, std::int64_t a, std::int64_t b) {
-    return table.add(TensorSpec::matrix(prefix + name, {E_, a, b}, std).row_block(Shard::Ep, e0_, El_));
+    return table.add(
+        TensorSpec::matrix(prefix + name, {E_, a, b}, std).row_block(Shard::Ep, e0_, El_));
   };
   w1_ = expert("experts.w1", Fe_, D_);
   w3_ = expert("experts.w3", Fe_, D_);
   w2_ = expert("experts.w2", D_, Fe_);
   if (e.bias_update_rate > 0) bias_ = table.add(TensorSpec::buffer(prefix + "router_bias", {E_}));
   if (e.shared_experts > 0)
-    shared_ = std::make_unique<SwigluMlp>(prefix + "shared.", D_,
-                                          e.shared_experts * e.shared_hidden, std, max_tokens,
-                                          table);
+    shared_ = std::make_unique<SwigluMlp>(
+        prefix + "shared.", D_, e.shared_experts * e.shared_hidden, std, max_tokens, table);
   const std::int64_t slots = max_tokens * k_;
   logits_ = View1F("moe::logits", max_tokens * E_);
   probs_ = View1F("moe::probs", max_tokens * E_);
@@ -87,8 +93,7 @@ MoeLayer::MoeLayer(const ModelCfg& m, const MoeCfg& e, const std::string& prefix
   slot_row_ = View1I("moe::slot_row", slots);
   row_slot_ = View1I("moe::row_slot", slots);
   row_offsets_ = View1I("moe::row_offsets", E_ + 1);
-  if (P_ > 1)
-    dispatch_ = std::make_unique<ExpertDispatch>(*ep, ep_data ? *ep_data : *ep, E_, D_);
+  if (P_ > 1) dispatch_ = std::make_unique<ExpertDispatch>(*ep, ep_data ? *ep_data : *ep, E_, D_);
   rows_in_ = View1F("moe::rows_in", slots * D_);
   if (P_ == 1) {  // with expert parallelism the expert side uses the ex_* buffers instead
     up1_ = View1F("moe::up1", slots * Fe_);
@@ -268,8 +273,9 @@ void MoeLayer::backward(TensorTable& table, ConstMat x, ConstMat dy, Mat dx, Moe
   Mat d_rows = as_mat(s.d_rows.data(), std::max(R, 1), D);
   auto out = as_cmat(rows_out_.data(), std::max(R, 1), D);
   Kokkos::parallel_for(
-      "moe::dropped_weight_grad", Range(0, N * k),
-      KOKKOS_LAMBDA(int slot) { if (slot_row(slot) < 0) dwt(slot) = 0.0f; });
+      "moe::dropped_weight_grad", Range(0, N * k), KOKKOS_LAMBDA(int slot) {
+        if (slot_row(slot) < 0) dwt(slot) = 0.0f;
+      });
   Kokkos::parallel_for(
       "moe::row_grads", Range(0, R), KOKKOS_LAMBDA(int r) {
         const int slot = row_slot(r), t = slot / k;
@@ -284,8 +290,8 @@ void MoeLayer::backward(TensorTable& table, ConstMat x, ConstMat dy, Mat dx, Moe
 
   // Experts backward (here or on their ep rank): d_rows then holds the input gradients.
   if (!dispatch_) {
-    experts_backward(table, s.d_rows.data(), rows_in_.data(), up1_.data(), up3_.data(),
-                     act_.data(), host_offsets_, s);
+    experts_backward(table, s.d_rows.data(), rows_in_.data(), up1_.data(), up3_.data(), act_.data(),
+                     host_offsets_, s);
   } else {
     ensure_size(ex_grad_, std::int64_t(dispatch_->local_rows()) * D, "moe::ex_grad");
     dispatch_->dispatch(s.d_rows.data(), ex_grad_.data());
@@ -368,7 +374,8 @@ void MoeLayer::experts_backward(TensorTable& table, float* g_rows, const float* 
   const std::int64_t wsz = std::int64_t(Fe) * D;
   int most = 0;
   for (int le = 0; le < El_; ++le) most = std::max(most, off[le + 1] - off[le]);
-  for (View1F* v : {&s.d_act, &s.d_up1, &s.d_up3}) ensure_size(*v, std::int64_t(most) * Fe, "moe::d_hidden");
+  for (View1F* v : {&s.d_act, &s.d_up1, &s.d_up3})
+    ensure_size(*v, std::int64_t(most) * Fe, "moe::d_hidden");
   for (int le = 0; le < El_; ++le) {
     const int r0 = off[le], n = off[le + 1] - r0;
     if (n == 0) continue;
@@ -383,8 +390,10 @@ void MoeLayer::experts_backward(TensorTable& table, float* g_rows, const float* 
     gemm(Trans::T, Trans::N, 1.0f, as_cmat(g), as_cmat(act + std::int64_t(r0) * Fe, n, Fe), 1.0f,
          as_mat(table.grad(w2_) + le * wsz, D, Fe));
     swiglu_activate_backward(u1, u3, Fe, as_cmat(da), du1.data(), du3.data(), Fe);
-    gemm(Trans::T, Trans::N, 1.0f, as_cmat(du1), in, 1.0f, as_mat(table.grad(w1_) + le * wsz, Fe, D));
-    gemm(Trans::T, Trans::N, 1.0f, as_cmat(du3), in, 1.0f, as_mat(table.grad(w3_) + le * wsz, Fe, D));
+    gemm(Trans::T, Trans::N, 1.0f, as_cmat(du1), in, 1.0f,
+         as_mat(table.grad(w1_) + le * wsz, Fe, D));
+    gemm(Trans::T, Trans::N, 1.0f, as_cmat(du3), in, 1.0f,
+         as_mat(table.grad(w3_) + le * wsz, Fe, D));
     // The row block now holds the gradient w.r.t. the expert's inputs.
     gemm(Trans::N, Trans::N, 1.0f, as_cmat(du1), as_cmat(table.param(w1_) + le * wsz, Fe, D), 0.0f,
          g);

@@ -16,13 +16,13 @@
 #include <vector>
 
 #include "core/bucket_sort.hpp"
+#include "core/config.hpp"
 #include "core/kokkos_types.hpp"
 #include "core/step_stats.hpp"
-#include "core/config.hpp"
+#include "core/tensor_table.hpp"
 #include "modules/mlp/swiglu.hpp"
 #include "modules/moe/moe_dispatch.hpp"
 #include "parallel/communicator.hpp"
-#include "core/tensor_table.hpp"
 
 namespace kmoe {
 
@@ -36,11 +36,11 @@ struct MoeStats {
 
 // Backward temporaries shared by the MoE layers of a stage.
 struct MoeScratch {
-  View1F d_rows;      // (N*k, D): gradient w.r.t. expert outputs, then w.r.t. expert inputs
-  View1F d_act;       // (N*k, Fe)
+  View1F d_rows;        // (N*k, D): gradient w.r.t. expert outputs, then w.r.t. expert inputs
+  View1F d_act;         // (N*k, Fe)
   View1F d_up1, d_up3;  // (N*k, Fe)
-  View1F d_weights;   // (N*k)
-  View1F d_logits;    // (N, E)
+  View1F d_weights;     // (N*k)
+  View1F d_logits;      // (N, E)
   MlpScratch shared;
   MoeScratch(const ModelCfg& m, const MoeCfg& e, std::int64_t max_tokens);
 };
@@ -66,9 +66,9 @@ class MoeLayer {
   // declared as this rank's row block [E/P experts] of the global [E, ...] shape.
   // Counts go over `ep` (MPI, host), rows over `ep_data` (its data plane; ep when null).
   // With `stats`, every forward adds its report to the columns of block `block`.
-  MoeLayer(const ModelCfg& m, const MoeCfg& e, const std::string& prefix,
-           std::int64_t max_tokens, TensorTable& table, const Communicator* ep = nullptr,
-           const DataComm* ep_data = nullptr, StepStats* stats = nullptr, int block = 0);
+  MoeLayer(const ModelCfg& m, const MoeCfg& e, const std::string& prefix, std::int64_t max_tokens,
+           TensorTable& table, const Communicator* ep = nullptr, const DataComm* ep_data = nullptr,
+           StepStats* stats = nullptr, int block = 0);
 
   // Declares (or finds) the columns of the MoE layer at `block`.
   static MoeStatColumns declare_stats(StepStats& stats, int block, const MoeCfg& e);
@@ -109,13 +109,13 @@ class MoeLayer {
   std::unique_ptr<SwigluMlp> shared_;
   KeyBuckets buckets_;
   // Saved for backward, sized for max_tokens.
-  View1F logits_, probs_;  // (N, E)
-  View1F lse_;             // (N) logsumexp of the logits
-  View1I sel_;             // (N*k) selected expert per slot (slot = t*k + j)
-  View1F weights_;         // (N*k)
-  View1I slot_row_;        // (N*k) row of the slot in the expert blocks, -1 if dropped
-  View1I row_slot_;        // (N*k) slot of each expert row
-  View1I row_offsets_;     // (E+1) first row of each expert's block
+  View1F logits_, probs_;          // (N, E)
+  View1F lse_;                     // (N) logsumexp of the logits
+  View1I sel_;                     // (N*k) selected expert per slot (slot = t*k + j)
+  View1F weights_;                 // (N*k)
+  View1I slot_row_;                // (N*k) row of the slot in the expert blocks, -1 if dropped
+  View1I row_slot_;                // (N*k) slot of each expert row
+  View1I row_offsets_;             // (E+1) first row of each expert's block
   std::vector<int> host_offsets_;  // the same on the host: GEMM extents
   View1F rows_in_, up1_, up3_, act_, rows_out_;  // (N*k, D|Fe): gathered inputs ... outputs
   View1D aux_sums_;                              // (E+1): sum_t p_te, then sum_t lse_t^2

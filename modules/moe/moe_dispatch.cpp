@@ -16,8 +16,8 @@ ExpertDispatch::ExpertDispatch(const Communicator& ep, const DataComm& ep_data, 
       D_(d_model),
       local_off_(El_ + 1, 0),
       blocks_("moe::dispatch_blocks", 2 * P_ * El_ + 1) {
-  KMOE_REQUIRE(E_ % P_ == 0, "moe.experts (" << E_ << ") must be divisible by parallel.ep ("
-                                             << P_ << ")");
+  KMOE_REQUIRE(E_ % P_ == 0,
+               "moe.experts (" << E_ << ") must be divisible by parallel.ep (" << P_ << ")");
 }
 
 void ExpertDispatch::plan(const std::vector<int>& offsets) {

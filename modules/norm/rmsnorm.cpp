@@ -40,8 +40,8 @@ void rmsnorm_weight_grad(const float* x_data, int x_stride, const float* dy_data
       });
 }
 
-void rmsnorm_backward(ConstMat x, ConstVec g, ConstVec rstd, ConstMat dy, ConstMat dx_base,
-                      Mat dx, Vec dg) {
+void rmsnorm_backward(ConstMat x, ConstVec g, ConstVec rstd, ConstMat dy, ConstMat dx_base, Mat dx,
+                      Vec dg) {
   const int rows = x.extent(0), width = x.extent(1);
   const bool has_base = dx_base.extent(0) > 0;
   rmsnorm_weight_grad(x.data(), width, dy.data(), width, rstd, rows, width, dg);

@@ -13,8 +13,8 @@ void rmsnorm_forward(ConstMat x, ConstVec g, float eps, ConstMat residual, Mat y
 
 // dy: (rows, width) -> dx = dx_base + dL/dx (dx_base may be empty; dx may alias dx_base);
 // dg accumulates. dx must not alias dy.
-void rmsnorm_backward(ConstMat x, ConstVec g, ConstVec rstd, ConstMat dy, ConstMat dx_base,
-                      Mat dx, Vec dg);
+void rmsnorm_backward(ConstMat x, ConstVec g, ConstVec rstd, ConstMat dy, ConstMat dx_base, Mat dx,
+                      Vec dg);
 
 // dg[d] += sum_r dy[r,d] * x[r,d] * rstd[r], reduced per column in row order (deterministic).
 // x and dy may be row-strided windows: row r of x starts at x_data + r * x_stride.

@@ -16,7 +16,8 @@ void KeyBuckets::build(ConstIVec keys) {
   auto off = offsets, ord = order, cur = cursor_;
   Kokkos::deep_copy(cur, 0);
   Kokkos::parallel_for(
-      "buckets::count", Range(0, n), KOKKOS_LAMBDA(int i) { Kokkos::atomic_add(&cur(keys(i)), 1); });
+      "buckets::count", Range(0, n),
+      KOKKOS_LAMBDA(int i) { Kokkos::atomic_add(&cur(keys(i)), 1); });
   Kokkos::parallel_scan(
       "buckets::offsets", Range(0, K + 1), KOKKOS_LAMBDA(int k, int& partial, bool final) {
         const int c = k < K ? cur(k) : 0;
@@ -26,9 +27,8 @@ void KeyBuckets::build(ConstIVec keys) {
   Kokkos::parallel_for(
       "buckets::reset_cursor", Range(0, K), KOKKOS_LAMBDA(int k) { cur(k) = off(k); });
   Kokkos::parallel_for(
-      "buckets::place", Range(0, n), KOKKOS_LAMBDA(int i) {
-        ord(Kokkos::atomic_fetch_add(&cur(keys(i)), 1)) = i;
-      });
+      "buckets::place", Range(0, n),
+      KOKKOS_LAMBDA(int i) { ord(Kokkos::atomic_fetch_add(&cur(keys(i)), 1)) = i; });
   // Placement order within a key depends on thread timing; sorting each (typically small,
   // nearly sorted) group restores increasing item order on every backend.
   Kokkos::parallel_for(

@@ -12,14 +12,14 @@ namespace kmoe {
 
 // Every choice a deck spells as a word is an enum here; Choices<E>::all gives the deck
 // spellings, in the order --help and error messages list them.
-enum class BlockNorm { Reordered, Pre };             // model.block_norm
-enum class RouterScore { Softmax, Sigmoid };         // moe.score
-enum class EngramGate { Sigmoid, SignedSqrt };       // engram.gate
-enum class LrSchedule { Cosine, Constant, Wsd };     // optimizer.schedule
-enum class PipeSchedule { OneFOneB, GPipe };         // parallel.schedule
-enum class EngramShardGroup { None, Ep, Stage };       // parallel.engram_shard
-enum class CommBackend { Mpi, Nccl };                // parallel.backend
-enum class CudaAwareMpi { Auto, Yes, No };           // parallel.cuda_aware_mpi
+enum class BlockNorm { Reordered, Pre };          // model.block_norm
+enum class RouterScore { Softmax, Sigmoid };      // moe.score
+enum class EngramGate { Sigmoid, SignedSqrt };    // engram.gate
+enum class LrSchedule { Cosine, Constant, Wsd };  // optimizer.schedule
+enum class PipeSchedule { OneFOneB, GPipe };      // parallel.schedule
+enum class EngramShardGroup { None, Ep, Stage };  // parallel.engram_shard
+enum class CommBackend { Mpi, Nccl };             // parallel.backend
+enum class CudaAwareMpi { Auto, Yes, No };        // parallel.cuda_aware_mpi
 
 template <class E>
 struct Choice {
@@ -56,8 +56,8 @@ struct Choices<PipeSchedule> {
 template <>
 struct Choices<EngramShardGroup> {
   static constexpr Choice<EngramShardGroup> all[] = {{EngramShardGroup::None, "none"},
-                                                   {EngramShardGroup::Ep, "ep"},
-                                                   {EngramShardGroup::Stage, "stage"}};
+                                                     {EngramShardGroup::Ep, "ep"},
+                                                     {EngramShardGroup::Stage, "stage"}};
 };
 template <>
 struct Choices<CommBackend> {
@@ -98,8 +98,7 @@ bool parse_choice(const std::string& text, E* value) {
 template <class E>
 E choice_from(const std::string& text) {
   E value{};
-  KMOE_REQUIRE(parse_choice(text, &value),
-               "'" << text << "' is none of " << choice_list<E>());
+  KMOE_REQUIRE(parse_choice(text, &value), "'" << text << "' is none of " << choice_list<E>());
   return value;
 }
 
@@ -161,8 +160,8 @@ struct EngramCfg {
   int pad_id = 0;
   EngramGate gate = EngramGate::Sigmoid;
   double lr_mult = 5.0;
-  std::string compression_map;   // empty: identity
-  double init_std = 0.02;        // resolved: model.init_std when not given
+  std::string compression_map;  // empty: identity
+  double init_std = 0.02;       // resolved: model.init_std when not given
 
   bool enabled() const { return !layers.empty(); }
 };
@@ -201,11 +200,11 @@ struct ParallelCfg {
   int dp = 1;
   int ep = 1;
   PipeSchedule schedule = PipeSchedule::OneFOneB;
-  std::vector<int> pp_layers;     // empty: even split
+  std::vector<int> pp_layers;  // empty: even split
   EngramShardGroup engram_shard = EngramShardGroup::None;
   int watchdog_seconds = 300;
-  double bucket_mb = 25.0;         // gradient all-reduce bucket size
-  CommBackend backend = CommBackend::Mpi;  // data plane of the axes
+  double bucket_mb = 25.0;                           // gradient all-reduce bucket size
+  CommBackend backend = CommBackend::Mpi;            // data plane of the axes
   CudaAwareMpi cuda_aware_mpi = CudaAwareMpi::Auto;  // MPI takes device pointers
 
   int world() const { return pp * dp * ep; }

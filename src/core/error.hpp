@@ -35,13 +35,13 @@ class StopRequest : public std::exception {
 }  // namespace kmoe
 
 // KMOE_REQUIRE(h > 0, "model.n_heads must be positive, got " << h);
-#define KMOE_REQUIRE(cond, msg)               \
-  do {                                        \
-    if (!(cond)) {                            \
-      std::ostringstream kmoe_require_os_;    \
-      kmoe_require_os_ << msg;                \
+#define KMOE_REQUIRE(cond, msg)                    \
+  do {                                             \
+    if (!(cond)) {                                 \
+      std::ostringstream kmoe_require_os_;         \
+      kmoe_require_os_ << msg;                     \
       throw ::kmoe::Error(kmoe_require_os_.str()); \
-    }                                         \
+    }                                              \
   } while (0)
 
 #define KMOE_FAIL(msg) KMOE_REQUIRE(false, msg)

@@ -11,8 +11,7 @@ void gemm(Trans ta, Trans tb, float alpha, ConstMat A, ConstMat B, float beta, M
   const int ka = ta == Trans::N ? A.extent(1) : A.extent(0);
   const int kb = tb == Trans::N ? B.extent(0) : B.extent(1);
   const int n = tb == Trans::N ? B.extent(1) : B.extent(0);
-  KMOE_REQUIRE(ka == kb && m == static_cast<int>(C.extent(0)) &&
-                   n == static_cast<int>(C.extent(1)),
+  KMOE_REQUIRE(ka == kb && m == static_cast<int>(C.extent(0)) && n == static_cast<int>(C.extent(1)),
                "gemm: shape mismatch: op(A) " << m << "x" << ka << ", op(B) " << kb << "x" << n
                                               << ", C " << C.extent(0) << "x" << C.extent(1));
   if (m == 0 || n == 0) return;

@@ -51,7 +51,9 @@ using TeamMember = TeamPolicy::member_type;
 inline TeamPolicy row_policy(int rows) { return TeamPolicy(rows, Kokkos::AUTO); }
 
 inline Mat as_mat(float* data, int rows, int cols) { return Mat(data, rows, cols); }
-inline ConstMat as_cmat(const float* data, int rows, int cols) { return ConstMat(data, rows, cols); }
+inline ConstMat as_cmat(const float* data, int rows, int cols) {
+  return ConstMat(data, rows, cols);
+}
 inline Mat as_mat(const View2F& v) { return Mat(v.data(), v.extent(0), v.extent(1)); }
 inline ConstMat as_cmat(const View2F& v) { return ConstMat(v.data(), v.extent(0), v.extent(1)); }
 inline ConstMat as_cmat(const Mat& v) { return ConstMat(v.data(), v.extent(0), v.extent(1)); }

@@ -14,7 +14,8 @@ int StepStats::find(const std::string& name) const {
 
 int StepStats::add(const StatColumn& c) {
   if (const int i = find(c.name); i >= 0) {
-    KMOE_REQUIRE(columns_[i] == c, "StepStats: column " << c.name << " declared twice, differently");
+    KMOE_REQUIRE(columns_[i] == c,
+                 "StepStats: column " << c.name << " declared twice, differently");
     return i;
   }
   KMOE_REQUIRE(c.values >= 1, "StepStats: column " << c.name << " needs an accumulator");
@@ -49,9 +50,9 @@ Kokkos::View<double*, Layout, MemSpace, Unmanaged> StepStats::device(int i) {
 IVec StepStats::counters(int i, std::int64_t n) {
   View1I& c = counters_[i];
   if (c.extent(0) == 0) c = View1I("stats::" + columns_[i].name, n);
-  KMOE_REQUIRE(std::int64_t(c.extent(0)) == n,
-               "StepStats: column " << columns_[i].name << " has " << c.extent(0)
-                                    << " counters, asked for " << n);
+  KMOE_REQUIRE(std::int64_t(c.extent(0)) == n, "StepStats: column "
+                                                   << columns_[i].name << " has " << c.extent(0)
+                                                   << " counters, asked for " << n);
   return IVec(c.data(), n);
 }
 
@@ -74,7 +75,9 @@ std::vector<std::pair<std::string, double>> StepStats::finish(int micro_batches)
     const double* a = host(i);
     double value = 0.0;
     switch (c.finish) {
-      case StatFinish::MeanPerMicroBatch: value = a[0] / micro_batches; break;
+      case StatFinish::MeanPerMicroBatch:
+        value = a[0] / micro_batches;
+        break;
       case StatFinish::MaxOverMean: {
         double most = 0.0;
         for (int v = 0; v < c.values; ++v) most = std::max(most, a[v]);
@@ -87,7 +90,9 @@ std::vector<std::pair<std::string, double>> StepStats::finish(int micro_batches)
         value = total > 0 ? a[0] / total : 0.0;
         break;
       }
-      case StatFinish::Sum: value = a[0]; break;
+      case StatFinish::Sum:
+        value = a[0];
+        break;
     }
     out.emplace_back(c.name, value);
   }
@@ -102,7 +107,8 @@ std::vector<std::pair<std::string, double>> StepStats::summaries(
     const StatColumn& c = columns_[i];
     if (c.summary_kind == StatSummary::None) continue;
     const double v = finished[i].second;
-    auto it = std::find_if(out.begin(), out.end(), [&](const auto& s) { return s.first == c.summary; });
+    auto it =
+        std::find_if(out.begin(), out.end(), [&](const auto& s) { return s.first == c.summary; });
     if (it == out.end()) {
       out.emplace_back(c.summary, v);
       joined.push_back(1);

@@ -38,9 +38,9 @@ enum class StatSummary { None, Max, Mean };
 struct StatColumn {
   std::string name;  // the metrics.csv column, e.g. "moe3_lb"
   StatFinish finish = StatFinish::MeanPerMicroBatch;
-  int values = 1;            // accumulators
-  std::string of;            // FractionOf: the dividing column
-  std::string summary;       // console label this column joins, e.g. "load max/mean"
+  int values = 1;       // accumulators
+  std::string of;       // FractionOf: the dividing column
+  std::string summary;  // console label this column joins, e.g. "load max/mean"
   StatSummary summary_kind = StatSummary::None;
 
   static StatColumn mean_per_micro_batch(std::string name) {
@@ -117,8 +117,8 @@ class StepStats {
   std::vector<StatColumn> columns_;
   std::vector<std::int64_t> offsets_;  // into host_ / device_
   std::vector<double> host_;
-  View1D device_;                      // allocated (zeroed) on first use
-  std::vector<View1I> counters_;       // per column; empty when not asked for
+  View1D device_;                 // allocated (zeroed) on first use
+  std::vector<View1I> counters_;  // per column; empty when not asked for
 };
 
 }  // namespace kmoe

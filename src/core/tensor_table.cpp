@@ -17,8 +17,7 @@ std::vector<std::int64_t> TensorSpec::local_shape() const {
   return s;
 }
 
-TensorSpec TensorSpec::matrix(std::string name, std::vector<std::int64_t> shape,
-                              double init_std) {
+TensorSpec TensorSpec::matrix(std::string name, std::vector<std::int64_t> shape, double init_std) {
   TensorSpec s;
   s.name = std::move(name);
   s.shape = std::move(shape);
@@ -138,8 +137,12 @@ void TensorTable::initialize(std::uint64_t seed) {
   for (const auto& e : entries_) {
     auto p = Kokkos::subview(params, Kokkos::make_pair(e.offset, e.offset + e.size));
     switch (e.spec.init) {
-      case InitKind::Zeros: Kokkos::deep_copy(p, 0.0f); break;
-      case InitKind::Ones: Kokkos::deep_copy(p, 1.0f); break;
+      case InitKind::Zeros:
+        Kokkos::deep_copy(p, 0.0f);
+        break;
+      case InitKind::Ones:
+        Kokkos::deep_copy(p, 1.0f);
+        break;
       case InitKind::Normal: {
         const std::uint64_t key = splitmix64(seed ^ hash_name(e.spec.name));
         const double std_dev = e.spec.init_std;  // rounded to float only with z (CONVENTIONS.md)

@@ -30,12 +30,12 @@ enum class Shard {
 //   TensorSpec::buffer("blocks.0.moe.router_bias", {E})   zeros; no gradient, no optimizer state
 //   .no_decay()  .with_lr_mult(x)  .row_block(shard, first_row, rows)  .as_tied_copy()
 struct TensorSpec {
-  std::string name;                  // e.g. "blocks.3.attn.wq"
-  std::vector<std::int64_t> shape;   // global shape
+  std::string name;                 // e.g. "blocks.3.attn.wq"
+  std::vector<std::int64_t> shape;  // global shape
   InitKind init = InitKind::Normal;
-  double init_std = 0.02;            // for InitKind::Normal (truncated at 3 std)
-  bool weight_decay = false;         // AdamW decoupled decay applies
-  double lr_mult = 1.0;              // group learning rate = lr(s) * lr_mult
+  double init_std = 0.02;     // for InitKind::Normal (truncated at 3 std)
+  bool weight_decay = false;  // AdamW decoupled decay applies
+  double lr_mult = 1.0;       // group learning rate = lr(s) * lr_mult
   // false: a buffer (e.g. moe.router_bias): checkpointed with the model, but no gradient, no
   // optimizer update and no AdamW moments in checkpoints.
   bool trainable = true;

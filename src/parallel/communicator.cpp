@@ -28,7 +28,7 @@ struct Communicator::MpiOp : PendingOp {
   const char* op = "";
   bool collective = false;
   int peer = -1;
-  std::int64_t mark = 0;              // the collective's number on its communicator
+  std::int64_t mark = 0;  // the collective's number on its communicator
   // What this rank announces: (number, kind, element count or -1 where members differ).
   std::int64_t sig[3] = {0, 0, -1};
   std::size_t first_notice = 0;       // reqs[first_notice..]: arrival notices (recv, send)
@@ -45,10 +45,10 @@ void add_comm_wait(double seconds) { g_comm_wait += seconds; }
 void check_all_to_all_counts(const std::string& axis, int size, int rank,
                              const std::vector<std::int64_t>& send_counts,
                              const std::vector<std::int64_t>& recv_counts) {
-  KMOE_REQUIRE(static_cast<int>(send_counts.size()) == size &&
-                   static_cast<int>(recv_counts.size()) == size,
-               "all_to_all_v on the " << axis << " axis: counts for " << send_counts.size() << "/"
-                                      << recv_counts.size() << " members, the axis has " << size);
+  KMOE_REQUIRE(
+      static_cast<int>(send_counts.size()) == size && static_cast<int>(recv_counts.size()) == size,
+      "all_to_all_v on the " << axis << " axis: counts for " << send_counts.size() << "/"
+                             << recv_counts.size() << " members, the axis has " << size);
   KMOE_REQUIRE(send_counts[rank] == recv_counts[rank],
                "all_to_all_v on the " << axis << " axis: " << send_counts[rank]
                                       << " floats to self, " << recv_counts[rank] << " expected");
@@ -108,8 +108,8 @@ Communicator& Communicator::operator=(Communicator&& o) noexcept {
   return *this;
 }
 
-std::unique_ptr<Communicator::MpiOp> Communicator::begin(const char* op, bool collective,
-                                                         int peer, std::int64_t count) const {
+std::unique_ptr<Communicator::MpiOp> Communicator::begin(const char* op, bool collective, int peer,
+                                                         std::int64_t count) const {
   auto p = std::make_unique<MpiOp>();
   p->op = op;
   p->collective = collective;
@@ -134,8 +134,7 @@ void Communicator::post_notices(MpiOp& p) const {
   for (int q = 0; q < size_; ++q) {
     if (q == rank_) continue;
     p.reqs.emplace_back();
-    mpi_check(MPI_Irecv(&p.notices[3 * q], 3, MPI_INT64_T, q, kNoticeTag, notice_,
-                        &p.reqs.back()),
+    mpi_check(MPI_Irecv(&p.notices[3 * q], 3, MPI_INT64_T, q, kNoticeTag, notice_, &p.reqs.back()),
               "MPI_Irecv(arrival notice)");
     p.reqs.emplace_back();
     mpi_check(MPI_Isend(p.sig, 3, MPI_INT64_T, q, kNoticeTag, notice_, &p.reqs.back()),
@@ -149,14 +148,12 @@ void Communicator::complete(Pending& pending) const {
   auto& reqs = p.reqs;
   const auto started = std::chrono::steady_clock::now();
   if (watchdog_s_ <= 0) {
-    mpi_check(MPI_Waitall(static_cast<int>(reqs.size()), reqs.data(), MPI_STATUSES_IGNORE),
-              p.op);
+    mpi_check(MPI_Waitall(static_cast<int>(reqs.size()), reqs.data(), MPI_STATUSES_IGNORE), p.op);
   } else {
     const auto t0 = std::chrono::steady_clock::now();
     for (;;) {
       int done = 0;
-      mpi_check(MPI_Testall(static_cast<int>(reqs.size()), reqs.data(), &done,
-                            MPI_STATUSES_IGNORE),
+      mpi_check(MPI_Testall(static_cast<int>(reqs.size()), reqs.data(), &done, MPI_STATUSES_IGNORE),
                 p.op);
       if (done) break;
       const double waited =
@@ -193,21 +190,20 @@ void Communicator::complete(Pending& pending) const {
       std::this_thread::yield();
     }
   }
-  add_comm_wait(
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
+  add_comm_wait(std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
   if (p.collective)
     for (int q = 0; q < size_; ++q) {
       if (q == rank_) continue;
       const std::int64_t* n = &p.notices[3 * q];
       const bool counts_differ = n[2] >= 0 && p.sig[2] >= 0 && n[2] != p.sig[2];
-      KMOE_REQUIRE(n[0] == p.mark && n[1] == p.sig[1] && !counts_differ,
-                   "collectives out of step on the " << name_ << " axis: world rank "
-                       << world_ranks_[q] << " is at collective #" << n[0]
-                       << (n[1] == p.sig[1] ? "" : " of another kind")
-                       << (counts_differ ? " with " + std::to_string(n[2]) + " elements" : "")
-                       << " while world rank " << world_ranks_[rank_] << " is at #" << p.mark
-                       << " (" << p.op << (p.sig[2] >= 0 ? ", " + std::to_string(p.sig[2]) + " elements" : "")
-                       << ")");
+      KMOE_REQUIRE(
+          n[0] == p.mark && n[1] == p.sig[1] && !counts_differ,
+          "collectives out of step on the "
+              << name_ << " axis: world rank " << world_ranks_[q] << " is at collective #" << n[0]
+              << (n[1] == p.sig[1] ? "" : " of another kind")
+              << (counts_differ ? " with " + std::to_string(n[2]) + " elements" : "")
+              << " while world rank " << world_ranks_[rank_] << " is at #" << p.mark << " (" << p.op
+              << (p.sig[2] >= 0 ? ", " + std::to_string(p.sig[2]) + " elements" : "") << ")");
     }
   pending.reset();
 }
@@ -301,8 +297,8 @@ void Communicator::all_to_all(const std::int64_t* send, std::int64_t* recv, int 
 }
 
 namespace {
-void post(std::vector<MPI_Request>& reqs, bool is_send, const float* data, std::int64_t n,
-          int peer, MPI_Comm comm) {
+void post(std::vector<MPI_Request>& reqs, bool is_send, const float* data, std::int64_t n, int peer,
+          MPI_Comm comm) {
   for (std::int64_t off = 0; off < n; off += kChunk) {
     reqs.emplace_back();
     const int count = static_cast<int>(std::min(kChunk, n - off));

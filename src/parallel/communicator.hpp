@@ -101,8 +101,8 @@ class Communicator : public DataComm {
   void recv(float* data, std::int64_t n, int peer) const override;
   // Both at once (no deadlock when two members exchange): n_send floats to `to` and n_recv
   // from `from`; a peer of -1 skips that half.
-  void send_recv(const float* send, std::int64_t n_send, int to, float* recv,
-                 std::int64_t n_recv, int from) const;
+  void send_recv(const float* send, std::int64_t n_send, int to, float* recv, std::int64_t n_recv,
+                 int from) const;
 
   // Test-only: the seconds this rank waits before giving up (0: forever).
   double watchdog_seconds() const { return watchdog_s_; }

@@ -12,11 +12,11 @@ namespace kmoe {
 class ProcessGrid;
 
 struct LayerComms {
-  const Communicator* ep = nullptr;      // ep rank r holds experts [r*E/ep, (r+1)*E/ep)
-  const DataComm* ep_data = nullptr;     // its data plane (expert rows); ep itself when null
-  const Communicator* engram = nullptr;  // holders of the Engram row blocks
-  const DataComm* engram_data = nullptr; // its data plane
-  Shard engram_shard = Shard::None;      // None | Ep | Stage (parallel.engram_shard)
+  const Communicator* ep = nullptr;       // ep rank r holds experts [r*E/ep, (r+1)*E/ep)
+  const DataComm* ep_data = nullptr;      // its data plane (expert rows); ep itself when null
+  const Communicator* engram = nullptr;   // holders of the Engram row blocks
+  const DataComm* engram_data = nullptr;  // its data plane
+  Shard engram_shard = Shard::None;       // None | Ep | Stage (parallel.engram_shard)
 };
 
 // The groups of this rank: the ep axis for MoE, the Engram shard group of

@@ -68,9 +68,9 @@ void NcclComm::nccl_check(int rc, const char* call) const {
 #else
   const char* detail = nullptr;
 #endif
-  KMOE_FAIL(call << " failed on the " << name_ << " axis (parallel.backend = nccl): "
-                 << ncclGetErrorString(r) << (detail && *detail ? ": " : "")
-                 << (detail ? detail : ""));
+  KMOE_FAIL(call << " failed on the " << name_
+                 << " axis (parallel.backend = nccl): " << ncclGetErrorString(r)
+                 << (detail && *detail ? ": " : "") << (detail ? detail : ""));
 }
 
 void NcclComm::cuda_check(int rc, const char* call) const {
@@ -191,8 +191,9 @@ void NcclComm::complete(Pending& pending) const {
     nccl_check(ncclCommGetAsyncError(p.comm, &async), "ncclCommGetAsyncError");
     if (async != ncclSuccess) {
       std::ostringstream what;
-      what << p.op << " failed on the " << name_ << " axis (parallel.backend = nccl): "
-           << ncclGetErrorString(async) << "; the NCCL communicators of the axis are aborted";
+      what << p.op << " failed on the " << name_
+           << " axis (parallel.backend = nccl): " << ncclGetErrorString(async)
+           << "; the NCCL communicators of the axis are aborted";
       abort_all();
       KMOE_FAIL(what.str());
     }

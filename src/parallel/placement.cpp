@@ -10,18 +10,24 @@ namespace kmoe {
 bool owns(const TensorSpec& spec, const ProcessGrid& grid) {
   if (spec.tied_copy) return false;
   switch (spec.shard) {
-    case Shard::None: return grid.replica() == 0;
-    case Shard::Ep: return grid.dp_rank == 0;
-    case Shard::Stage: return true;
+    case Shard::None:
+      return grid.replica() == 0;
+    case Shard::Ep:
+      return grid.dp_rank == 0;
+    case Shard::Stage:
+      return true;
   }
   return false;
 }
 
 const Communicator* gradient_comm(const TensorSpec& spec, const ProcessGrid& grid) {
   switch (spec.shard) {
-    case Shard::None: return &grid.stage;
-    case Shard::Ep: return &grid.dp_axis;
-    case Shard::Stage: return nullptr;
+    case Shard::None:
+      return &grid.stage;
+    case Shard::Ep:
+      return &grid.dp_axis;
+    case Shard::Stage:
+      return nullptr;
   }
   return nullptr;
 }

@@ -40,12 +40,12 @@ ProcessGrid::ProcessGrid(const ParallelCfg& cfg, int n_layers, MPI_Comm world_co
 
   bounds_.assign(pp + 1, 0);
   for (int s = 0; s < pp; ++s)
-    bounds_[s + 1] = bounds_[s] + (cfg.pp_layers.empty()
-                                       ? n_layers / pp + (s < n_layers % pp ? 1 : 0)
-                                       : cfg.pp_layers[s]);
-  KMOE_REQUIRE(bounds_[pp] == n_layers, "parallel.pp_layers covers " << bounds_[pp]
-                                                                     << " blocks, model.n_layers is "
-                                                                     << n_layers);
+    bounds_[s + 1] =
+        bounds_[s] +
+        (cfg.pp_layers.empty() ? n_layers / pp + (s < n_layers % pp ? 1 : 0) : cfg.pp_layers[s]);
+  KMOE_REQUIRE(bounds_[pp] == n_layers, "parallel.pp_layers covers "
+                                            << bounds_[pp] << " blocks, model.n_layers is "
+                                            << n_layers);
   build_data_plane(cfg);
 }
 
@@ -62,8 +62,9 @@ void ProcessGrid::build_data_plane(const ParallelCfg& cfg) {
       data_.emplace_back(axis, std::make_unique<NcclComm>(*axis, axis == &pipe));
     return;
 #else
-    KMOE_FAIL("parallel.backend = nccl, but this build of kmoe lacks NCCL: configure it with "
-              "-DKMOE_ENABLE_NCCL=ON (and a CUDA Kokkos)");
+    KMOE_FAIL(
+        "parallel.backend = nccl, but this build of kmoe lacks NCCL: configure it with "
+        "-DKMOE_ENABLE_NCCL=ON (and a CUDA Kokkos)");
 #endif
   }
   // MPI on device memory it cannot read: through pinned host buffers. On host-accessible

@@ -35,7 +35,7 @@ class ProcessGrid {
   int first_block(int s) const { return bounds_[s]; }
 
   Communicator world;
-  Communicator stage;  // the dp*ep ranks of this rank's pipeline stage
+  Communicator stage;    // the dp*ep ranks of this rank's pipeline stage
   Communicator dp_axis;  // same stage and ep rank: replicas of the same experts
   Communicator ep_axis;  // same stage and dp rank: the expert-parallel group (all-to-all)
   Communicator pipe;     // same replica, every stage: member s is stage s

@@ -41,12 +41,11 @@ void RowExchange::plan(ConstIVec dest, int n) {
   received_ = total(recv_rows_);
 }
 
-void RowExchange::plan_grouped(const std::vector<std::int64_t>& block_rows,
-                               int blocks_per_member) {
+void RowExchange::plan_grouped(const std::vector<std::int64_t>& block_rows, int blocks_per_member) {
   const int K = blocks_per_member;
   KMOE_REQUIRE(K >= 1 && block_rows.size() == std::size_t(P_) * K,
-               name_ << ": " << block_rows.size() << " block counts for " << P_
-                     << " members of " << K << " blocks");
+               name_ << ": " << block_rows.size() << " block counts for " << P_ << " members of "
+                     << K << " blocks");
   grouped_ = true;
   recv_blocks_.assign(std::size_t(P_) * K, 0);
   control_.all_to_all(block_rows.data(), recv_blocks_.data(), K);

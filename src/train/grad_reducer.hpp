@@ -9,8 +9,8 @@
 
 #include <vector>
 
-#include "parallel/process_grid.hpp"
 #include "core/tensor_table.hpp"
+#include "parallel/process_grid.hpp"
 
 namespace kmoe {
 

@@ -26,8 +26,8 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 void require_finite(const StepMetrics& m) {
   if (std::isfinite(m.loss) && std::isfinite(m.grad_norm)) return;
   std::ostringstream os;
-  os << "non-finite " << (std::isfinite(m.loss) ? "gradient norm" : "loss") << " at step "
-     << m.step << " (loss " << m.loss << ", gradient norm " << m.grad_norm
+  os << "non-finite " << (std::isfinite(m.loss) ? "gradient norm" : "loss") << " at step " << m.step
+     << " (loss " << m.loss << ", gradient norm " << m.grad_norm
      << "); stopping without a checkpoint";
   throw NonFiniteError(os.str());
 }
@@ -36,8 +36,7 @@ void require_finite(const StepMetrics& m) {
 Trainer::Trainer(const Config& cfg, ProcessGrid& grid)
     : cfg_(cfg),
       grid_(grid),
-      size_(model_size(cfg.model, cfg.moe, cfg.train.micro_batch, cfg.train.seq_len,
-                       cfg.engram)) {
+      size_(model_size(cfg.model, cfg.moe, cfg.train.micro_batch, cfg.train.seq_len, cfg.engram)) {
   const auto& t = cfg.train;
   train_data_ = std::make_unique<TokenDataset>(cfg.data.paths, cfg.data.dtype, t.seq_len,
                                                cfg.model.vocab_size, "data.paths");
@@ -53,20 +52,20 @@ Trainer::Trainer(const Config& cfg, ProcessGrid& grid)
   // This rank's micro-batches per step and the pipeline schedule over them; one Stage instance
   // per micro-batch the schedule keeps in flight, all on the same parameters.
   const int n_micro = t.global_batch / t.micro_batch;
-  schedule_ = pipeline_schedule(cfg.parallel.schedule, grid.pp, grid.pp_rank,
-                                n_micro / grid.replicas());
+  schedule_ =
+      pipeline_schedule(cfg.parallel.schedule, grid.pp, grid.pp_rank, n_micro / grid.replicas());
   const StagePlan plan = StagePlan::of(grid);
   const LayerComms comms = layer_comms(cfg, grid);
   for (int i = 0; i < max_in_flight(schedule_); ++i) {
-    stages_.push_back(std::make_unique<Stage>(cfg.model, cfg.moe, t.micro_batch, t.seq_len,
-                                              table_, cfg.engram, plan, comms, &stats_));
+    stages_.push_back(std::make_unique<Stage>(cfg.model, cfg.moe, t.micro_batch, t.seq_len, table_,
+                                              cfg.engram, plan, comms, &stats_));
     if (i == 0) {  // later instances share the first one's tensors
       table_.allocate();
       table_.initialize(t.seed);
     }
   }
-  reducer_ = std::make_unique<GradReducer>(table_, grid, cfg.parallel.bucket_mb,
-                                           cfg.model.tie_embeddings);
+  reducer_ =
+      std::make_unique<GradReducer>(table_, grid, cfg.parallel.bucket_mb, cfg.model.tie_embeddings);
   owned_.resize(table_.size());
   for (int i = 0; i < table_.size(); ++i) owned_[i] = owns(table_.entry(i).spec, grid);
   host_tokens_.resize(std::size_t(t.global_batch) * t.seq_len);
@@ -81,16 +80,16 @@ Trainer::Trainer(const Config& cfg, ProcessGrid& grid)
     resumed_ = true;
     if (grid_.is_root()) {
       const double mib = std::filesystem::file_size(from) / (1024.0 * 1024.0);
-      std::printf("resuming from %s after step %d (data position %lld); loaded %.1f MiB in "
-                  "%.3f s (%.1f MiB/s)\n",
-                  from.c_str(), state_.step, static_cast<long long>(state_.next_position), mib,
-                  secs, mib / secs);
+      std::printf(
+          "resuming from %s after step %d (data position %lld); loaded %.1f MiB in "
+          "%.3f s (%.1f MiB/s)\n",
+          from.c_str(), state_.step, static_cast<long long>(state_.next_position), mib, secs,
+          mib / secs);
       if (!changes.empty()) std::printf("deck changes since the checkpoint:%s\n", changes.c_str());
     }
   }
   if (grid_.is_root()) {
-    metrics_ = std::make_unique<MetricsWriter>(cfg.output.dir, /*append=*/resumed_,
-                                               stats_.names());
+    metrics_ = std::make_unique<MetricsWriter>(cfg.output.dir, /*append=*/resumed_, stats_.names());
     std::ofstream(cfg.output.dir + "/deck.resolved") << cfg.resolved_text;
   }
 }
@@ -258,22 +257,22 @@ void Trainer::run() {
     timer.stop(phases_.checkpoint);
   }
   if (state_.step >= t.max_steps && grid_.is_root())
-    std::printf("nothing to do: the checkpoint is at step %d, train.max_steps = %d\n",
-                state_.step, t.max_steps);
+    std::printf("nothing to do: the checkpoint is at step %d, train.max_steps = %d\n", state_.step,
+                t.max_steps);
   for (int step = state_.step + 1; step <= t.max_steps; ++step) {
     StepMetrics m = train_step(step);
     timer.start();
-    const bool eval_now = val_data_ && ((t.eval_every > 0 && step % t.eval_every == 0) ||
-                                        step == t.max_steps);
+    const bool eval_now =
+        val_data_ && ((t.eval_every > 0 && step % t.eval_every == 0) || step == t.max_steps);
     if (eval_now) {
-      m.val_loss = evaluate(*stages_[0], table_, *val_data_, grid_, t.micro_batch,
-                            t.eval_instances, cfg_.parallel.engram_shard != EngramShardGroup::None)
+      m.val_loss = evaluate(*stages_[0], table_, *val_data_, grid_, t.micro_batch, t.eval_instances,
+                            cfg_.parallel.engram_shard != EngramShardGroup::None)
                        .loss;
       timer.stop(phases_.eval);
     }
     // A stop signal on any rank: every rank checkpoints this step and stops.
-    const auto stop = static_cast<StopKind>(static_cast<int>(
-        grid_.world.allreduce_max(double(static_cast<int>(requested_stop())))));
+    const auto stop = static_cast<StopKind>(
+        static_cast<int>(grid_.world.allreduce_max(double(static_cast<int>(requested_stop())))));
     const bool stopping = stop != StopKind::None;
     if ((c.every > 0 && step % c.every == 0) || step == t.max_steps || stopping) {
       save();
@@ -315,11 +314,12 @@ void Trainer::save() {
 void Trainer::print_phases() const {
   if (grid_.is_root()) {
     const auto& p = phases_;
-    std::printf("time per phase (rank 0, s): data %.2f forward %.2f backward %.2f pipeline %.2f "
-                "reduce %.2f optimizer %.2f eval %.2f checkpoint %.2f; waiting on "
-                "communication in training steps %.2f\n",
-                p.data, p.forward, p.backward, p.pipeline, p.reduce, p.optimizer, p.eval,
-                p.checkpoint, p.comm_wait);
+    std::printf(
+        "time per phase (rank 0, s): data %.2f forward %.2f backward %.2f pipeline %.2f "
+        "reduce %.2f optimizer %.2f eval %.2f checkpoint %.2f; waiting on "
+        "communication in training steps %.2f\n",
+        p.data, p.forward, p.backward, p.pipeline, p.reduce, p.optimizer, p.eval, p.checkpoint,
+        p.comm_wait);
   }
 }
 

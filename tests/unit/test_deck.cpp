@@ -384,9 +384,10 @@ TEST(Deck, EngramSection) {
   const Config none = parse_deck(kDeck, "test.deck");
   EXPECT_FALSE(none.engram.enabled());
   EXPECT_EQ(none.engram.init_std, none.model.init_std);
-  const Config g = parse_deck(kDeck, "t", {"--engram.layers=1", "--engram.heads=4",
-                                           "--engram.embed_per_ngram=32",
-                                           "--engram.table_size=100,200", "--model.init_std=0.01"});
+  const Config g =
+      parse_deck(kDeck, "t",
+                 {"--engram.layers=1", "--engram.heads=4", "--engram.embed_per_ngram=32",
+                  "--engram.table_size=100,200", "--model.init_std=0.01"});
   EXPECT_TRUE(g.engram.enabled());
   EXPECT_EQ(g.engram.table_size, (std::vector<int>{100, 200}));
   EXPECT_EQ(g.engram.init_std, 0.01);
@@ -401,30 +402,29 @@ TEST(Deck, EngramSection) {
 TEST(Deck, MoeSection) {
   const Config dense = parse_deck(kDeck, "test.deck");
   EXPECT_FALSE(dense.moe.enabled());
-  const Config moe = parse_deck(kDeck, "test.deck",
-                                {"--moe.experts=8", "--moe.expert_hidden=32", "--moe.top_k=2",
-                                 "--moe.dense_layers=0", "--moe.shared_experts=1",
-                                 "--moe.shared_hidden=16"});
+  const Config moe =
+      parse_deck(kDeck, "test.deck",
+                 {"--moe.experts=8", "--moe.expert_hidden=32", "--moe.top_k=2",
+                  "--moe.dense_layers=0", "--moe.shared_experts=1", "--moe.shared_hidden=16"});
   EXPECT_EQ(moe.moe.experts, 8);
   EXPECT_FALSE(moe.moe.is_moe_layer(0));
   EXPECT_TRUE(moe.moe.is_moe_layer(1));
-  const Config only1 = parse_deck(kDeck, "t", {"--moe.experts=4", "--moe.expert_hidden=8",
-                                               "--moe.layers=1"});
+  const Config only1 =
+      parse_deck(kDeck, "t", {"--moe.experts=4", "--moe.expert_hidden=8", "--moe.layers=1"});
   EXPECT_TRUE(only1.moe.is_moe_layer(1));
   EXPECT_FALSE(only1.moe.is_moe_layer(0));
   expect_contains(deck_error(kDeck, {"--moe.experts=8"}),
                   {"moe.expert_hidden must be positive", "(default)"});
   expect_contains(deck_error(kDeck, {"--moe.experts=4", "--moe.expert_hidden=8", "--moe.top_k=5"}),
                   {"command line: --moe.top_k=5", "[1, moe.experts = 4]"});
-  expect_contains(deck_error(kDeck, {"--moe.experts=4", "--moe.expert_hidden=8",
-                                     "--moe.score=relu"}),
-                  {"softmax | sigmoid", "'relu'"});
-  expect_contains(deck_error(kDeck, {"--moe.experts=4", "--moe.expert_hidden=8",
-                                     "--moe.layers=7"}),
+  expect_contains(
+      deck_error(kDeck, {"--moe.experts=4", "--moe.expert_hidden=8", "--moe.score=relu"}),
+      {"softmax | sigmoid", "'relu'"});
+  expect_contains(deck_error(kDeck, {"--moe.experts=4", "--moe.expert_hidden=8", "--moe.layers=7"}),
                   {"moe.layers entry 7"});
-  expect_contains(deck_error(kDeck, {"--moe.experts=4", "--moe.expert_hidden=8",
-                                     "--moe.shared_experts=1"}),
-                  {"moe.shared_hidden must be positive"});
+  expect_contains(
+      deck_error(kDeck, {"--moe.experts=4", "--moe.expert_hidden=8", "--moe.shared_experts=1"}),
+      {"moe.shared_hidden must be positive"});
 }
 
 }  // namespace kmoe

@@ -2,7 +2,6 @@
 // tests/reference/engram_hash_reference.py (regenerate: /usr/bin/python3
 // tests/reference/engram_hash_reference.py), and the facts the spec states.
 #include <gtest/gtest.h>
-
 #include <unistd.h>
 
 #include <cstdio>
@@ -11,7 +10,6 @@
 #include <vector>
 
 #include "core/error.hpp"
-
 #include "modules/engram/engram_hash.hpp"
 
 namespace kmoe {
@@ -51,12 +49,12 @@ TEST(EngramHash, GoldenMultipliersAndModuli) {
   const auto plans = engram_hash_plans(golden_cfg(), 320);
   ASSERT_EQ(plans.size(), 2u);
   EXPECT_EQ(plans[0].layer, 1);
-  EXPECT_EQ(plans[0].multipliers,
-            (std::vector<std::uint64_t>{4613788058582655ull, 19701431026589519ull,
-                                        1876694149391263ull}));
-  EXPECT_EQ(plans[1].multipliers,
-            (std::vector<std::uint64_t>{1700078423239473ull, 16049148799352551ull,
-                                        8168503084605559ull}));
+  EXPECT_EQ(
+      plans[0].multipliers,
+      (std::vector<std::uint64_t>{4613788058582655ull, 19701431026589519ull, 1876694149391263ull}));
+  EXPECT_EQ(
+      plans[1].multipliers,
+      (std::vector<std::uint64_t>{1700078423239473ull, 16049148799352551ull, 8168503084605559ull}));
   EXPECT_EQ(plans[0].primes,
             (std::vector<std::int64_t>{1601, 1607, 1609, 1613, 1619, 1621, 1627, 1637}));
   EXPECT_EQ(plans[0].offsets,

@@ -61,8 +61,9 @@ TEST(Moe, OneExpertTopOneIsTheDenseLayer) {
   for (const char* w : {"w1", "w3", "w2"}) {
     const auto& src = table.entry(table.find(std::string("dense.") + w));
     const auto& dst = table.entry(table.find(std::string("moe.experts.") + w));
-    Kokkos::deep_copy(Kokkos::subview(table.params, Kokkos::make_pair(dst.offset, dst.offset + dst.size)),
-                      Kokkos::subview(table.params, Kokkos::make_pair(src.offset, src.offset + src.size)));
+    Kokkos::deep_copy(
+        Kokkos::subview(table.params, Kokkos::make_pair(dst.offset, dst.offset + dst.size)),
+        Kokkos::subview(table.params, Kokkos::make_pair(src.offset, src.offset + src.size)));
   }
   View2F x = random_input(N, D, 1), y_dense("yd", N, D), y_moe("ym", N, D);
   dense.forward(table, as_cmat(x), as_mat(y_dense));
@@ -134,7 +135,8 @@ TEST(Moe, ExpertWithoutTokensGetsExactlyZeroGradientAndNoStaleRows) {
     double used = 0.0;
     for (std::int64_t i = 0; i < 2 * per; ++i) used += std::fabs(g(t.offset + i));
     EXPECT_GT(used, 0.0) << w;
-    for (std::int64_t i = 2 * per; i < t.size; ++i) ASSERT_EQ(g(t.offset + i), 0.0f) << w << " " << i;
+    for (std::int64_t i = 2 * per; i < t.size; ++i)
+      ASSERT_EQ(g(t.offset + i), 0.0f) << w << " " << i;
   }
   // A fresh layer with the same weights gives the same output: nothing stale was read.
   TensorTable fresh_table;
@@ -170,7 +172,9 @@ TEST(Moe, CapacityDropsTheTailInTokenOrderDeterministically) {
   EXPECT_EQ(st.dropped, expected_drops);
 
   // Which tokens lost a slot: per expert, its assignments beyond the first `cap` in token order.
-  auto sel = Kokkos::create_mirror_view_and_copy(HostSpace(), Kokkos::View<const int*, Layout, MemSpace, Unmanaged>(b.selected().data(), N * k));
+  auto sel = Kokkos::create_mirror_view_and_copy(
+      HostSpace(),
+      Kokkos::View<const int*, Layout, MemSpace, Unmanaged>(b.selected().data(), N * k));
   std::vector<int> seen(E, 0);
   std::vector<bool> lost(N, false);
   for (int t = 0; t < N; ++t)

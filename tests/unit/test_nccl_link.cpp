@@ -99,8 +99,7 @@ TEST(NcclLink, CpuKokkosRefusesNccl) {
     Communicator world(MPI_COMM_WORLD, "world", 10.0);
     NcclComm nccl(world, true);
   });
-  EXPECT_NE(e.find("parallel.backend = nccl needs Kokkos built with CUDA"), std::string::npos)
-      << e;
+  EXPECT_NE(e.find("parallel.backend = nccl needs Kokkos built with CUDA"), std::string::npos) << e;
   EXPECT_NE(e.find(ExecSpace::name()), std::string::npos) << e;
 }
 
@@ -115,8 +114,7 @@ TEST(NcclLink, CpuKokkosGridRefusesNccl) {
     cfg.backend = CommBackend::Nccl;
     ProcessGrid grid(cfg, 2, MPI_COMM_WORLD);
   });
-  EXPECT_NE(e.find("parallel.backend = nccl needs Kokkos built with CUDA"), std::string::npos)
-      << e;
+  EXPECT_NE(e.find("parallel.backend = nccl needs Kokkos built with CUDA"), std::string::npos) << e;
 }
 
 #else

@@ -53,7 +53,9 @@ double max_rel(const std::vector<float>& a, const std::vector<float>& b) {
 TEST(Grid, RankOrderAndAxes) {
   ASSERT_EQ(world_size(), 4);
   const int me = world_rank();
-  struct Layout { int pp, dp, ep; };
+  struct Layout {
+    int pp, dp, ep;
+  };
   for (Layout l : {Layout{1, 2, 2}, Layout{2, 1, 2}, Layout{2, 2, 1}, Layout{4, 1, 1}}) {
     ParallelCfg c;
     c.pp = l.pp;
@@ -104,7 +106,8 @@ TEST(Comm, AllToAllVWithUnevenCounts) {
     for (int i = 0; i < sc[p]; ++i) send.push_back(100.0f * me + 10.0f * p + i);
     for (int i = 0; i < rc[p]; ++i) expect.push_back(100.0f * p + 10.0f * me + i);
   }
-  View1F s("send", std::max<std::size_t>(1, send.size())), r("recv", std::max<std::size_t>(1, expect.size()));
+  View1F s("send", std::max<std::size_t>(1, send.size())),
+      r("recv", std::max<std::size_t>(1, expect.size()));
   fill(s.data(), send);
   c.all_to_all_v(s.data(), sc, r.data(), rc);
   EXPECT_EQ(host(r.data(), expect.size()), expect);

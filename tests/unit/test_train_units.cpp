@@ -15,11 +15,11 @@
 #include <vector>
 
 #include "core/error.hpp"
+#include "core/tensor_table.hpp"
 #include "modules/model/model_size.hpp"
 #include "modules/model/stage.hpp"
-#include "train/optimizer.hpp"
 #include "parallel/pipeline_schedule.hpp"
-#include "core/tensor_table.hpp"
+#include "train/optimizer.hpp"
 
 namespace kmoe {
 namespace {
@@ -713,7 +713,8 @@ namespace kmoe {
 namespace {
 
 // Pipeline schedules: every micro-batch forward once and backward once, backward after its
-// forward, the in-flight count bounded as RUNTIME.md section 2 and parallel/pipeline_schedule.hpp say.
+// forward, the in-flight count bounded as RUNTIME.md section 2 and parallel/pipeline_schedule.hpp
+// say.
 TEST(Schedule, OneFOneBAndGPipe) {
   for (const char* kind : {"1f1b", "gpipe"})
     for (int P : {1, 2, 4})
