@@ -138,7 +138,8 @@ int main(int argc, char** argv) {
     e.top_k = 2;
     e.expert_hidden = F / 2;
     TensorTable t3;
-    MoeLayer moe(m, e, "blocks.0.moe.", N, t3);
+    StepStats stats;  // the statistics a training run records
+    MoeLayer moe(m, e, "blocks.0.moe.", N, t3, nullptr, nullptr, &stats);
     t3.allocate();
     t3.initialize(2);
     MoeScratch mos(m, e, N);
@@ -186,7 +187,8 @@ int main(int argc, char** argv) {
     auto plans = engram_hash_plans(g, V);
     plans[0].pad_c = g.pad_id;
     TensorTable t4;
-    EngramLayer eng(m, g, plans[0], "blocks.0.engram.", N, T, t4);
+    StepStats stats;  // the lookup counts and gate metric a training run keeps
+    EngramLayer eng(m, g, plans[0], "blocks.0.engram.", N, T, t4, EngramSharding(), &stats);
     t4.allocate();
     t4.initialize(3);
     View1I ids("ids", N);

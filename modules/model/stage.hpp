@@ -1,8 +1,9 @@
 // A pipeline stage: the contiguous run of blocks this rank owns, plus the embedding on the
 // first stage and the final norm, LM head and loss on the last. With pp = 1 it is the whole
 // model. forward() keeps every block's activations for backward() of the same micro-batch; a
-// pipeline schedule with several micro-batches in flight uses one Stage per activation slot,
-// all bound to the same parameters in the TensorTable (TensorTable::bind).
+// pipeline schedule with several micro-batches in flight uses one Stage instance per
+// micro-batch in flight, all on the same parameters in the TensorTable (declared again after
+// TensorTable::allocate, a tensor is the existing one) and the same StepStats.
 #pragma once
 
 #include <functional>

@@ -24,6 +24,12 @@ int StepStats::add(const StatColumn& c) {
   columns_.push_back(c);
   offsets_.push_back(static_cast<std::int64_t>(host_.size()));
   host_.resize(host_.size() + c.values, 0.0);
+  if (device_.extent(0) > 0) {  // keep the device copy the same size, its values kept
+    View1D grown("stats::device", host_.size());
+    Kokkos::deep_copy(Kokkos::subview(grown, std::make_pair(std::size_t(0), device_.extent(0))),
+                      device_);
+    device_ = grown;
+  }
   counters_.emplace_back();
   return size() - 1;
 }
@@ -42,7 +48,7 @@ void StepStats::begin_step() {
 }
 
 Kokkos::View<double*, Layout, MemSpace, Unmanaged> StepStats::device(int i) {
-  if (device_.extent(0) != host_.size()) device_ = View1D("stats::device", host_.size());
+  if (device_.extent(0) == 0) device_ = View1D("stats::device", host_.size());
   return Kokkos::View<double*, Layout, MemSpace, Unmanaged>(device_.data() + offsets_[i],
                                                             columns_[i].values);
 }

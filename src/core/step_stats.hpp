@@ -93,7 +93,7 @@ class StepStats {
   double* host(int i) { return host_.data() + offsets_[i]; }
   const double* host(int i) const { return host_.data() + offsets_[i]; }
   // Column i's accumulators on the device, for kernels to add to (summed into the host ones by
-  // gather_device()).
+  // gather_device()). Ask again for each use: declaring a column moves the device copy.
   Kokkos::View<double*, Layout, MemSpace, Unmanaged> device(int i);
   // Column i's integer counters (n of them, e.g. lookups per table row), shared by every layer
   // instance that asks with the same n; zeroed by begin_step().

@@ -201,21 +201,21 @@ StepMetrics Trainer::train_step(int step) {
   state_.step = step;
   state_.next_position += t.global_batch;
   state_.tokens_seen += std::int64_t(t.global_batch) * T;
-  const double comm_s = comm_wait_seconds() - comm_at_start;
-  phases_.comm_wait += comm_s;
-  add_throughput(m, seconds_since(t_step), comm_s);
+  // The slowest rank's step time (its wait counts as communication), then the rest.
+  m.step_time_s = grid_.world.allreduce_max(seconds_since(t_step));
+  m.comm_s = comm_wait_seconds() - comm_at_start;
+  phases_.comm_wait += m.comm_s;
+  add_throughput(m);
   return m;
 }
 
-void Trainer::add_throughput(StepMetrics& m, double seconds, double comm_seconds) const {
-  m.step_time_s = grid_.world.allreduce_max(seconds);
+void Trainer::add_throughput(StepMetrics& m) const {
   const double tokens = double(cfg_.train.global_batch) * cfg_.train.seq_len;
   m.tokens_per_s = tokens / m.step_time_s;
   m.tokens_per_s_per_rank = m.tokens_per_s / grid_.world.size();
   m.model_flops_per_s = m.tokens_per_s * size_.flops_per_token;
   if (cfg_.output.peak_flops > 0)
     m.mfu = m.model_flops_per_s / (cfg_.output.peak_flops * grid_.world.size());
-  m.comm_s = comm_seconds;
   m.mem_hwm_mib = grid_.world.allreduce_max(peak_rss_mib());
 }
 

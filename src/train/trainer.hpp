@@ -47,8 +47,8 @@ class Trainer {
 
  private:
   StepMetrics train_step(int step);
-  // Throughput, MFU, communication wait and memory of a step that took `seconds` here.
-  void add_throughput(StepMetrics& m, double seconds, double comm_seconds) const;
+  // Throughput, MFU and memory of a step that took m.step_time_s.
+  void add_throughput(StepMetrics& m) const;
   // Writes the step dump of output.dump_step (collective).
   void write_dump(StepDump& d, const StepMetrics& m);
   void print_phases() const;

@@ -24,7 +24,7 @@ struct Fixture {
   View2F x, out, dx, R;
   View1I tokens;
 
-  explicit Fixture(const char* gate) {
+  explicit Fixture(const char* gate, StepStats* stats = nullptr) {
     m.d_model = 16;
     m.vocab_size = 32;
     g.layers = {0};
@@ -37,7 +37,8 @@ struct Fixture {
     g.init_std = 0.3;
     plans = engram_hash_plans(g, m.vocab_size);
     N = nseq * T;
-    layer = std::make_unique<EngramLayer>(m, g, plans[0], "blocks.0.engram.", N, T, table);
+    layer = std::make_unique<EngramLayer>(m, g, plans[0], "blocks.0.engram.", N, T, table,
+                                          EngramSharding(), stats);
     table.allocate();
     table.initialize(9);
     std::mt19937 gen(4);
@@ -179,6 +180,44 @@ TEST(Engram, OnlyLookedUpRowsGetGradient) {
     }
   }
   EXPECT_LT(touched, tab.spec.shape[0]) << "some rows must stay untouched for the test to bite";
+}
+
+// The layer's statistics: the gate column is the mean over micro-batches of each forward's
+// mean gate; finish_step makes rows_touched the fraction of table rows any forward looked up.
+TEST(Engram, StatisticsAreTheMeanGateAndTheRowsTouched) {
+  StepStats stats;
+  Fixture f("sigmoid", &stats);
+  EXPECT_EQ(stats.names(), (std::vector<std::string>{"engram0_gate", "engram0_rows_touched"}));
+  EngramHasher hasher(f.plans[0], f.g.max_ngram, f.g.heads, f.g.pad_id);
+  Kokkos::View<int**, Layout, MemSpace> rows("rows", f.N, hasher.heads_total());
+  std::set<int> used;
+  auto note_rows = [&] {
+    hasher.rows(ConstIVec(f.tokens.data(), f.N), f.T, rows);
+    auto hr = Kokkos::create_mirror_view_and_copy(HostSpace(), rows);
+    for (int t = 0; t < f.N; ++t)
+      for (int j = 0; j < hasher.heads_total(); ++j) used.insert(hr(t, j));
+  };
+  f.objective();  // an evaluation forward before the step: begin_step forgets it
+  stats.begin_step();
+  double gates = 0.0;
+  for (int micro = 0; micro < 2; ++micro) {
+    if (micro == 1) {  // other tokens for the second micro-batch
+      auto ht = Kokkos::create_mirror_view_and_copy(HostSpace(), f.tokens);
+      for (int i = 0; i < f.N; ++i) ht(i) = (ht(i) * 7 + 3) % f.m.vocab_size;
+      Kokkos::deep_copy(f.tokens, ht);
+    }
+    f.objective();
+    gates += f.layer->mean_gate();
+    note_rows();
+  }
+  Communicator self(MPI_COMM_SELF, "self", 60.0);
+  stats.gather_device();
+  f.layer->finish_step(stats, self, /*write=*/true);
+  const auto finished = stats.finish(2);
+  const auto& tab = f.table.entry(f.table.find("blocks.0.engram.table"));
+  EXPECT_NEAR(finished[0].second, gates / 2, 1e-12);
+  EXPECT_EQ(finished[1].second, double(used.size()) / tab.spec.shape[0]);
+  EXPECT_LT(used.size(), std::size_t(tab.spec.shape[0])) << "some rows must stay untouched";
 }
 
 }  // namespace

@@ -221,5 +221,58 @@ TEST(Moe, RouterBiasMovesTowardBalance) {
   EXPECT_LT(imbalance(st), imbalance(first));
 }
 
+// The layer's statistics over two micro-batches: lb and rz averaged, the loads summed (their max
+// over mean the column's value), drops over all assignments; after_optimizer_step moves the
+// router bias exactly as update_router_bias does with the step's counts.
+TEST(Moe, StatisticsAndTheRouterBiasHook) {
+  const int N = 40, D = 8, Fe = 6, E = 4, k = 2;
+  const ModelCfg m = model(D);
+  MoeCfg e = moe(E, k, Fe);
+  e.capacity_factor = 0.6;
+  e.bias_update_rate = 0.05;
+  StepStats stats;
+  TensorTable table;
+  MoeLayer layer(m, e, "blocks.3.moe.", N, table, nullptr, nullptr, &stats, 3);
+  table.allocate();
+  table.initialize(11);
+  EXPECT_EQ(stats.names(),
+            (std::vector<std::string>{"moe3_lb", "moe3_rz", "moe3_load_max_mean", "moe3_drop"}));
+  View2F x1 = random_input(N, D, 6), x2 = random_input(N, D, 7), y("y", N, D);
+  layer.forward(table, as_cmat(x1), as_mat(y));  // e.g. an evaluation forward: forgotten
+  stats.begin_step();
+  const MoeStats a = layer.forward(table, as_cmat(x1), as_mat(y));
+  const MoeStats b = layer.forward(table, as_cmat(x2), as_mat(y));
+  EXPECT_EQ(layer.aux_loss(), e.lb_coef * b.lb + e.z_coef * b.rz);
+  std::vector<double> counts(E);
+  double most = 0.0, total = 0.0;
+  for (int x = 0; x < E; ++x) {
+    counts[x] = double(a.load[x]) + double(b.load[x]);
+    most = std::max(most, counts[x]);
+    total += counts[x];
+  }
+  ASSERT_GT(a.dropped + b.dropped, 0) << "the capacity must bite for the drop column to count";
+  const auto f = stats.finish(2);
+  EXPECT_EQ(f[0].second, (a.lb + b.lb) / 2);
+  EXPECT_EQ(f[1].second, (a.rz + b.rz) / 2);
+  EXPECT_EQ(f[2].second, most / (total / E));
+  EXPECT_EQ(f[3].second, double(a.dropped + b.dropped) / total);
+
+  TensorTable expected;  // the same layer's bias moved by hand
+  MoeLayer twin(m, e, "blocks.3.moe.", N, expected);
+  expected.allocate();
+  Kokkos::deep_copy(expected.params, table.params);
+  update_router_bias(expected, twin.bias_index(), counts, e.bias_update_rate);
+  layer.after_optimizer_step(table, stats);
+  const auto& bias = table.entry(layer.bias_index());
+  auto got = Kokkos::create_mirror_view_and_copy(HostSpace(), table.params);
+  auto want = Kokkos::create_mirror_view_and_copy(HostSpace(), expected.params);
+  bool moved = false;
+  for (std::int64_t i = bias.offset; i < bias.offset + bias.size; ++i) {
+    EXPECT_EQ(got(i), want(i)) << i - bias.offset;
+    moved = moved || got(i) != 0.0f;
+  }
+  EXPECT_TRUE(moved);
+}
+
 }  // namespace
 }  // namespace kmoe

@@ -119,14 +119,19 @@ TEST(NcclLink, CpuKokkosGridRefusesNccl) {
 
 #else
 
+// Outside the TEST body: nvcc refuses a device lambda in a private member function.
+void fill_ramp(View1F v, float step) {
+  Kokkos::parallel_for(
+      "fill", Range(0, static_cast<int>(v.extent(0))), KOKKOS_LAMBDA(int i) { v(i) = step * i; });
+}
+
 TEST(NcclLink, OneRankAllToAllThroughNccl) {
   Communicator self(MPI_COMM_SELF, "self", 60.0);
   NcclComm nccl(self, false);
   EXPECT_STREQ(nccl.backend(), "nccl");
   EXPECT_EQ(nccl.size(), 1);
   View1F send("send", 5), recv("recv", 5);
-  Kokkos::parallel_for(
-      "fill", Range(0, 5), KOKKOS_LAMBDA(int i) { send(i) = 1.5f * i; });
+  fill_ramp(send, 1.5f);
   nccl.all_to_all_v(send.data(), {5}, recv.data(), {5});
   auto host = Kokkos::create_mirror_view_and_copy(HostSpace(), recv);
   for (int i = 0; i < 5; ++i) EXPECT_EQ(host(i), 1.5f * i);

@@ -4,6 +4,7 @@
 // part like the others.
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <vector>
 
 #include "core/error.hpp"
@@ -27,53 +28,48 @@ std::vector<typename V::value_type> host(const V& v, std::int64_t n) {
   return std::vector<typename V::value_type>(m.data(), m.data() + n);
 }
 
-// Rank r's local rows: n(r) of them (rank 1 has none when P > 1), row i going to dest(r, i).
-// Nobody sends to the last member when P > 2, so it receives nothing.
-int rows_of(int r, int P) { return P > 1 && r == 1 ? 0 : 5 + 3 * r; }
-int dest_of(int r, int i, int P) {
-  const int targets = P > 2 ? P - 1 : P;
-  return (i * 7 + r * 3) % targets;
-}
 float value(int r, int i, int c) { return 1000.0f * r + 10.0f * i + c; }
 
-TEST(RowExchange, RowsReachTheirDestinationsAndAnswersComeBack) {
-  Communicator comm(MPI_COMM_WORLD, "exchange", 60.0);
-  const int P = comm.size(), me = comm.rank(), W = 3;
-  const int n = rows_of(me, P);
+// Who sends what: rows(r) local rows on rank r, row i going to member dest(r, i).
+struct Scenario {
+  const char* what;
+  std::function<int(int r)> rows;
+  std::function<int(int r, int i)> dest;
+};
+
+// Plans `ex` for the scenario, forwards ids and rows, checks what arrived (source-major, each
+// source's rows in local order), answers each row and checks every answer lands on its row.
+void exchange_and_answer(RowExchange& ex, const Scenario& sc, int P, int me) {
+  SCOPED_TRACE(sc.what);
+  const int W = 3, n = sc.rows(me);
   std::vector<int> dest(n), ids(n);
   std::vector<float> rows(std::size_t(n) * W);
   for (int i = 0; i < n; ++i) {
-    dest[i] = dest_of(me, i, P);
+    dest[i] = sc.dest(me, i);
     ids[i] = me * 100 + i;
     for (int c = 0; c < W; ++c) rows[i * W + c] = value(me, i, c);
   }
-  auto d_dest = device(dest);
-  auto d_ids = device(ids);
-  auto d_rows = device(rows);
-  RowExchange ex(comm, comm, "test");
+  auto d_dest = device(dest.empty() ? std::vector<int>(1) : dest);
+  auto d_ids = device(ids.empty() ? std::vector<int>(1) : ids);
+  auto d_rows = device(rows.empty() ? std::vector<float>(W) : rows);
   ex.plan(ConstIVec(d_dest.data(), n), n);
 
-  // What must arrive: source-major, each source's rows to me in its local order.
   std::vector<int> want_ids;
   std::vector<float> want_rows;
   for (int q = 0; q < P; ++q)
-    for (int i = 0; i < rows_of(q, P); ++i)
-      if (dest_of(q, i, P) == me) {
+    for (int i = 0; i < sc.rows(q); ++i)
+      if (sc.dest(q, i) == me) {
         want_ids.push_back(q * 100 + i);
         for (int c = 0; c < W; ++c) want_rows.push_back(value(q, i, c));
       }
   const int m = static_cast<int>(want_ids.size());
   EXPECT_EQ(ex.rows_sent(), n);
   ASSERT_EQ(ex.rows_received(), m);
-  if (P > 2 && me == P - 1) {
-    EXPECT_EQ(m, 0);  // nobody sends to the last member
-  }
   for (int q = 0; q < P; ++q) {
     int from_q = 0;
-    for (int i = 0; i < rows_of(q, P); ++i) from_q += dest_of(q, i, P) == me;
+    for (int i = 0; i < sc.rows(q); ++i) from_q += sc.dest(q, i) == me;
     EXPECT_EQ(ex.received_blocks()[q], from_q) << "from " << q;
   }
-
   View1I got_ids("got_ids", std::max(m, 1));
   View1F got_rows("got_rows", std::max(m, 1) * W);
   ex.forward(d_ids.data(), got_ids.data(), 1);
@@ -91,6 +87,25 @@ TEST(RowExchange, RowsReachTheirDestinationsAndAnswersComeBack) {
   for (int i = 0; i < n; ++i)
     for (int c = 0; c < W; ++c)
       EXPECT_EQ(b[i * W + c], -value(me, i, c) + 0.5f * dest[i]) << "row " << i << " col " << c;
+}
+
+TEST(RowExchange, RowsReachTheirDestinationsAndAnswersComeBack) {
+  Communicator comm(MPI_COMM_WORLD, "exchange", 60.0);
+  const int P = comm.size(), me = comm.rank();
+  // Rank 1 sends nothing; with more than 2 members nobody sends to the last one.
+  const Scenario spread{"spread", [P](int r) { return P > 1 && r == 1 ? 0 : 5 + 3 * r; },
+                        [P](int r, int i) { return (i * 7 + r * 3) % (P > 2 ? P - 1 : P); }};
+  // Twice as many rows (the plan and the buffers grow), all to member 0: the others receive
+  // nothing.
+  const Scenario to_first{"all to member 0", [](int r) { return 11 + 6 * r; },
+                          [](int, int) { return 0; }};
+  RowExchange ex(comm, comm, "test");
+  exchange_and_answer(ex, spread, P, me);
+  exchange_and_answer(ex, to_first, P, me);
+  exchange_and_answer(ex, spread, P, me);  // and back to a smaller plan
+  if (P > 2 && me == P - 1) {
+    EXPECT_EQ(ex.rows_received(), 0);
+  }
 }
 
 TEST(RowExchange, GroupedRowsCarryTheirBlockCounts) {

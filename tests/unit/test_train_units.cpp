@@ -729,13 +729,70 @@ TEST(Schedule, OneFOneBAndGPipe) {
             EXPECT_GT(b[i], f[i]) << kind << " P " << P << " s " << s << " M " << M;
           }
           EXPECT_EQ(ops.size(), std::size_t(2 * M));
-          const int slots = max_in_flight(ops);
+          const int in_flight = max_in_flight(ops);
           const bool gpipe = std::string(kind) == "gpipe" && P > 1;
-          EXPECT_EQ(slots, P == 1 ? 1 : (gpipe ? M : std::min(P - s, M)));
-          // Micro-batch i uses slot i mod slots: free again once i - slots is backwarded.
-          for (int i = slots; i < M; ++i) EXPECT_GT(f[i], b[i - slots]);
+          EXPECT_EQ(in_flight, P == 1 ? 1 : (gpipe ? M : std::min(P - s, M)));
+          // Micro-batch i runs on Stage instance i mod in_flight: free again once micro-batch
+          // i - in_flight is backwarded.
+          for (int i = in_flight; i < M; ++i) EXPECT_GT(f[i], b[i - in_flight]);
         }
   EXPECT_THROW(choice_from<PipeSchedule>("interleaved"), Error);  // no such schedule
+}
+
+// The named kinds of tensor declaration carry exactly the fields the modules used to spell
+// positionally (initialization, decay, learning-rate group, optimizer state, placement).
+TEST(TensorSpecs, NamedKindsSayWhatATensorIs) {
+  const TensorSpec w = TensorSpec::matrix("w", {6, 5}, 0.03);
+  EXPECT_EQ(w.init, InitKind::Normal);
+  EXPECT_EQ(w.init_std, 0.03);
+  EXPECT_TRUE(w.weight_decay);
+  EXPECT_EQ(w.lr_mult, 1.0);
+  EXPECT_TRUE(w.trainable);
+  EXPECT_EQ(w.shard, Shard::None);
+  EXPECT_EQ(w.local_rows(), 6);
+  EXPECT_FALSE(w.tied_copy);
+  const TensorSpec g = TensorSpec::gain("g", 7);
+  EXPECT_EQ(g.shape, (std::vector<std::int64_t>{7}));
+  EXPECT_EQ(g.init, InitKind::Ones);
+  EXPECT_FALSE(g.weight_decay);
+  EXPECT_TRUE(g.trainable);
+  const TensorSpec z = TensorSpec::zeros("z", {3, 2});
+  EXPECT_EQ(z.init, InitKind::Zeros);
+  EXPECT_FALSE(z.weight_decay);
+  EXPECT_TRUE(z.trainable);
+  const TensorSpec b = TensorSpec::buffer("b", {4});
+  EXPECT_EQ(b.init, InitKind::Zeros);
+  EXPECT_FALSE(b.trainable);
+  const TensorSpec t = w.no_decay().with_lr_mult(5.0).row_block(Shard::Ep, 2, 3);
+  EXPECT_FALSE(t.weight_decay);
+  EXPECT_EQ(t.lr_mult, 5.0);
+  EXPECT_EQ(t.shard, Shard::Ep);
+  EXPECT_EQ(t.row_begin, 2);
+  EXPECT_EQ(t.local_shape(), (std::vector<std::int64_t>{3, 5}));
+  EXPECT_TRUE(w.as_tied_copy().tied_copy);
+  EXPECT_TRUE(w.weight_decay);  // refinements return copies
+  // embed.weight, here and as the last stage's tied copy: one declaration.
+  const TensorSpec e = Embedding::weight_spec(40, 8, 0.02);
+  EXPECT_EQ(e.name, "embed.weight");
+  EXPECT_EQ(e.shape, (std::vector<std::int64_t>{40, 8}));
+  EXPECT_EQ(e.init, InitKind::Normal);
+  EXPECT_FALSE(e.weight_decay);
+}
+
+// After allocate(), declaring a tensor again is a further module instance sharing it.
+TEST(TensorTable, DeclaringAgainAfterAllocationSharesTheTensor) {
+  TensorTable t;
+  const int a = t.add(TensorSpec::matrix("a", {4, 3}, 0.02));
+  const int b = t.add(TensorSpec::gain("b", 5));
+  EXPECT_THROW(t.add(TensorSpec::gain("b", 5)), Error);  // a duplicate before allocation
+  t.allocate();
+  EXPECT_EQ(t.add(TensorSpec::matrix("a", {4, 3}, 0.02)), a);
+  EXPECT_EQ(t.add(TensorSpec::gain("b", 5)), b);
+  EXPECT_THROW(t.add(TensorSpec::gain("b", 6)), Error);
+  EXPECT_THROW(t.add(TensorSpec::matrix("a", {4, 3}, 0.02).row_block(Shard::Ep, 1, 3)), Error);
+  EXPECT_THROW(t.add(TensorSpec::gain("c", 5)), Error);  // new after allocation
+  EXPECT_EQ(t.size(), 2);
+  EXPECT_EQ(t.total_elements(), 17);
 }
 
 }  // namespace
