@@ -44,8 +44,9 @@ def main():
                 f"--checkpoint.dir={run}/ckpt", f"--train.max_steps={a.steps}"]
         if pp > 1:  # every stage needs micro-batches: at least one per replica and stage
             base.append("--train.micro_batch=2")
-        p = subprocess.run(base + ["--checkpoint.resume=none", "--checkpoint.every=1"], cwd=ROOT,
-                           capture_output=True, text=True)
+        p = subprocess.run(base + ["--checkpoint.resume=none", "--checkpoint.overwrite=true",
+                                   "--checkpoint.every=1"], cwd=ROOT, capture_output=True,
+                           text=True)
         saves = re.findall(r"checkpoint \S+: ([\d.]+) MiB in ([\d.]+) s", p.stdout)
         q = subprocess.run(base, cwd=ROOT, capture_output=True, text=True)
         load = re.search(r"loaded ([\d.]+) MiB in ([\d.]+) s", q.stdout)

@@ -53,7 +53,7 @@ def main():
                f"--train.max_steps={a.steps}", f"--train.micro_batch={b}",
                "--train.eval_every=0", "--data.val_paths=",
                f"--output.dir={run}", "--output.log_every=1", f"--checkpoint.dir={run}/ckpt",
-               "--checkpoint.resume=none", *a.extra]
+               "--checkpoint.resume=none", "--checkpoint.overwrite=true", *a.extra]
         p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
         if p.returncode != 0:
             print(f"{layout:>9} failed:\n{p.stdout[-1500:]}{p.stderr[-1500:]}")

@@ -50,6 +50,7 @@ def main():
            "inputs/tiny.deck", f"--parallel.dp={a.ranks}", f"--train.max_steps={a.steps}",
            "--data.val_paths=", f"--output.dir={run_dir}", "--output.log_every=1",
            f"--checkpoint.dir={run_dir}/checkpoints", "--checkpoint.resume=none",
+           "--checkpoint.overwrite=true",
            f"--checkpoint.every={a.steps}", f"--output.peak_flops={peak / a.ranks:.6g}"]
     log = sh(cmd)
     with open(os.path.join(run_dir, "metrics.csv")) as f:

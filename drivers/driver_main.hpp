@@ -40,8 +40,11 @@ inline int run_driver(int argc, char** argv, const std::string& name, const std:
       code = e.code();
       stop = true;
     } catch (const NonFiniteError& e) {
-      std::cerr << name << ": error: " << e.what() << std::endl;
+      if (rank == 0) std::cerr << name << ": error: " << e.what() << std::endl;
       code = 3;
+    } catch (const SharedError& e) {
+      if (rank == 0) std::cerr << name << ": error: " << e.what() << std::endl;
+      code = 1;
     } catch (const std::exception& e) {
       std::cerr << name << ": error: " << e.what() << std::endl;
       code = 1;

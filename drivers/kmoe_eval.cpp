@@ -2,6 +2,7 @@
 // Validation loss of a checkpoint's weights on data.val_paths (at most train.eval_instances
 // instances, file order); the last line is `eval_loss <float> tokens <int>`. On the layout the
 // trainer ran on it reproduces the trainer's val_loss bit for bit.
+#include <cmath>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -52,5 +53,8 @@ int main(int argc, char** argv) {
         kmoe::evaluate(stage, table, val, grid, cfg.train.micro_batch, cfg.train.eval_instances,
                        cfg.parallel.engram_shard != kmoe::EngramShardGroup::None);
     if (grid.is_root()) std::printf("eval_loss %.17g tokens %lld\n", r.loss, (long long)r.tokens);
+    if (!std::isfinite(r.loss))  // every rank holds the same summed loss
+      throw kmoe::NonFiniteError(checkpoint + ": the evaluation loss is not finite (" +
+                                 std::to_string(r.loss) + ")");
   });
 }

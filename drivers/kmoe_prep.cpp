@@ -157,6 +157,9 @@ int run(int argc, char** argv) {
             << "  wrote " << writer.train_path();
   if (val_every > 0) std::cout << " and " << writer.val_path();
   std::cout << "\n";
+  if (c.removed_stale_val)
+    std::cout << "  removed " << (fs::path(out_dir) / "val.bin").string()
+              << ": it held an earlier corpus's validation split (--val-every 0 writes none)\n";
   return 0;
 }
 

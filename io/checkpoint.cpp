@@ -1,10 +1,16 @@
 #include "io/checkpoint.hpp"
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <cmath>
 #include <csignal>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <iomanip>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <vector>
@@ -13,6 +19,7 @@
 #include "core/fault_injection.hpp"
 #include "io/deck.hpp"
 #include "io/hdf5_file.hpp"
+#include "parallel/io_watchdog.hpp"
 #include "parallel/placement.hpp"
 
 namespace kmoe {
@@ -35,9 +42,12 @@ void write_text_atomically(const fs::path& path, const std::string& text) {
   {
     std::ofstream out(tmp);
     out << text << "\n";
-    KMOE_REQUIRE(out.good(), tmp.string() << ": cannot write");
+    out.close();  // a full disk shows at the flush
+    KMOE_REQUIRE(!out.fail(), tmp.string() << ": cannot write (the file system is full?)");
   }
-  fs::rename(tmp, path);
+  std::error_code ec;
+  fs::rename(tmp, path, ec);
+  KMOE_REQUIRE(!ec, path.string() << ": cannot replace: " << ec.message());
 }
 
 // Keeps `current` (just written) and the newest keep-1 stepNNNNNNNN.h5 files before it; older
@@ -68,37 +78,102 @@ std::string tensor_path(const std::string& name) {
   return p;
 }
 
+namespace {
+
+// Bytes a checkpoint of `catalog` takes: parameters, and moments of the trainable tensors, plus
+// room for the metadata (the deck text, attributes, one object header per dataset).
+std::int64_t checkpoint_bytes(const std::vector<TensorSpec>& catalog, const Config& cfg) {
+  std::int64_t bytes = std::int64_t(1) << 20;
+  bytes += 2 * static_cast<std::int64_t>(cfg.resolved_text.size());
+  for (const TensorSpec& g : catalog) {
+    std::int64_t n = 1;
+    for (std::int64_t d : g.shape) n *= d;
+    bytes += 4 * n * (g.trainable ? 3 : 1) + 4096;
+  }
+  return bytes;
+}
+
+void require_room(const fs::path& dir, std::int64_t bytes, const std::string& name) {
+  if (fault_requested("no_space_check")) return;  // tests: let the writes meet the full disk
+  std::error_code ec;
+  const fs::space_info s = fs::space(dir, ec);
+  if (ec) return;  // no figure to check against: the writes will tell
+  const double mib = 1024.0 * 1024.0;
+  KMOE_REQUIRE(std::int64_t(s.available) >= bytes,
+               "checkpoint.dir = " << dir.string() << ": no room for " << name << " (about "
+                                   << std::fixed << std::setprecision(1) << bytes / mib << " MiB; "
+                                   << s.available / mib << " MiB free)");
+}
+
+// ", N MiB free on its file system", or "" when unknown.
+std::string free_space_note(const fs::path& dir) {
+  std::error_code ec;
+  const fs::space_info s = fs::space(dir, ec);
+  if (ec) return "";
+  std::ostringstream os;
+  os << std::fixed << std::setprecision(1) << " (" << s.available / (1024.0 * 1024.0)
+     << " MiB free on its file system)";
+  return os.str();
+}
+
+}  // namespace
+
 void save_checkpoint(const Config& cfg, const ProcessGrid& grid, const TensorTable& table,
                      const TrainState& state) {
+  const Communicator& world = grid.world;
   const fs::path dir = cfg.checkpoint.dir;
   const std::string name = checkpoint_file_name(state.step);
   const fs::path final_path = dir / name, tmp_path = dir / ("." + name + ".tmp");
-  if (grid.is_root()) {
-    std::error_code ec;
-    fs::create_directories(dir, ec);
-    KMOE_REQUIRE(!ec, "checkpoint.dir = " << dir.string() << ": cannot create: " << ec.message());
-  }
-  grid.world.barrier();
-
   // Every element is written once, into its hyperslab, by its owner (RUNTIME.md section 4);
   // every rank creates every dataset of the model (collective metadata), stage or not.
   const std::vector<TensorSpec> catalog = global_catalog(table, grid);
+  world.on_root([&] {
+    std::error_code ec;
+    fs::create_directories(dir, ec);
+    KMOE_REQUIRE(!ec, "checkpoint.dir = " << dir.string() << ": cannot create: " << ec.message());
+    require_room(dir, checkpoint_bytes(catalog, cfg), name);
+  });
   auto params = Kokkos::create_mirror_view_and_copy(HostSpace(), table.params);
   auto m = Kokkos::create_mirror_view_and_copy(HostSpace(), table.exp_avg);
   auto v = Kokkos::create_mirror_view_and_copy(HostSpace(), table.exp_avg_sq);
 
-  H5File f = H5File::create(tmp_path.string(), grid.world.comm());
-  f.set_attr("/", "format_version", kFormatVersion);
-  f.set_attr("/", "step", std::int64_t(state.step));
-  f.set_attr("/", "tokens_seen", state.tokens_seen);
-  f.set_attr("/", "saved_layout", std::vector<std::int64_t>{grid.pp, grid.dp, grid.ep});
-  f.set_attr("/", "kmoe_version", std::string(KMOE_VERSION));
-  f.set_attr("/input", "deck", cfg.resolved_text);
-  f.set_attr("/data", "seed", std::int64_t(cfg.train.seed));
-  f.set_attr("/data", "next_step", std::int64_t(state.step + 1));
-  f.set_attr("/data", "next_position", state.next_position);
-  f.set_attr("/optimizer", "step", std::int64_t(state.step));
-  for (std::size_t i = 0; i < catalog.size(); ++i) {
+  // A write that fails on some ranks (a full disk, a quota) must not leave the others in the
+  // next collective: each rank records its first error, the ranks agree after every step of
+  // the file's creation, and all leave together. The watchdog ends the job if a collective
+  // inside HDF5 still does not return.
+  IoWatchdog watchdog(cfg.parallel.watchdog_seconds, "writing " + tmp_path.string());
+  std::string error;  // this rank's first failure
+  auto attempt = [&](const std::function<void()>& work) {
+    if (!error.empty()) return;
+    try {
+      work();
+    } catch (const Error& e) {
+      error = e.what();
+    }
+  };
+  auto all_ok = [&] {
+    watchdog.progress();
+    return world.allreduce_max(error.empty() ? 0.0 : 1.0) == 0.0;
+  };
+  std::optional<H5File> f;
+  attempt([&] { f.emplace(H5File::create(tmp_path.string(), world.comm())); });
+  bool ok = all_ok();
+  if (ok) {
+    attempt([&] {
+      f->set_attr("/", "format_version", kFormatVersion);
+      f->set_attr("/", "step", std::int64_t(state.step));
+      f->set_attr("/", "tokens_seen", state.tokens_seen);
+      f->set_attr("/", "saved_layout", std::vector<std::int64_t>{grid.pp, grid.dp, grid.ep});
+      f->set_attr("/", "kmoe_version", std::string(KMOE_VERSION));
+      f->set_attr("/input", "deck", cfg.resolved_text);
+      f->set_attr("/data", "seed", std::int64_t(cfg.train.seed));
+      f->set_attr("/data", "next_step", std::int64_t(state.step + 1));
+      f->set_attr("/data", "next_position", state.next_position);
+      f->set_attr("/optimizer", "step", std::int64_t(state.step));
+    });
+    ok = all_ok();
+  }
+  for (std::size_t i = 0; ok && i < catalog.size(); ++i) {
     const TensorSpec& g = catalog[i];
     const int local = table.find(g.name);
     const TensorEntry* e = local >= 0 ? &table.entry(local) : nullptr;
@@ -106,22 +181,61 @@ void save_checkpoint(const Config& cfg, const ProcessGrid& grid, const TensorTab
     const std::int64_t r0 = e ? e->spec.row_begin : 0, nr = e ? e->spec.local_rows() : 0;
     const std::int64_t off = e ? e->offset : 0;
     const std::string p = tensor_path(g.name);
-    f.write_rows_f32("/model/" + p, g.shape, r0, nr, params.data() + off, writer);
-    if (!g.trainable) continue;  // buffers have no moments
-    f.write_rows_f32("/optimizer/exp_avg/" + p, g.shape, r0, nr, m.data() + off, writer);
-    f.write_rows_f32("/optimizer/exp_avg_sq/" + p, g.shape, r0, nr, v.data() + off, writer);
-    if (i == catalog.size() / 2 && fault_requested("kill_during_save")) std::raise(SIGKILL);
+    attempt([&] {
+      f->write_rows_f32("/model/" + p, g.shape, r0, nr, params.data() + off, writer);
+      if (!g.trainable) return;  // buffers have no moments
+      f->write_rows_f32("/optimizer/exp_avg/" + p, g.shape, r0, nr, m.data() + off, writer);
+      f->write_rows_f32("/optimizer/exp_avg_sq/" + p, g.shape, r0, nr, v.data() + off, writer);
+      if (i == catalog.size() / 2) {
+        if (fault_requested("kill_during_save")) std::raise(SIGKILL);
+        KMOE_REQUIRE(!save_fault_here(world.rank()),
+                     f->path() << ": writing dataset /optimizer/exp_avg_sq/" << p
+                               << " failed: No space left on device (KMOE_FAULT)");
+      }
+    });
+    ok = all_ok();
   }
   // The format attribute goes last: a file without it was never finished.
-  f.set_attr("/", "format", std::string(kFormat));
-  f.close();
-
-  if (grid.is_root()) {
-    fs::rename(tmp_path, final_path);
+  if (ok) {
+    attempt([&] { f->set_attr("/", "format", std::string(kFormat)); });
+    ok = all_ok();
+  }
+  if (ok) {  // the final flush can fail too (the metadata of a full disk)
+    if (!f->try_close()) error = f->path() + ": closing failed (the file system is full?)";
+    ok = all_ok();
+  }
+  if (!ok) {
+    error = world.first_message(error);
+    if (f && world.size() == 1) {
+      // Free the partial file's blocks, so that HDF5 can complete the close (its flush needs a
+      // little room) and nothing is left for it to flush at MPI_Finalize.
+      ::truncate(tmp_path.c_str(), 0);
+      f->try_close();
+    } else if (f) {
+      // After a failed write the ranks' HDF5 states can disagree (one rank's file size), so a
+      // collective close could wait forever: the file is left to the job's abort, which every
+      // rank reaches with this same error (the driver aborts a failed multi-rank job).
+      f->abandon();
+    }
+    f.reset();
+    world.on_root([&] {
+      std::error_code ec;
+      fs::remove(tmp_path, ec);
+    });
+    std::ostringstream os;
+    os << "checkpoint " << final_path.string() << " not saved: " << error << free_space_note(dir)
+       << "; its partial file is removed, the previous checkpoints and "
+       << (dir / "latest").string() << " are as they were";
+    throw SharedError(os.str());
+  }
+  world.on_root([&] {
+    std::error_code ec;
+    fs::rename(tmp_path, final_path, ec);
+    KMOE_REQUIRE(!ec, final_path.string() << ": cannot rename the finished checkpoint into place: "
+                                          << ec.message());
     write_text_atomically(dir / "latest", name);
     prune(dir, cfg.checkpoint.keep, name);
-  }
-  grid.world.barrier();
+  });
 }
 
 std::string resume_file(const CheckpointCfg& c) {
@@ -132,6 +246,11 @@ std::string resume_file(const CheckpointCfg& c) {
     std::ifstream in(latest);
     std::string name;
     std::getline(in, name);
+    // Edited by hand or copied through another system: CR-LF, spaces.
+    const auto first = name.find_first_not_of(" \t\r\n");
+    name = first == std::string::npos
+               ? std::string()
+               : name.substr(first, name.find_last_not_of(" \t\r\n") + 1 - first);
     KMOE_REQUIRE(!name.empty(), latest.string() << " is empty; remove it or set checkpoint.resume");
     const fs::path file = fs::path(c.dir) / name;
     KMOE_REQUIRE(fs::exists(file),
@@ -172,9 +291,11 @@ void compare_decks(const std::string& path, const std::string& saved, const std:
 
 }  // namespace
 
-TrainState load_checkpoint(const std::string& path, const Config& cfg, const ProcessGrid& grid,
-                           TensorTable& table, bool with_optimizer, std::string* changes) {
-  H5File f = H5File::open(path, grid.world.comm());
+namespace {
+
+// The format, the deck's model and the step attributes of an open checkpoint.
+TrainState inspect(const H5File& f, const std::string& path, const Config& cfg,
+                   std::string* changes) {
   KMOE_REQUIRE(f.has_attr("/", "format"),
                path << ": not a complete kmoe checkpoint (no format attribute: an unfinished "
                        "save or another kind of file)");
@@ -186,20 +307,6 @@ TrainState load_checkpoint(const std::string& path, const Config& cfg, const Pro
                                                << " is not supported (this kmoe reads "
                                                << kFormatVersion << ")");
   compare_decks(path, f.attr_string("/input", "deck"), cfg.resolved_text, changes);
-
-  auto params = Kokkos::create_mirror_view(table.params);
-  auto m = Kokkos::create_mirror_view(table.exp_avg);
-  auto v = Kokkos::create_mirror_view(table.exp_avg_sq);
-  // Each rank reads exactly its own hyperslabs, whatever layout wrote the file.
-  for (const auto& e : table.entries()) {
-    const std::string p = tensor_path(e.spec.name);
-    const std::int64_t r0 = e.spec.row_begin, nr = e.spec.local_rows();
-    f.read_rows_f32("/model/" + p, e.spec.shape, r0, nr, params.data() + e.offset);
-    if (with_optimizer && e.spec.trainable) {
-      f.read_rows_f32("/optimizer/exp_avg/" + p, e.spec.shape, r0, nr, m.data() + e.offset);
-      f.read_rows_f32("/optimizer/exp_avg_sq/" + p, e.spec.shape, r0, nr, v.data() + e.offset);
-    }
-  }
   TrainState s;
   s.step = static_cast<int>(f.attr_int("/", "step"));
   s.tokens_seen = f.attr_int("/", "tokens_seen");
@@ -207,6 +314,44 @@ TrainState load_checkpoint(const std::string& path, const Config& cfg, const Pro
   KMOE_REQUIRE(
       f.attr_int("/data", "next_step") == s.step + 1 && f.attr_int("/optimizer", "step") == s.step,
       path << ": inconsistent step attributes");
+  return s;
+}
+
+}  // namespace
+
+TrainState check_checkpoint(const std::string& path, const Config& cfg, std::string* changes) {
+  const H5File f = H5File::open(path, MPI_COMM_SELF);
+  return inspect(f, path, cfg, changes);
+}
+
+TrainState load_checkpoint(const std::string& path, const Config& cfg, const ProcessGrid& grid,
+                           TensorTable& table, bool with_optimizer, std::string* changes) {
+  H5File f = H5File::open(path, grid.world.comm());
+  const TrainState s = inspect(f, path, cfg, changes);
+  auto params = Kokkos::create_mirror_view(table.params);
+  auto m = Kokkos::create_mirror_view(table.exp_avg);
+  auto v = Kokkos::create_mirror_view(table.exp_avg_sq);
+  // Each rank reads exactly its own hyperslabs, whatever layout wrote the file, and refuses
+  // non-finite values: trained on, a NaN would spread into every later checkpoint.
+  auto read = [&](const std::string& dataset, const TensorEntry& e, float* out) {
+    const std::int64_t r0 = e.spec.row_begin, nr = e.spec.local_rows();
+    f.read_rows_f32(dataset, e.spec.shape, r0, nr, out);
+    for (std::int64_t i = 0; i < e.size; ++i) {
+      if (std::isfinite(out[i])) continue;
+      const std::int64_t row_len = std::max<std::int64_t>(1, e.spec.row_elements());
+      KMOE_FAIL(path << ": dataset " << dataset << " holds " << out[i] << " at row "
+                     << r0 + i / row_len << ", element " << i % row_len
+                     << " (a non-finite value in " << e.spec.name << "): refusing to load it");
+    }
+  };
+  for (const auto& e : table.entries()) {
+    const std::string p = tensor_path(e.spec.name);
+    read("/model/" + p, e, params.data() + e.offset);
+    if (with_optimizer && e.spec.trainable) {
+      read("/optimizer/exp_avg/" + p, e, m.data() + e.offset);
+      read("/optimizer/exp_avg_sq/" + p, e, v.data() + e.offset);
+    }
+  }
   Kokkos::deep_copy(table.params, params);
   if (with_optimizer) {
     Kokkos::deep_copy(table.exp_avg, m);

@@ -29,6 +29,10 @@ void save_checkpoint(const Config& cfg, const ProcessGrid& grid, const TensorTab
 // names, or "" for a fresh run; anything else is a path that must exist.
 std::string resume_file(const CheckpointCfg& c);
 
+// On one process: validates the file's format, version, the deck's model section and step
+// attributes (not the tensors) and returns its state; for the dry run.
+TrainState check_checkpoint(const std::string& path, const Config& cfg, std::string* changes);
+
 // Collective. Validates the file (format, version, shapes, the deck's model section) and reads
 // the parameters, and with `with_optimizer` the AdamW moments. `changes` receives a
 // description of the non-model deck keys that differ from the file's.

@@ -143,6 +143,8 @@ void check_outputs(const CheckpointCfg& k, const OutputCfg& o, const Locate& loc
   KMOE_DECK_REQUIRE(!k.dir.empty(), "checkpoint.dir", "checkpoint.dir must not be empty");
   KMOE_DECK_REQUIRE(k.every >= 0, "checkpoint.every", "checkpoint.every must be >= 0");
   KMOE_DECK_REQUIRE(k.keep >= 1, "checkpoint.keep", "checkpoint.keep must be at least 1");
+  KMOE_DECK_REQUIRE(k.lock_stale_seconds >= 1, "checkpoint.lock_stale_seconds",
+                    "checkpoint.lock_stale_seconds must be at least 1");
   KMOE_DECK_REQUIRE(!k.resume.empty(), "checkpoint.resume",
                     "checkpoint.resume must be auto, none or a file");
   KMOE_DECK_REQUIRE(!o.dir.empty(), "output.dir", "output.dir must not be empty");
@@ -153,6 +155,14 @@ void check_outputs(const CheckpointCfg& k, const OutputCfg& o, const Locate& loc
     KMOE_DECK_REQUIRE(step >= 1, "output.dump_step",
                       "output.dump_step entries are steps, at least 1; got " << step);
   }
+}
+
+// A block list names each block once: `1, 1` would silently build a different model.
+void check_distinct(const std::vector<int>& blocks, const char* key, const Locate& locate) {
+  for (std::size_t i = 0; i < blocks.size(); ++i)
+    for (std::size_t j = 0; j < i; ++j)
+      KMOE_DECK_REQUIRE(blocks[i] != blocks[j], key,
+                        key << " lists block " << blocks[i] << " twice");
 }
 
 }  // namespace
@@ -179,9 +189,11 @@ void check_moe(const MoeCfg& e, const ModelCfg& m, int ep, const Locate& locate)
   KMOE_DECK_REQUIRE(e.layers.empty() || e.dense_layers.empty(), "moe.dense_layers",
                     "give moe.layers or moe.dense_layers, not both");
   for (const char* key : {"moe.layers", "moe.dense_layers"}) {
-    for (int l : std::string(key) == "moe.layers" ? e.layers : e.dense_layers)
+    const std::vector<int>& blocks = std::string(key) == "moe.layers" ? e.layers : e.dense_layers;
+    for (int l : blocks)
       KMOE_DECK_REQUIRE(l >= 0 && l < m.n_layers, key,
                         key << " entry " << l << " is not a block in [0, " << m.n_layers << ")");
+    check_distinct(blocks, key, locate);
   }
 }
 
@@ -190,6 +202,7 @@ void check_engram(const EngramCfg& g, const ModelCfg& m, const Locate& locate) {
     KMOE_DECK_REQUIRE(
         l >= 0 && l < m.n_layers, "engram.layers",
         "engram.layers entry " << l << " is not a block in [0, " << m.n_layers << ")");
+  check_distinct(g.layers, "engram.layers", locate);
   KMOE_DECK_REQUIRE(g.max_ngram >= 2, "engram.max_ngram", "engram.max_ngram must be at least 2");
   KMOE_DECK_REQUIRE(g.heads >= 1, "engram.heads", "engram.heads must be positive");
   KMOE_DECK_REQUIRE(
@@ -202,14 +215,14 @@ void check_engram(const EngramCfg& g, const ModelCfg& m, const Locate& locate) {
   for (int t : g.table_size)
     KMOE_DECK_REQUIRE(t >= 2, "engram.table_size", "engram.table_size entries must be >= 2");
   KMOE_DECK_REQUIRE(g.kernel >= 1, "engram.kernel", "engram.kernel must be positive");
-  KMOE_DECK_REQUIRE(g.pad_id >= 0 && g.pad_id < m.vocab_size, "engram.pad_id",
+  KMOE_DECK_REQUIRE(!g.enabled() || (g.pad_id >= 0 && g.pad_id < m.vocab_size), "engram.pad_id",
                     "engram.pad_id must be a token id in [0, " << m.vocab_size << ")");
   KMOE_DECK_REQUIRE(g.lr_mult > 0, "engram.lr_mult", "engram.lr_mult must be positive");
 }
 
 void check_consistency(const Config& cfg, const Locate& locate) {
+  check_model(cfg.model, locate);  // first: the other sections are checked against its sizes
   check_engram(cfg.engram, cfg.model, locate);
-  check_model(cfg.model, locate);
   check_moe(cfg.moe, cfg.model, cfg.parallel.ep, locate);
   check_train(cfg.train, locate);
   check_optimizer(cfg.optimizer, cfg.train.max_steps, locate);

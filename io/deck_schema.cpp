@@ -291,6 +291,8 @@ Schema::Schema(Config& c) : options_("kmoe input deck") {
   key(c.train.seed, "seed", std::uint64_t{0}, "seed of the weight init and data order");
   key(c.train.eval_every, "eval_every", 0, "steps between validation passes; 0 = at the end only");
   key(c.train.eval_instances, "eval_instances", 0, "validation sequences per pass; 0 = all");
+  key(c.train.check_memory, "check_memory", true,
+      "before allocating, check that the node's memory (or the device's) holds its ranks");
 
   section("optimizer", "AdamW and the learning-rate schedule");
   required(c.optimizer.lr, "lr", "peak learning rate");
@@ -334,6 +336,10 @@ Schema::Schema(Config& c) : options_("kmoe input deck") {
   key(c.checkpoint.keep, "keep", 3, "newest checkpoint files kept");
   key(c.checkpoint.resume, "resume", "auto", "auto (newest in dir) | none | <file>");
   key(c.checkpoint.save_initial, "save_initial", false, "also save the step-0 state");
+  key(c.checkpoint.overwrite, "overwrite", false,
+      "a fresh run may replace another run's checkpoints (dir) and metrics.csv (output.dir)");
+  key(c.checkpoint.lock_stale_seconds, "lock_stale_seconds", 600,
+      "a run lock (dir/kmoe.lock) whose heartbeat is older than this is stale and taken over");
 
   section("output", "logging, metrics and dumps");
   key(c.output.dir, "dir", "run", "directory of metrics.csv, the resolved deck and dumps");

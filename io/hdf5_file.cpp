@@ -90,6 +90,13 @@ H5File H5File::open(const std::string& path, MPI_Comm comm) {
   return H5File(path, H5Handle(f, H5Fclose));
 }
 
+bool H5File::try_close() {
+  if (file_.get() < 0) return true;
+  if (H5Fclose(file_.get()) < 0) return false;
+  file_.release();
+  return true;
+}
+
 bool H5File::exists(const std::string& object) const {
   // Check each prefix: H5Lexists fails on a missing intermediate group.
   std::size_t pos = 0;

@@ -25,6 +25,7 @@ class H5Handle {
   H5Handle& operator=(const H5Handle&) = delete;
   hid_t get() const { return id_; }
   void reset();
+  void release() { id_ = -1; }  // forget the id without closing it (closed elsewhere)
 
  private:
   hid_t id_ = -1;
@@ -40,6 +41,13 @@ class H5File {
   const std::string& path() const { return path_; }
   hid_t id() const { return file_.get(); }
   void close() { file_.reset(); }  // collective
+  // Collective. False when HDF5 could not close the file (its final flush failed, e.g. on a
+  // full disk): the file is still open and may be closed again once there is room.
+  bool try_close();
+  // Forgets the file without closing it: after a failed collective write the ranks' views of
+  // the file can disagree, and a collective close could then wait forever. The job ends (MPI
+  // abort) without HDF5 touching the file again.
+  void abandon() { file_.release(); }
 
   bool exists(const std::string& object) const;  // a group or dataset path like "/model/x"
   // Shape of a dataset; throws naming the file and dataset when it is missing.

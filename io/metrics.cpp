@@ -1,5 +1,7 @@
 #include "io/metrics.hpp"
 
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
 
 #include "core/error.hpp"
@@ -16,15 +18,25 @@ MetricsWriter::MetricsWriter(const std::string& dir, bool append,
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   KMOE_REQUIRE(!ec, "output.dir = " << dir << ": cannot create directory: " << ec.message());
-  const std::string path = dir + "/metrics.csv";
-  const bool fresh = !append || !std::filesystem::exists(path);
-  csv_ = std::fopen(path.c_str(), fresh ? "w" : "a");
-  KMOE_REQUIRE(csv_, "cannot open " << path << " for writing");
+  path_ = dir + "/metrics.csv";
+  const bool fresh = !append || !std::filesystem::exists(path_);
+  csv_ = std::fopen(path_.c_str(), fresh ? "w" : "a");
+  KMOE_REQUIRE(
+      csv_, "output.dir: cannot open " << path_ << " for writing (" << std::strerror(errno) << ")");
   if (fresh) {
     std::fprintf(csv_, "%s", csv_header());
     for (const auto& c : layer_columns) std::fprintf(csv_, ",%s", c.c_str());
     std::fprintf(csv_, ",comm_s\n");
+    flush_or_throw("its header");
   }
+}
+
+void MetricsWriter::flush_or_throw(const std::string& what) {
+  errno = 0;
+  if (std::fflush(csv_) == 0 && !std::ferror(csv_)) return;
+  KMOE_FAIL("output.dir: cannot write " << what << " to " << path_ << " ("
+                                        << (errno ? std::strerror(errno) : "write error")
+                                        << "; is the file system full?)");
 }
 
 MetricsWriter::~MetricsWriter() {
@@ -39,7 +51,7 @@ void MetricsWriter::write(const StepMetrics& m) {
   if (m.val_loss) std::fprintf(csv_, "%.17g", *m.val_loss);
   for (const auto& [name, value] : m.layer_stats) std::fprintf(csv_, ",%.9g", value);
   std::fprintf(csv_, ",%.9g\n", m.comm_s);
-  std::fflush(csv_);
+  flush_or_throw("the row of step " + std::to_string(m.step));
 }
 
 std::string MetricsWriter::console_line(const StepMetrics& m) {

@@ -36,7 +36,8 @@ class MetricsWriter {
   MetricsWriter(const MetricsWriter&) = delete;
   MetricsWriter& operator=(const MetricsWriter&) = delete;
 
-  void write(const StepMetrics& m);  // csv row, flushed
+  // The csv row, flushed; a failed write (a full disk) throws kmoe::Error naming the file.
+  void write(const StepMetrics& m);
   // The console line (RUNTIME.md section 5): loss, CE, aux, lr, gradient norm, throughput,
   // model FLOP/s, MFU when known, seconds per step, memory, val_loss when evaluated, then one
   // summary per kind of layer instead of the layers' columns (those are in metrics.csv).
@@ -44,6 +45,9 @@ class MetricsWriter {
   static const char* csv_header();
 
  private:
+  void flush_or_throw(const std::string& what);
+
+  std::string path_;
   std::FILE* csv_ = nullptr;
 };
 

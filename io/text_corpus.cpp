@@ -200,7 +200,18 @@ CorpusCounts CorpusWriter::finish() {
                                                 << " went to validation (val_every " << val_every_
                                                 << ")");
   train_->commit();
-  if (val_) val_->commit();
+  if (val_) {
+    val_->commit();
+  } else {
+    const std::filesystem::path stale = std::filesystem::path(out_dir_) / "val.bin";
+    std::error_code ec;
+    if (std::filesystem::exists(stale, ec)) {
+      std::filesystem::remove(stale, ec);
+      KMOE_REQUIRE(!ec, "cannot remove " << stale.string() << ", the validation file of an "
+                                         << "earlier corpus: " << ec.message());
+      counts_.removed_stale_val = true;
+    }
+  }
   return counts_;
 }
 

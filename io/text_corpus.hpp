@@ -89,6 +89,9 @@ struct CorpusCounts {
   std::int64_t documents_val = 0;
   std::int64_t tokens_train = 0;
   std::int64_t tokens_val = 0;
+  // Without a validation split: an out_dir/val.bin of an earlier corpus was removed (it would
+  // not belong to this train.bin).
+  bool removed_stale_val = false;
 };
 
 // Byte-tokenizes documents into out_dir/train.bin and out_dir/val.bin (created as needed).
@@ -100,7 +103,7 @@ class CorpusWriter {
 
   void add_document(std::string_view document);
   // Commits the files; throws kmoe::Error (leaving no token files) if no document reached
-  // train.bin.
+  // train.bin. With val_every = 0 an existing out_dir/val.bin (another corpus's) is removed.
   CorpusCounts finish();
 
   const CorpusCounts& counts() const { return counts_; }

@@ -1,10 +1,10 @@
-// Token files are mapped, never read into memory: a corpus may be far larger than RAM, and each
-// rank touches only the instances it is handed.
+// Token files are read an instance at a time (pread), never whole: a corpus may be far larger
+// than RAM, and each rank touches only the instances it is handed. Reads, unlike a memory
+// mapping, report a file truncated under a running job as an error instead of a SIGBUS.
 #include "io/token_data.hpp"
 
 #include <fcntl.h>
 #include <glob.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -107,22 +107,50 @@ std::uint32_t read_le32(const unsigned char* b) {
          std::uint32_t(b[3]) << 24;
 }
 
+// Reads exactly n bytes at `offset`; false on a short read (the file ends before) or an error.
+bool read_at(int fd, void* buf, std::int64_t n, std::int64_t offset, int* error) {
+  auto* p = static_cast<unsigned char*>(buf);
+  while (n > 0) {
+    const ssize_t got = ::pread(fd, p, static_cast<std::size_t>(n), offset);
+    if (got < 0 && errno == EINTR) continue;
+    if (got <= 0) {
+      *error = got < 0 ? errno : 0;
+      return false;
+    }
+    p += got;
+    n -= got;
+    offset += got;
+  }
+  return true;
+}
+
+std::vector<unsigned char> read_prefix(int fd, std::int64_t n, const std::string& where) {
+  std::vector<unsigned char> b(static_cast<std::size_t>(n));
+  int error = 0;
+  KMOE_REQUIRE(read_at(fd, b.data(), n, 0, &error),
+               where << ": cannot read its first " << n << " bytes"
+                     << (error ? std::string(" (") + std::strerror(error) + ")" : std::string()));
+  return b;
+}
+
 // Returns the byte offset of the token data in a .npy file of `size` bytes, checking its header
 // against the deck's dtype.
-std::int64_t npy_data_offset(const unsigned char* bytes, std::int64_t size,
-                             const std::string& dtype, const std::string& where) {
+std::int64_t npy_data_offset(int fd, std::int64_t size, const std::string& dtype,
+                             const std::string& where) {
   KMOE_REQUIRE(size >= 10, where << ": truncated .npy header");
-  const int major = bytes[6];
+  const std::vector<unsigned char> head = read_prefix(fd, size >= 12 ? 12 : 10, where);
+  const int major = head[6];
   KMOE_REQUIRE(major >= 1 && major <= 3,
-               where << ": unsupported .npy format version " << major << "." << int(bytes[7]));
+               where << ": unsupported .npy format version " << major << "." << int(head[7]));
   const std::int64_t len_bytes = major == 1 ? 2 : 4;
   KMOE_REQUIRE(size >= 8 + len_bytes, where << ": truncated .npy header");
   const std::int64_t header_len =
-      major == 1 ? std::int64_t(bytes[8]) | std::int64_t(bytes[9]) << 8 : read_le32(bytes + 8);
+      major == 1 ? std::int64_t(head[8]) | std::int64_t(head[9]) << 8 : read_le32(head.data() + 8);
   const std::int64_t data_offset = 8 + len_bytes + header_len;
   KMOE_REQUIRE(data_offset <= size, where << ": truncated .npy header (" << header_len
                                           << " header bytes declared, file has " << size << ")");
-  const std::string header(reinterpret_cast<const char*>(bytes + 8 + len_bytes),
+  const std::vector<unsigned char> bytes = read_prefix(fd, data_offset, where);
+  const std::string header(reinterpret_cast<const char*>(bytes.data() + 8 + len_bytes),
                            static_cast<std::size_t>(header_len));
   const NpyHeader h = parse_npy_dict(header, where);
 
@@ -140,45 +168,31 @@ std::int64_t npy_data_offset(const unsigned char* bytes, std::int64_t size,
   return data_offset;
 }
 
-TokenFile map_token_file(const std::string& path, const std::string& dtype,
-                         const std::string& key) {
+TokenFile open_token_file(const std::string& path, const std::string& dtype,
+                          const std::string& key) {
   const std::string where = key + ": file " + path;
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   KMOE_REQUIRE(fd >= 0, where << ": cannot open (" << std::strerror(errno) << ")");
-  struct stat st;
-  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-    ::close(fd);
-    KMOE_FAIL(where << ": not a regular file");
-  }
-  const std::int64_t size = st.st_size;
-  void* addr = nullptr;
-  if (size > 0) {
-    addr = ::mmap(nullptr, static_cast<std::size_t>(size), PROT_READ, MAP_PRIVATE, fd, 0);
-    const int mmap_errno = errno;
-    ::close(fd);  // the mapping keeps the file alive
-    KMOE_REQUIRE(addr != MAP_FAILED,
-                 where << ": mmap failed (" << std::strerror(mmap_errno) << ")");
-  } else {
-    ::close(fd);
-  }
-
   TokenFile f;
   f.path = path;
+  f.fd = std::shared_ptr<int>(new int(fd), [](int* p) {
+    ::close(*p);
+    delete p;
+  });
+  struct stat st;
+  KMOE_REQUIRE(::fstat(fd, &st) == 0 && S_ISREG(st.st_mode), where << ": not a regular file");
+  const std::int64_t size = st.st_size;
   f.elem_size = dtype_bytes(dtype);
-  if (addr) {
-    const auto len = static_cast<std::size_t>(size);
-    f.mapping = std::shared_ptr<void>(addr, [len](void* p) { ::munmap(p, len); });
+  f.size_at_open = size;
+  if (size >= 6) {
+    const std::vector<unsigned char> magic = read_prefix(fd, 6, where);
+    if (std::memcmp(magic.data(), "\x93NUMPY", 6) == 0)
+      f.data_offset = npy_data_offset(fd, size, dtype, where);
   }
-  const auto* bytes = static_cast<const unsigned char*>(addr);
-  std::int64_t offset = 0;
-  if (size >= 6 && std::memcmp(bytes, "\x93NUMPY", 6) == 0) {
-    offset = npy_data_offset(bytes, size, dtype, where);
-  }
-  const std::int64_t data_bytes = size - offset;
+  const std::int64_t data_bytes = size - f.data_offset;
   KMOE_REQUIRE(data_bytes % f.elem_size == 0, where << ": size " << data_bytes
                                                     << " bytes is not a multiple of " << f.elem_size
                                                     << " (data.dtype " << dtype << ")");
-  f.tokens = bytes ? bytes + offset : nullptr;
   f.n_tokens = data_bytes / f.elem_size;
   return f;
 }
@@ -189,12 +203,12 @@ TokenDataset::TokenDataset(const std::vector<std::string>& patterns, const std::
                            int seq_len, int vocab_size, const std::string& key)
     : seq_len_(seq_len), vocab_size_(vocab_size), key_(key) {
   dtype_bytes(dtype);
-  KMOE_REQUIRE(seq_len > 0, "model.seq_len must be positive, got " << seq_len);
+  KMOE_REQUIRE(seq_len > 0, "train.seq_len must be positive, got " << seq_len);
   KMOE_REQUIRE(vocab_size > 0, "model.vocab_size must be positive, got " << vocab_size);
   KMOE_REQUIRE(!patterns.empty(), key << ": no files given");
   for (const std::string& pattern : patterns) {
     for (const std::string& path : expand_pattern(pattern, key)) {
-      files_.push_back(map_token_file(path, dtype, key));
+      files_.push_back(open_token_file(path, dtype, key));
     }
   }
   std::int64_t total_tokens = 0;
@@ -203,9 +217,16 @@ TokenDataset::TokenDataset(const std::vector<std::string>& patterns, const std::
     const std::int64_t n = files_[f].n_tokens / seq_len;
     for (std::int64_t k = 0; k < n; ++k) instances_.push_back({static_cast<int>(f), k * seq_len});
   }
-  KMOE_REQUIRE(!instances_.empty(), key << ": no instances: each of the " << files_.size()
-                                        << " file(s) is shorter than model.seq_len " << seq_len
-                                        << " tokens (" << total_tokens << " tokens in all)");
+  if (instances_.empty()) {
+    std::string sizes;
+    for (std::size_t f = 0; f < files_.size() && f < 8; ++f)
+      sizes +=
+          (f ? ", " : "") + files_[f].path + " (" + std::to_string(files_[f].n_tokens) + " tokens)";
+    if (files_.size() > 8) sizes += ", ...";
+    KMOE_FAIL(key << ": no instances: each of the " << files_.size()
+                  << " file(s) is shorter than train.seq_len = " << seq_len << " tokens ("
+                  << total_tokens << " tokens in all): " << sizes);
+  }
 }
 
 void TokenDataset::read_instance(std::int64_t i, std::int32_t* out) const {
@@ -213,11 +234,24 @@ void TokenDataset::read_instance(std::int64_t i, std::int32_t* out) const {
                key_ << ": instance " << i << " out of range [0, " << num_instances() << ")");
   const Instance& inst = instances_[static_cast<std::size_t>(i)];
   const TokenFile& f = files_[static_cast<std::size_t>(inst.file)];
-  const unsigned char* b = f.tokens + inst.first_token * f.elem_size;
+  const std::int64_t bytes = std::int64_t(seq_len_) * f.elem_size;
+  const std::int64_t at = f.data_offset + inst.first_token * f.elem_size;
+  buffer_.resize(static_cast<std::size_t>(bytes));
+  int error = 0;
+  if (!read_at(*f.fd, buffer_.data(), bytes, at, &error)) {
+    struct stat st;
+    const std::int64_t now = ::fstat(*f.fd, &st) == 0 ? std::int64_t(st.st_size) : -1;
+    KMOE_FAIL(key_ << ": file " << f.path << ": cannot read instance " << i << " (bytes " << at
+                   << " to " << at + bytes << "): "
+                   << (error ? std::string(std::strerror(error))
+                             : "the file has " + std::to_string(now) + " bytes, " +
+                                   std::to_string(f.size_at_open) +
+                                   " when the run opened it: changed or truncated while in use"));
+  }
+  const unsigned char* b = buffer_.data();
   const auto vocab = static_cast<std::uint32_t>(vocab_size_);
   for (int t = 0; t < seq_len_; ++t) {
-    // Assembled byte by byte: little-endian on any host, and no alignment assumption (.npy
-    // headers need not leave the data aligned).
+    // Assembled byte by byte: little-endian on any host.
     const std::uint32_t id =
         f.elem_size == 2 ? std::uint32_t(b[0]) | std::uint32_t(b[1]) << 8 : read_le32(b);
     KMOE_REQUIRE(id < vocab, key_ << ": token id " << id << " >= model.vocab_size " << vocab_size_

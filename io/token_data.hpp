@@ -1,6 +1,6 @@
 // Token data (RUNTIME.md section 3): headerless little-endian uint16/uint32 token files or .npy
-// files, memory-mapped; cut into non-overlapping instances of T tokens that never span two files;
-// shuffled per epoch from (seed, epoch) alone; validation read in file order.
+// files, read an instance at a time; cut into non-overlapping instances of T tokens that never span
+// two files; shuffled per epoch from (seed, epoch) alone; validation read in file order.
 #pragma once
 
 #include <cstdint>
@@ -10,13 +10,14 @@
 
 namespace kmoe {
 
-// One memory-mapped token file (header skipped for .npy).
+// One open token file (header skipped for .npy).
 struct TokenFile {
   std::string path;
-  const unsigned char* tokens = nullptr;  // first token byte (after any .npy header)
+  std::shared_ptr<int> fd;       // closed with the last copy
+  std::int64_t data_offset = 0;  // first token byte (after any .npy header)
   std::int64_t n_tokens = 0;
+  std::int64_t size_at_open = 0;  // bytes
   int elem_size = 2;              // bytes per token: 2 (uint16) or 4 (uint32)
-  std::shared_ptr<void> mapping;  // owns the mmap
 };
 
 class TokenDataset {
@@ -32,7 +33,8 @@ class TokenDataset {
   const std::vector<TokenFile>& files() const { return files_; }
 
   // Copies instance i (0-based, file order) into out[0..T). Throws kmoe::Error naming the file
-  // and token offset if a token id is >= vocab_size.
+  // and token offset if a token id is >= vocab_size, and naming the file if it cannot be read
+  // (e.g. truncated since it was opened).
   void read_instance(std::int64_t i, std::int32_t* out) const;
 
  private:
@@ -44,7 +46,8 @@ class TokenDataset {
   std::vector<Instance> instances_;
   int seq_len_;
   int vocab_size_;
-  std::string key_;  // deck key named in read_instance's errors
+  std::string key_;                            // deck key named in read_instance's errors
+  mutable std::vector<unsigned char> buffer_;  // one instance's bytes
 };
 
 // Permutation of [0, n) for one epoch, a function of (seed, epoch, n) only (never rank count).

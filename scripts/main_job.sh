@@ -12,7 +12,8 @@ if [ ! -f data/fortunes/train.bin ] || [ ! -f data/fortunes/val.bin ]; then
   "$bin/kmoe-prep" --fortunes --out-dir data/fortunes
 fi
 # Two expert-parallel ranks (the deck's parallel.ep = 2), one core and one BLAS thread each.
-# A fresh run each time (checkpoint.resume = none); to continue a run, leave that out.
+# A fresh run each time, replacing the previous one (checkpoint.resume = none, checkpoint.overwrite
+# = true); to continue a run, leave both out.
 mpiexec --allow-run-as-root -n 2 -x OPENBLAS_NUM_THREADS=1 "$bin/kmoe-train" -i inputs/tiny_moe_engram.deck \
-  --checkpoint.resume=none "$@"
+  --checkpoint.resume=none --checkpoint.overwrite=true "$@"
 /usr/bin/python3 bench/plot_metrics runs/tiny_moe_engram/metrics.csv -o runs/tiny_moe_engram/metrics.png

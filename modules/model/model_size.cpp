@@ -1,49 +1,156 @@
 #include "modules/model/model_size.hpp"
 
+#include <algorithm>
+
+#include "core/checked_size.hpp"
 #include "modules/engram/engram_hash.hpp"
 
 namespace kmoe {
 
-ModelSize model_size(const ModelCfg& m, const MoeCfg& e, int b, int T, const EngramCfg& g) {
-  const std::int64_t V = m.vocab_size, D = m.d_model, F = m.ffn_hidden, L = m.n_layers;
-  const std::int64_t qd = std::int64_t(m.n_heads) * m.head_dim();
-  const std::int64_t kd = std::int64_t(m.n_kv_heads) * m.head_dim();
-  const std::int64_t attn = 2 * D + (qd + 2 * kd) * D + D * qd + (m.qk_norm ? qd + kd : 0);
-  const std::int64_t E = e.experts, Fe = e.expert_hidden, k = e.top_k;
-  const std::int64_t shared = 3 * std::int64_t(e.shared_experts) * e.shared_hidden * D;
-  std::int64_t moe_layers = 0;
-  for (int l = 0; l < L; ++l) moe_layers += e.is_moe_layer(l) ? 1 : 0;
-  ModelSize s;
-  s.embedding_params = V * D;
-  const std::int64_t outside = V * D + D + (m.tie_embeddings ? 0 : V * D);
-  s.total_params = L * attn + (L - moe_layers) * 3 * F * D +
-                   moe_layers * (E * D + 3 * E * Fe * D + shared) + outside;
-  s.active_params = L * attn + (L - moe_layers) * 3 * F * D +
-                    moe_layers * (E * D + 3 * k * Fe * D + shared) + outside;
-  // The LM head matmul counts (tied or not); the embedding lookup does not.
-  const std::int64_t d_mem = std::int64_t(g.max_ngram - 1) * g.embed_per_ngram;
-  for (const auto& plan : engram_hash_plans(g, load_engram_compression(g, V).vocab_c)) {
-    s.total_params +=
-        plan.rows * (g.embed_per_ngram / g.heads) + 2 * D * d_mem + 5 * D + D * g.kernel;
-    s.active_params += d_mem + 2 * D * d_mem + 5 * D + D * g.kernel;
-  }
-  const std::int64_t matmul_params =
-      s.active_params - (m.tie_embeddings ? 0 : V * D) -
-      std::int64_t(g.layers.size()) * d_mem;  // lookups are not matmuls
-  s.flops_per_token = 6.0 * matmul_params + 6.0 * L * D * T;
-  s.state_bytes = 4 * 4 * s.total_params;
+const char* size_keys() {
+  return "model.vocab_size, model.d_model, model.n_layers, model.n_heads, model.ffn_hidden, "
+         "moe.experts, moe.expert_hidden, moe.shared_experts x moe.shared_hidden, "
+         "engram.table_size, engram.embed_per_ngram, train.micro_batch, train.seq_len";
+}
 
-  const std::int64_t N = std::int64_t(b) * T, H = m.n_heads, W = qd + 2 * kd;
-  const std::int64_t probs = std::int64_t(b) * H * T * T;
-  const std::int64_t attn_saved = N * W + 2 * N + N * qd + 2 * N * kd + probs + N * qd;
-  const std::int64_t block_saved =
-      attn_saved + N * 3 * F + N * D * (m.block_norm == BlockNorm::Pre ? 5 : 3) + 2 * N;
-  const std::int64_t scratch = 2 * N * qd + probs + 2 * N * kd + N * W + N * 3 * F + 3 * N * D;
-  const std::int64_t stage = (L + 1) * N * D + 2 * N * D + 2 * N * D + N * V + 3 * N;
+namespace {
+
+// The sizes of one model: every count and byte figure goes through checked Size arithmetic.
+struct Shapes {
+  Size V, D, F, L, qd, kd, attn, E, Fe, k, shared, N, H, W, probs;
+  bool tied, pre;
+  Shapes(const ModelCfg& m, const MoeCfg& e, int b, int T)
+      : V(m.vocab_size),
+        D(m.d_model),
+        F(m.ffn_hidden),
+        L(m.n_layers),
+        qd(Size(m.n_heads) * m.head_dim()),
+        kd(Size(m.n_kv_heads) * m.head_dim()),
+        attn(Size(2) * D + (qd + Size(2) * kd) * D + D * qd + (m.qk_norm ? qd + kd : Size(0))),
+        E(e.experts),
+        Fe(e.expert_hidden),
+        k(e.top_k),
+        shared(Size(3) * e.shared_experts * e.shared_hidden * D),
+        N(Size(b) * T),
+        H(m.n_heads),
+        W(qd + Size(2) * kd),
+        probs(Size(b) * m.n_heads * T * T),
+        tied(m.tie_embeddings),
+        pre(m.block_norm == BlockNorm::Pre) {}
+
+  // Saved activations of one block (floats): attention and norms, then a dense MLP's.
+  Size attn_saved() const {
+    return N * W + Size(2) * N + N * qd + Size(2) * N * kd + probs + N * qd +
+           N * D * (pre ? 5 : 3) + Size(2) * N;
+  }
+  Size mlp_saved() const { return N * 3 * F; }
+  Size block_saved() const { return attn_saved() + mlp_saved(); }
+  Size scratch() const {
+    return Size(2) * N * qd + probs + Size(2) * N * kd + N * W + N * 3 * F + Size(3) * N * D;
+  }
   // An MoE layer saves logits/probs (N, E) and up to N*k rows of inputs, outputs and hiddens.
-  const std::int64_t moe_saved = 2 * N * E + N + 3 * N * k + N * k * (2 * D + 3 * Fe);
-  s.activation_bytes = 4 * (L * block_saved + moe_layers * moe_saved + scratch + stage);
-  return s;
+  Size moe_saved() const {
+    return Size(2) * N * E + N + Size(3) * N * k + N * k * (Size(2) * D + Size(3) * Fe);
+  }
+};
+
+// Engram layer parameters of one table row block of `rows` rows.
+Size engram_params(const EngramCfg& g, Size D, Size rows) {
+  const Size d_mem = Size(g.max_ngram - 1) * g.embed_per_ngram;
+  return rows * (g.embed_per_ngram / g.heads) + Size(2) * D * d_mem + Size(5) * D + D * g.kernel;
+}
+
+// Everything an Engram layer keeps for one micro-batch of N tokens (floats).
+Size engram_saved(const EngramCfg& g, Size D, Size N) {
+  const Size d_mem = Size(g.max_ngram - 1) * g.embed_per_ngram;
+  return Size(2) * N * d_mem + Size(9) * N * D + Size(6) * N + N * ((g.max_ngram - 1) * g.heads);
+}
+
+template <class F>
+auto checked(F&& f) {
+  try {
+    return f();
+  } catch (const SizeOverflow&) {
+    KMOE_FAIL("the model's sizes overflow 64-bit integers: reduce the keys they follow ("
+              << size_keys() << ")");
+  }
+}
+
+}  // namespace
+
+ModelSize model_size(const ModelCfg& m, const MoeCfg& e, int b, int T, const EngramCfg& g) {
+  return checked([&] {
+    const Shapes s(m, e, b, T);
+    const Size V = s.V, D = s.D, F = s.F, L = s.L;
+    Size moe_layers = 0;
+    for (int l = 0; l < m.n_layers; ++l) moe_layers += e.is_moe_layer(l) ? 1 : 0;
+    ModelSize out;
+    const Size outside = V * D + D + (s.tied ? Size(0) : V * D);
+    Size total = L * s.attn + (L - moe_layers) * 3 * F * D +
+                 moe_layers * (s.E * D + Size(3) * s.E * s.Fe * D + s.shared) + outside;
+    Size active = L * s.attn + (L - moe_layers) * 3 * F * D +
+                  moe_layers * (s.E * D + Size(3) * s.k * s.Fe * D + s.shared) + outside;
+    // The LM head matmul counts (tied or not); the embedding lookup does not.
+    const Size d_mem = Size(g.max_ngram - 1) * g.embed_per_ngram;
+    for (const auto& plan :
+         engram_hash_plans(g, load_engram_compression(g, m.vocab_size).vocab_c)) {
+      total += engram_params(g, D, plan.rows);
+      active += d_mem + engram_params(g, D, 0);
+    }
+    const Size matmul = active - (s.tied ? Size(0) : V * D) -
+                        Size(static_cast<std::int64_t>(g.layers.size())) * d_mem;  // lookups
+    out.total_params = total.get();
+    out.active_params = active.get();
+    out.embedding_params = (V * D).get();
+    out.flops_per_token = 6.0 * double(matmul.get()) + 6.0 * double(L.get()) * double(D.get()) * T;
+    out.state_bytes = (Size(16) * total).get();
+    const Size stage =
+        (L + 1) * s.N * D + Size(2) * s.N * D + Size(2) * s.N * D + s.N * V + Size(3) * s.N;
+    out.activation_bytes =
+        (Size(4) * (L * s.block_saved() + moe_layers * s.moe_saved() + s.scratch() + stage)).get();
+    return out;
+  });
+}
+
+RankMemory rank_memory(const ModelCfg& m, const MoeCfg& e, const EngramCfg& g, int b, int T,
+                       const RankShare& r) {
+  return checked([&] {
+    const Shapes s(m, e, b, T);
+    const Size V = s.V, D = s.D, N = s.N;
+    const auto plans = engram_hash_plans(g, load_engram_compression(g, m.vocab_size).vocab_c);
+    Size elements = 0, saved = 0;  // parameters and buffers; one instance's activations
+    Size blocks = 0;
+    for (int l = r.first_block; l < r.last_block; ++l) {
+      blocks += 1;
+      elements += s.attn;
+      saved += s.attn_saved();
+      if (e.is_moe_layer(l)) {
+        const Size local_experts = s.E.get() / std::max(1, r.ep);
+        elements += s.E * D + Size(3) * local_experts * s.Fe * D + s.shared +
+                    (e.bias_update_rate > 0 ? s.E : Size(0));
+        saved += s.moe_saved();
+      } else {
+        elements += Size(3) * s.F * D;
+        saved += s.mlp_saved();
+      }
+      for (const auto& plan : plans) {
+        if (plan.layer != l) continue;
+        const int members = std::max(1, r.engram_members);
+        elements += engram_params(g, D, (plan.rows + members - 1) / members);
+        saved += engram_saved(g, D, N);
+      }
+    }
+    if (r.embed) elements += V * D;
+    if (r.head) elements += D + V * D;  // final norm; lm_head, or the last stage's tied copy
+    if (r.head && s.tied && r.embed) elements = elements - V * D;  // one matrix for both
+    Size stage = (blocks + 1) * N * D + Size(4) * N * D + Size(3) * N;
+    if (r.head) stage += N * V + Size(2) * N * D;  // logits, the normed input and its gradient
+    RankMemory out;
+    out.elements = elements.get();
+    out.state_bytes = (Size(16) * elements).get();
+    out.activation_bytes = (Size(4) * (Size(r.in_flight) * (saved + stage) + s.scratch())).get();
+    return out;
+  });
 }
 
 }  // namespace kmoe

@@ -1,7 +1,8 @@
-// Parameter counts, model FLOPs and a per-rank memory estimate from the config alone, for
-// --dry-run and MFU (docs/CONVENTIONS.md "Loss and metrics": FLOPs/token = 6 x active
-// non-embedding parameters + 6 x layers x d_model x T). A unit test checks the counts
-// against a built TensorTable.
+// Parameter counts, model FLOPs and memory estimates from the config alone, for --dry-run,
+// MFU and the memory check before a run allocates (docs/CONVENTIONS.md "Loss and metrics":
+// FLOPs/token = 6 x active non-embedding parameters + 6 x layers x d_model x T). Every size is
+// checked 64-bit arithmetic: a deck whose sizes overflow is an error naming the keys that drive
+// them. Unit tests check the counts against built TensorTables.
 #pragma once
 
 #include <cstdint>
@@ -19,9 +20,33 @@ struct ModelSize {
   std::int64_t activation_bytes = 0;  // saved activations and scratch for one micro-batch
 };
 
-// Engram tables count in total_params; per token only their d_mem looked-up entries count as
-// active, and like the embedding the lookup adds no matmul FLOPs.
+// The whole model on one rank. Engram tables count in total_params; per token only their d_mem
+// looked-up entries count as active, and like the embedding the lookup adds no matmul FLOPs.
 ModelSize model_size(const ModelCfg& m, const MoeCfg& e, int micro_batch, int seq_len,
                      const EngramCfg& g = EngramCfg());
+
+// What one rank of a grid holds (RUNTIME.md section 1): its stage's blocks, the embedding on the
+// first stage and the head on the last, its ep rank's experts, its row block of each Engram
+// table, and one set of activations per micro-batch in flight.
+struct RankShare {
+  int first_block = 0, last_block = 0;  // [first, last)
+  bool embed = true, head = true;
+  int ep = 1;              // experts split over ep ranks
+  int engram_members = 1;  // ranks an Engram table's rows are split over
+  int in_flight = 1;       // Stage instances (max_in_flight of the pipeline schedule)
+};
+
+struct RankMemory {
+  std::int64_t elements = 0;          // this rank's TensorTable (parameters and buffers)
+  std::int64_t state_bytes = 0;       // its four flat buffers
+  std::int64_t activation_bytes = 0;  // every instance's saved activations and scratch
+  std::int64_t total() const { return state_bytes + activation_bytes; }
+};
+
+RankMemory rank_memory(const ModelCfg& m, const MoeCfg& e, const EngramCfg& g, int micro_batch,
+                       int seq_len, const RankShare& share);
+
+// The deck keys the sizes follow, for error messages.
+const char* size_keys();
 
 }  // namespace kmoe

@@ -172,8 +172,9 @@ struct TrainCfg {
   int micro_batch = 0;
   int max_steps = 0;
   std::uint64_t seed = 0;
-  int eval_every = 0;      // 0: evaluate at the end only
-  int eval_instances = 0;  // 0: all validation instances
+  int eval_every = 0;        // 0: evaluate at the end only
+  int eval_instances = 0;    // 0: all validation instances
+  bool check_memory = true;  // refuse a run its node or device cannot hold
 };
 
 struct OptimizerCfg {
@@ -216,6 +217,8 @@ struct CheckpointCfg {
   int keep = 3;
   std::string resume = "auto";  // auto | none | <file>
   bool save_initial = false;
+  bool overwrite = false;        // a fresh run may replace another run's files
+  int lock_stale_seconds = 600;  // a run lock without a heartbeat this long is stale
 };
 
 struct OutputCfg {

@@ -13,10 +13,17 @@ class Error : public std::runtime_error {
   explicit Error(const std::string& what) : std::runtime_error(what) {}
 };
 
-// A non-finite loss or gradient norm: the run stops (exit code 3) without a checkpoint.
-class NonFiniteError : public Error {
+// An error every rank throws alike (the ranks agreed on it, e.g. over a collective): the
+// drivers report it once, on rank 0.
+class SharedError : public Error {
  public:
   using Error::Error;
+};
+
+// A non-finite loss or gradient norm: the run stops (exit code 3) without a checkpoint.
+class NonFiniteError : public SharedError {
+ public:
+  using SharedError::SharedError;
 };
 
 // A clean stop every rank agreed on, with its exit code: 85 after SIGUSR1 (checkpointed,

@@ -282,6 +282,25 @@ std::vector<std::string> Communicator::all_gather(const std::string& mine) const
   return out;
 }
 
+std::string Communicator::first_message(const std::string& mine) const {
+  for (const std::string& m : all_gather(mine))
+    if (!m.empty()) return m;
+  return "";
+}
+
+void Communicator::on_root(const std::function<void()>& action) const {
+  std::string error;
+  if (rank_ == 0) {
+    try {
+      action();
+    } catch (const std::exception& e) {  // kmoe::Error, or a std::filesystem error
+      error = e.what();
+    }
+  }
+  error = first_message(error);
+  if (!error.empty()) throw SharedError(error);
+}
+
 void Communicator::all_to_all(const std::int64_t* send, std::int64_t* recv, int per_peer) const {
   if (size_ == 1) {
     std::copy(send, send + per_peer, recv);

@@ -9,6 +9,7 @@
 #include <mpi.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -84,6 +85,13 @@ class Communicator : public DataComm {
 
   // Every member's string, in member order.
   std::vector<std::string> all_gather(const std::string& mine) const;
+  // The first non-empty `mine` in member order, "" when every member passes "": after each
+  // member tried something, the one error every member reports.
+  std::string first_message(const std::string& mine) const;
+  // Runs `action` on member 0 only; an exception there is thrown again on every member as a
+  // kmoe::SharedError, so all members leave together (file system work one rank does for
+  // all).
+  void on_root(const std::function<void()>& action) const;
 
   // send: size() * per_peer values, block p to member p; recv the same shape.
   void all_to_all(const std::int64_t* send, std::int64_t* recv, int per_peer) const;

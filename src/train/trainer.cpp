@@ -12,8 +12,10 @@
 #include "core/memory.hpp"
 #include "core/stop_signal.hpp"
 #include "core/timer.hpp"
+#include "io/run_lock.hpp"
 #include "parallel/layer_comms.hpp"
 #include "parallel/placement.hpp"
+#include "train/memory_check.hpp"
 #include "train/optimizer.hpp"
 
 namespace kmoe {
@@ -38,6 +40,7 @@ Trainer::Trainer(const Config& cfg, ProcessGrid& grid)
       grid_(grid),
       size_(model_size(cfg.model, cfg.moe, cfg.train.micro_batch, cfg.train.seq_len, cfg.engram)) {
   const auto& t = cfg.train;
+  lock_ = std::make_unique<RunLock>(cfg.checkpoint, grid.world);  // this run owns the directory
   train_data_ = std::make_unique<TokenDataset>(cfg.data.paths, cfg.data.dtype, t.seq_len,
                                                cfg.model.vocab_size, "data.paths");
   KMOE_REQUIRE(train_data_->num_instances() >= t.global_batch,
@@ -54,6 +57,7 @@ Trainer::Trainer(const Config& cfg, ProcessGrid& grid)
   const int n_micro = t.global_batch / t.micro_batch;
   schedule_ =
       pipeline_schedule(cfg.parallel.schedule, grid.pp, grid.pp_rank, n_micro / grid.replicas());
+  check_memory(cfg, grid, max_in_flight(schedule_));
   const StagePlan plan = StagePlan::of(grid);
   const LayerComms comms = layer_comms(cfg, grid);
   for (int i = 0; i < max_in_flight(schedule_); ++i) {
@@ -71,6 +75,7 @@ Trainer::Trainer(const Config& cfg, ProcessGrid& grid)
   host_tokens_.resize(std::size_t(t.global_batch) * t.seq_len);
 
   const std::string from = resume_file(cfg.checkpoint);
+  prepare_run_directories(cfg, !from.empty(), grid.world);
   if (!from.empty()) {
     std::string changes;
     const auto t0 = std::chrono::steady_clock::now();
@@ -88,10 +93,14 @@ Trainer::Trainer(const Config& cfg, ProcessGrid& grid)
       if (!changes.empty()) std::printf("deck changes since the checkpoint:%s\n", changes.c_str());
     }
   }
-  if (grid_.is_root()) {
+  grid_.world.on_root([&] {
     metrics_ = std::make_unique<MetricsWriter>(cfg.output.dir, /*append=*/resumed_, stats_.names());
-    std::ofstream(cfg.output.dir + "/deck.resolved") << cfg.resolved_text;
-  }
+    const std::string deck = cfg.output.dir + "/deck.resolved";
+    std::ofstream out(deck);
+    out << cfg.resolved_text;
+    out.close();
+    KMOE_REQUIRE(!out.fail(), "output.dir: cannot write " << deck << " (is the file system full?)");
+  });
 }
 
 void Trainer::load_positions(std::int64_t first, int count) {
@@ -274,24 +283,42 @@ void Trainer::run() {
     const auto stop = static_cast<StopKind>(
         static_cast<int>(grid_.world.allreduce_max(double(static_cast<int>(requested_stop())))));
     const bool stopping = stop != StopKind::None;
-    if ((c.every > 0 && step % c.every == 0) || step == t.max_steps || stopping) {
+    const bool log_now =
+        step % cfg_.output.log_every == 0 || step == t.max_steps || eval_now || stopping;
+    // A metrics row that cannot be written (a full output disk) stops the run too, after a
+    // checkpoint: every rank learns of it before the save.
+    std::string output_error;
+    if (grid_.is_root() && log_now) {
+      try {
+        metrics_->write(m);
+      } catch (const Error& e) {
+        output_error = e.what();
+      }
+    }
+    if (grid_.world.allreduce_max(output_error.empty() ? 0.0 : 1.0) > 0)
+      output_error = grid_.world.first_message(output_error);
+    if ((c.every > 0 && step % c.every == 0) || step == t.max_steps || stopping ||
+        !output_error.empty()) {
       save();
       timer.stop(phases_.checkpoint);
     }
-    const bool log_now =
-        step % cfg_.output.log_every == 0 || step == t.max_steps || eval_now || stopping;
     if (grid_.is_root() && log_now) {
       std::printf("%s\n", MetricsWriter::console_line(m).c_str());
       std::fflush(stdout);
-      metrics_->write(m);
     }
+    if (!output_error.empty())
+      throw SharedError(output_error + "; stopped after step " + std::to_string(step) +
+                        " with checkpoint " + cfg_.checkpoint.dir + "/" +
+                        checkpoint_file_name(step));
     if (stopping && step < t.max_steps) {
       print_phases();
       const bool cancel = stop == StopKind::Cancel;
+      const std::string by = *stop_signal_name() ? stop_signal_name() : "a signal to another rank";
       std::ostringstream os;
-      os << "stopped by " << (cancel ? "SIGTERM" : "SIGUSR1") << " after step " << step
-         << " with checkpoint " << cfg_.checkpoint.dir << "/" << checkpoint_file_name(step)
-         << "; exit code " << (cancel ? "86 (resumable, do not requeue)" : "85 (requeue)");
+      os << "stopped by " << by << " after step " << step << " with checkpoint "
+         << cfg_.checkpoint.dir << "/" << checkpoint_file_name(step) << "; exit code "
+         << (cancel ? "86 (resumable, do not requeue)" : "85 (requeue)");
+      if (grid_.is_root()) report_stop_code(cancel ? 86 : 85);
       throw StopRequest(cancel ? 86 : 85, os.str());
     }
   }

@@ -14,6 +14,7 @@
 #include "io/checkpoint.hpp"
 #include "io/dump.hpp"
 #include "io/metrics.hpp"
+#include "io/run_lock.hpp"
 #include "io/token_data.hpp"
 #include "modules/model/model_size.hpp"
 #include "modules/model/stage.hpp"
@@ -62,6 +63,7 @@ class Trainer {
 
   const Config& cfg_;
   ProcessGrid& grid_;
+  std::unique_ptr<RunLock> lock_;  // this run's hold on checkpoint.dir
   ModelSize size_;
   TensorTable table_;
   StepStats stats_;  // the layers' step statistics (metrics.csv columns after val_loss)

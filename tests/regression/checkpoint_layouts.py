@@ -169,17 +169,25 @@ before = h.losses("kill")[10:12]  # steps 11 and 12 of the killed run were logge
 h.check(len(before) == 2 and h.losses("kill_resume")[:2] == before,
         "the resume after the kill continues from step 10 bit-identically")
 
-# A fresh run into a directory holding a longer run's files: its own files and `latest` stay
-# consistent (pruning never removes the file just written), the other run's later files stay.
+# A fresh run into a directory holding another run's checkpoints is refused, naming it and the
+# way out, and touches nothing; asked for explicitly (checkpoint.overwrite) it replaces them.
 shutil.copytree(h.path("full_111", "ckpt"), h.path("reuse", "ckpt"))
-train("reuse", (1, 1, 1), "--checkpoint.resume=none", "--train.max_steps=2",
-      "--checkpoint.every=1", "--checkpoint.keep=1")
+before = sorted(os.listdir(h.path("reuse", "ckpt")))
+p = train("reuse", (1, 1, 1), "--checkpoint.resume=none", "--train.max_steps=2",
+          "--checkpoint.every=1", "--checkpoint.keep=1", expect_rc=1)
+h.check("another run left 3 checkpoint file(s) in checkpoint.dir = reuse/ckpt" in p.stderr and
+        "checkpoint.overwrite = true" in p.stderr and
+        sorted(os.listdir(h.path("reuse", "ckpt"))) == before,
+        f"a fresh run into another run's directory is refused, nothing touched: {p.stderr[-300:]}")
+p = train("reuse", (1, 1, 1), "--checkpoint.resume=none", "--train.max_steps=2",
+          "--checkpoint.every=1", "--checkpoint.keep=1", "--checkpoint.overwrite=true")
 files = sorted(os.listdir(h.path("reuse", "ckpt")))
 with open(h.path("reuse", "ckpt", "latest")) as f:
     latest = f.read().strip()
-h.check(latest == "step00000002.h5" and files == ["latest", "step00000002.h5", "step00000010.h5",
-                                                  "step00000013.h5"],
-        f"a fresh run into a used directory: latest {latest}, files {files}")
+h.check("removed 3 checkpoint file(s)" in p.stdout and latest == "step00000002.h5" and
+        files == ["latest", "step00000002.h5"],
+        f"checkpoint.overwrite = true: the other run's files replaced: latest {latest}, "
+        f"files {files}")
 
 # A larger global batch after the resume: the stream continues from the saved position, so
 # the resumed step 11 trains on the uninterrupted run's steps 11 and 12.

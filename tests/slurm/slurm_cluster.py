@@ -1,16 +1,20 @@
 """A private one-node Slurm for tests: munged, slurmctld and slurmd from Debian's slurm-wlm and
 munge, with every file (key, sockets, configuration, state, logs) in a temporary directory and
 only loopback traffic. Needs root (slurmd runs jobs as their users). `stop()` ends exactly the
-daemons this object started.
+daemons this object started. Unix socket paths may not exceed 107 bytes and slurm.conf values
+may not hold spaces, so the daemons' files live in a short directory under /tmp, whatever the
+work directory's path; `stop()` copies their logs to <work>/log and removes it.
 
     with SlurmCluster(work_dir) as c:
         job = c.sbatch(["slurm/train.sbatch", "deck"], cwd=...)
         c.wait(job)
 """
 import os
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 
 
@@ -22,14 +26,15 @@ def _free_port():
 
 class SlurmCluster:
     def __init__(self, work, cpus=None):
-        self.dir = os.path.abspath(work)
+        self.work = os.path.abspath(work)
+        self.dir = None  # the short directory, made by start()
         self.cpus = cpus or os.cpu_count()
         self.procs = {}  # name -> pid file
         self.env = None
 
     # -------------------------------------------------------------------- daemons
     def start(self):
-        d = self.dir
+        d = self.dir = tempfile.mkdtemp(prefix="kmoe-slurm-", dir="/tmp")
         for sub in ("state", "spool", "log", "munge"):
             os.makedirs(os.path.join(d, sub), exist_ok=True)
         key = os.path.join(d, "munge", "munge.key")
@@ -131,6 +136,11 @@ PartitionName=test Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubscr
                 time.sleep(0.1)
             else:
                 os.kill(pid, signal.SIGKILL)
+        if self.dir:
+            shutil.copytree(os.path.join(self.dir, "log"), os.path.join(self.work, "log"),
+                            dirs_exist_ok=True)
+            shutil.rmtree(self.dir, ignore_errors=True)
+            self.dir = None
 
     def __enter__(self):
         return self.start()

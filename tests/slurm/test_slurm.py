@@ -6,7 +6,8 @@
      itself, resumes from `latest` and completes with the uninterrupted run's losses, bit for
      bit;
   3. a cancel (scancel: SIGTERM) checkpoints, exits 86 and is not requeued;
-  4. KMOE_LAUNCH=mpirun starts the ranks with mpirun inside the allocation instead of srun;
+  4. KMOE_LAUNCH=mpirun starts the ranks with mpirun inside the allocation instead of srun, and
+     a cancel of such a job still checkpoints and reports 86;
   5. an allocation that does not match the deck's grid is refused before launch.
 The daemons it started are stopped at the end, whatever happened.
 Usage: test_slurm.py BIN_DIR WORK_DIR
@@ -120,6 +121,24 @@ try:
     h.check(info.get("JobState") == "COMPLETED" and
             h.losses("mpirun") == h.losses("plain")[:20],
             f"KMOE_LAUNCH=mpirun: {info.get('JobState')}, the plain run's first 20 losses")
+    # ... and cancelled: mpirun aborts a job on SIGTERM, so the script sends SIGUSR2, and the
+    # exit code kmoe reports is the job's, whatever mpirun returns.
+    j = c.sbatch(["-n", "2", "--job-name=mpicancel", "--output=mpicancel.out", SBATCH,
+                  "job.deck", "--output.dir=mpicancel", "--checkpoint.dir=mpicancel/ckpt"],
+                 cwd=work, env=dict(ENV, KMOE_LAUNCH="mpirun"))
+    h.check(rows_when("mpicancel", 10), "the mpirun job is training")
+    c.run(["scancel", j])
+    info = c.wait(j)
+    deadline = time.time() + 60
+    while time.time() < deadline and "requeued" not in log("mpicancel"):
+        time.sleep(0.5)
+    text = log("mpicancel")
+    latest = open(h.path("mpicancel", "ckpt", "latest")).read().strip() \
+        if os.path.exists(h.path("mpicancel", "ckpt", "latest")) else ""
+    h.check("exit code 86" in text and "checkpointed after a cancel" in text and
+            latest.startswith("step"),
+            f"KMOE_LAUNCH=mpirun, cancelled: it checkpointed ({latest}) and the job reports 86: "
+            f"{text[-400:]}")
 
     # 5. The allocation must match the grid.
     j = submit(c, "mismatch", sbatch_args=("-n", "1"))

@@ -208,7 +208,9 @@ TEST_F(DataTest, ZeroInstancesIsAnError) {
   const std::string b = write_bytes("b.bin", "");
   const std::string msg = error_of([&] { TokenDataset({a, b}, "uint16", 4, 320, "data.paths"); });
   EXPECT_NE(msg.find("data.paths"), std::string::npos) << msg;
-  EXPECT_NE(msg.find("shorter than model.seq_len 4"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("shorter than train.seq_len = 4"), std::string::npos) << msg;
+  EXPECT_NE(msg.find(a + " (3 tokens)"), std::string::npos) << msg;
+  EXPECT_NE(msg.find(b + " (0 tokens)"), std::string::npos) << msg;
 }
 
 TEST_F(DataTest, UnknownDtypeIsAnError) {
@@ -326,6 +328,36 @@ TEST_F(DataTest, CorpusWriterWithoutValidationAndInUint32) {
   }
   EXPECT_FALSE(fs::exists(path("o/val.bin")));
   EXPECT_EQ(fs::file_size(path("o/train.bin")), 5u * 4u);
+}
+
+TEST_F(DataTest, CorpusWithoutValidationRemovesAnEarlierCorpussValBin) {
+  {
+    CorpusWriter w(path("o"), "uint16", 2);
+    for (const char* d : {"a", "b", "c", "d"}) w.add_document(d);
+    EXPECT_FALSE(w.finish().removed_stale_val);
+  }
+  ASSERT_TRUE(fs::exists(path("o/val.bin")));
+  {
+    CorpusWriter w(path("o"), "uint16", 0);
+    w.add_document("x");
+    EXPECT_TRUE(w.finish().removed_stale_val);
+  }
+  EXPECT_FALSE(fs::exists(path("o/val.bin")));  // it belonged to the other train.bin
+}
+
+// A token file cut short while a run reads it (another job rewriting the corpus): the read
+// names the file and both sizes instead of dying of SIGBUS as a memory mapping would.
+TEST_F(DataTest, AFileTruncatedAfterOpeningIsAClearError) {
+  const std::string a = write_bytes("a.bin", le_bytes({1, 2, 3, 4, 5, 6, 7, 8}, 2));
+  TokenDataset d({a}, "uint16", 4, 320, "data.paths");
+  ASSERT_EQ(d.num_instances(), 2);
+  EXPECT_EQ(instance(d, 1), (V{5, 6, 7, 8}));
+  fs::resize_file(a, 10);
+  EXPECT_EQ(instance(d, 0), (V{1, 2, 3, 4}));  // still there
+  const std::string msg = error_of([&] { instance(d, 1); });
+  EXPECT_NE(msg.find("data.paths: file " + a), std::string::npos) << msg;
+  EXPECT_NE(msg.find("the file has 10 bytes, 16 when the run opened it"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("truncated"), std::string::npos) << msg;
 }
 
 TEST_F(DataTest, CorpusWriterWithoutDocumentsFailsAndLeavesNoFiles) {

@@ -397,6 +397,15 @@ TEST(Deck, EngramSection) {
                   {"engram.table_size needs one entry per order 2..3 (2 entries)"});
   expect_contains(deck_error(kDeck, {"--engram.gate=tanh"}), {"sigmoid | signed_sqrt"});
   expect_contains(deck_error(kDeck, {"--engram.max_ngram=1"}), {"at least 2"});
+  // A block named twice would silently build another model.
+  expect_contains(deck_error(kDeck, {"--engram.layers=1,1"}),
+                  {"command line: --engram.layers=1,1", "engram.layers lists block 1 twice"});
+  // Without Engram its pad id is not checked: a bad vocabulary is blamed on model.vocab_size.
+  expect_contains(deck_error(kDeck, {"--model.vocab_size=0"}),
+                  {"model.vocab_size must be positive"});
+  EXPECT_EQ(deck_error(kDeck, {"--model.vocab_size=0"}).find("pad_id"), std::string::npos);
+  expect_contains(deck_error(kDeck, {"--engram.layers=1", "--engram.pad_id=1000"}),
+                  {"engram.pad_id must be a token id in [0, 1000)"});
 }
 
 TEST(Deck, MoeSection) {
@@ -422,6 +431,12 @@ TEST(Deck, MoeSection) {
       {"softmax | sigmoid", "'relu'"});
   expect_contains(deck_error(kDeck, {"--moe.experts=4", "--moe.expert_hidden=8", "--moe.layers=7"}),
                   {"moe.layers entry 7"});
+  expect_contains(
+      deck_error(kDeck, {"--moe.experts=4", "--moe.expert_hidden=8", "--moe.layers=0,0"}),
+      {"moe.layers lists block 0 twice"});
+  expect_contains(
+      deck_error(kDeck, {"--moe.experts=4", "--moe.expert_hidden=8", "--moe.dense_layers=1,1"}),
+      {"moe.dense_layers lists block 1 twice"});
   expect_contains(
       deck_error(kDeck, {"--moe.experts=4", "--moe.expert_hidden=8", "--moe.shared_experts=1"}),
       {"moe.shared_hidden must be positive"});

@@ -11,6 +11,8 @@
 
 #include "core/error.hpp"
 #include "modules/engram/engram.hpp"
+#include "modules/model/model_size.hpp"
+#include "modules/model/stage.hpp"
 #include "modules/moe/moe.hpp"
 #include "parallel/process_grid.hpp"
 
@@ -311,6 +313,50 @@ TEST(EngramSharding, MatchesTheReplicatedTable) {
   std::int64_t rows = p.spec.local_rows();
   MPI_Allreduce(MPI_IN_PLACE, &rows, 1, MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD);
   EXPECT_EQ(rows, p.spec.global_rows());
+}
+
+// The memory check's per-rank share with experts over 4 ep ranks and Engram rows over 4
+// holders: exactly what each rank's Stage declares (the last rank's row block may be shorter,
+// so the estimate is at least its table and at most one row block more).
+TEST(RankShare, ExpertsAndEngramRowsSplitOverTheGroup) {
+  Communicator group(MPI_COMM_WORLD, "ep", 60.0);
+  const int P = group.size();
+  ModelCfg m = tiny_model();
+  m.n_layers = 2;
+  m.n_heads = 2;
+  m.n_kv_heads = 2;
+  m.ffn_hidden = 24;
+  MoeCfg e;
+  e.experts = 8;
+  e.top_k = 2;
+  e.expert_hidden = 12;
+  e.dense_layers = {0};
+  EngramCfg g;
+  g.layers = {1};
+  g.heads = 2;
+  g.embed_per_ngram = 8;
+  g.table_size = {11, 13};
+  LayerComms comms;
+  comms.ep = &group;
+  comms.ep_data = &group;
+  comms.engram = &group;
+  comms.engram_data = &group;
+  comms.engram_shard = Shard::Stage;
+  TensorTable table;
+  Stage stage(m, e, 2, 8, table, g, StagePlan::whole(), comms);
+  RankShare r;
+  r.first_block = 0;
+  r.last_block = 2;
+  r.ep = P;
+  r.engram_members = P;
+  const RankMemory mem = rank_memory(m, e, g, 2, 8, r);
+  const auto plans = engram_hash_plans(g, m.vocab_size);
+  const std::int64_t block_rows = (plans[0].rows + P - 1) / P, dh = g.embed_per_ngram / g.heads;
+  EXPECT_GE(mem.elements, table.total_elements());
+  EXPECT_LE(mem.elements, table.total_elements() + block_rows * dh);
+  if (group.rank() == 0) {
+    EXPECT_EQ(mem.elements, table.total_elements());  // a full row block
+  }
 }
 
 }  // namespace

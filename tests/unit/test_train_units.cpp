@@ -605,6 +605,65 @@ TEST(ModelSize, MoeCountsMatchBuiltStage) {
   EXPECT_GE(t2.find("blocks.0.engram.table"), 0);
 }
 
+// A rank's share (the memory check's estimate) holds exactly the tensors its Stage declares,
+// for every pipeline stage plan, tied or not, with and without aux-free router biases.
+TEST(ModelSize, RankShareMatchesTheStagesTable) {
+  ModelCfg m = small_model();
+  m.n_layers = 3;
+  MoeCfg e;
+  e.experts = 4;
+  e.top_k = 2;
+  e.expert_hidden = 8;
+  e.dense_layers = {0};
+  EngramCfg g;
+  g.layers = {1};
+  g.heads = 2;
+  g.embed_per_ngram = 8;
+  g.table_size = {50, 60};
+  for (bool tie : {false, true})
+    for (double bias : {0.0, 0.01})
+      for (const auto& [first, last] : {std::pair{0, 3}, std::pair{0, 1}, std::pair{1, 3}}) {
+        SCOPED_TRACE(std::to_string(first) + ".." + std::to_string(last) + (tie ? " tied" : "") +
+                     (bias > 0 ? " bias" : ""));
+        m.tie_embeddings = tie;
+        e.bias_update_rate = bias;
+        StagePlan plan;
+        plan.first_block = first;
+        plan.last_block = last;
+        plan.embed = first == 0;
+        plan.head = last == 3;
+        TensorTable table;
+        Stage stage(m, e, 2, 16, table, g, plan);
+        RankShare r;
+        r.first_block = first;
+        r.last_block = last;
+        r.embed = plan.embed;
+        r.head = plan.head;
+        const RankMemory mem = rank_memory(m, e, g, 2, 16, r);
+        EXPECT_EQ(mem.elements, table.total_elements());
+        EXPECT_EQ(mem.state_bytes, 16 * mem.elements);
+        EXPECT_GT(mem.activation_bytes, 0);
+        r.in_flight = 3;  // more micro-batches in flight keep more activations
+        EXPECT_GT(rank_memory(m, e, g, 2, 16, r).activation_bytes, mem.activation_bytes);
+      }
+}
+
+// Sizes beyond 64 bits are an error naming the keys, not a negative estimate.
+TEST(ModelSize, OverflowIsAnErrorNamingTheKeys) {
+  ModelCfg m = small_model();
+  m.d_model = 1000000000;
+  m.n_heads = 1;
+  m.n_kv_heads = 1;
+  try {
+    model_size(m, MoeCfg(), 2, 16);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("overflow 64-bit"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("model.d_model"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(rank_memory(m, MoeCfg(), EngramCfg(), 2, 16, RankShare{0, 2}), Error);
+}
+
 // ---------------------------------------------------------------------------------------------
 // 6. MODEL.md section 5 names and shapes, section 6 decay groups, section 7 init kinds.
 

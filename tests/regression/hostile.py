@@ -1,0 +1,317 @@
+#!/usr/bin/python3
+"""kmoe under hostile but realistic conditions: every failure ends in a clear error (or the
+documented exit code), never a crash, a hang or silently lost output.
+
+ 1. a full checkpoint disk (a small tmpfs, where the test may mount one; else injected write
+    failures): the free-space check refuses the save; writes that meet the full disk end with
+    exit 1 on 1 and 2 ranks (no crash, no hang); a write failing on one rank only, or on every
+    rank; the partial file is removed, `latest` and its checkpoint stay good;
+ 2. a full output disk: the run stops with a checkpoint and an error naming metrics.csv; an
+    unwritable metrics.csv is refused at the start;
+ 3. non-finite values in a checkpoint are refused naming the tensor (kmoe-eval and resume);
+    a non-finite evaluation loss makes kmoe-eval exit 3;
+ 4. a token file truncated under a running job ends it with an error naming the file;
+ 5. stop signals: SIGTERM, SIGINT and `timeout --preserve-status` to scripts/kmoe-mpirun give
+    exit 86 after a checkpoint, a second SIGINT aborts, SIGINT to one process gives 86, a
+    SIGUSR1 during start-up gives 85 after the first step;
+ 6. the run lock: a second run on a directory is refused naming the first; stale locks (old
+    heartbeat, gone process, this Slurm job's own) are taken over;
+ 7. the dry run checks token ids and the checkpoint it would resume; an overflowing model size
+    and a model larger than the machine are errors naming the keys; `latest` with CR-LF;
+    stale temporaries of an interrupted save are removed at the next start.
+Usage: hostile.py BIN_DIR WORK_DIR MPIEXEC SCRIPTS_DIR
+"""
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import h5py
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from kmoe_testlib import Harness, counting_documents, grid_test_deck  # noqa: E402
+
+bin_dir, work, mpiexec, scripts = sys.argv[1:5]
+h = Harness(bin_dir, work, mpiexec)
+h.prepare_corpus(counting_documents(3000))
+h.write("h.deck", grid_test_deck("max_steps = 6\n", """
+val_paths = data/val.bin
+[checkpoint]
+every = 2
+[output]
+log_every = 1
+"""))
+TRAIN = os.path.join(bin_dir, "kmoe-train")
+WRAPPER = os.path.join(scripts, "kmoe-mpirun")
+MPI = [mpiexec, "--allow-run-as-root", "--oversubscribe"]
+h.env["KMOE_MPIRUN"] = mpiexec  # the wrapper's launcher
+# What a checkpoint directory may hold after a failed save: a multi-rank job ends in MPI_Abort,
+# which leaves its lock (taken over by the next run: its process is gone).
+INTACT = (["latest", "step00000002.h5"], ["kmoe.lock", "latest", "step00000002.h5"])
+
+
+def train(name, *extra, ranks=1, expect_rc=0, env=None, ckpt=None):
+    e = dict(h.env, **(env or {}))
+    return h.run(["kmoe-train", "-i", "h.deck", f"--output.dir={name}",
+                  f"--checkpoint.dir={ckpt or name + '/ckpt'}", f"--parallel.dp={ranks}",
+                  *extra], expect_rc=expect_rc, ranks=ranks, env=e)
+
+
+def latest(ckpt):
+    with open(os.path.join(ckpt, "latest")) as f:
+        return f.read().strip()
+
+
+def evaluates(ckpt_file):
+    p = subprocess.run([os.path.join(bin_dir, "kmoe-eval"), "-i", "h.deck",
+                        f"--checkpoint={ckpt_file}"], cwd=work, env=h.env, capture_output=True,
+                       text=True)
+    return p.returncode == 0 and "eval_loss" in p.stdout
+
+
+# ------------------------------------------------------------------ 1. a full checkpoint disk
+mounts = []
+
+
+def tmpfs(name, size):
+    """A fresh tmpfs of `size` at work/name, or None where the test may not mount one."""
+    path = h.path(name)
+    os.makedirs(path, exist_ok=True)
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", path],
+                      capture_output=True).returncode != 0:
+        return None
+    mounts.append(path)
+    return path
+
+
+try:
+    full = tmpfs("fulldisk", "6m")
+    if full:
+        print("ok   tmpfs mounted: the disk really fills")
+        ckpt = os.path.join(full, "ckpt")
+        # 3.6 MiB a checkpoint: step 2 fits, step 4 does not.
+        p = train("room", expect_rc=1, ckpt=ckpt)
+        h.check("no room for step00000004.h5" in p.stderr and latest(ckpt) == "step00000002.h5"
+                and evaluates(os.path.join(ckpt, "step00000002.h5")),
+                f"a save the disk cannot hold is refused, step 2 stays good: {p.stderr[-200:]}")
+        for ranks in (1, 2):
+            shutil.rmtree(ckpt)
+            t0 = time.time()
+            p = train(f"enospc{ranks}", ranks=ranks, expect_rc=1, ckpt=ckpt,
+                      env={"KMOE_FAULT": "no_space_check"})
+            left = sorted(os.listdir(ckpt))
+            h.check("step00000004.h5 not saved" in p.stderr and "partial file is removed" in
+                    p.stderr and left in INTACT and time.time() - t0 < 120,
+                    f"{ranks} rank(s): writes into the full disk end with exit 1, partial file "
+                    f"gone, files {left}")
+    else:
+        print("ok   no tmpfs here: injected write failures only")
+    for fault, what in (("save_fails:1", "one rank"), ("save_fails:-1", "every rank")):
+        p = train(f"inject_{fault[-2:]}", ranks=2, expect_rc=1, env={"KMOE_FAULT": fault})
+        ckpt = h.path(f"inject_{fault[-2:]}", "ckpt")
+        h.check("not saved" in p.stderr and "KMOE_FAULT" in p.stderr and
+                sorted(os.listdir(ckpt)) in INTACT,
+                f"a save failing on {what} of 2 ends the job, step 2 intact: {p.stderr[-200:]}")
+
+    # ------------------------------------------------------------- 2. a full output disk
+    out = tmpfs("fullout", "16k")
+    if out:
+        p = h.run(["kmoe-train", "-i", "h.deck", "--train.max_steps=400",
+                   f"--output.dir={out}/run", "--checkpoint.dir=fullout_ckpt",
+                   "--checkpoint.every=0"], expect_rc=1)
+        m = re.search(r"cannot write the row of step (\d+)", p.stderr)
+        step = int(m.group(1)) if m else -1
+        h.check(m and f"stopped after step {step} with checkpoint fullout_ckpt/" in p.stderr and
+                latest(h.path("fullout_ckpt")) == f"step{step:08d}.h5" and 1 < step < 400,
+                f"a full output disk stops the run at step {step} with its checkpoint: "
+                f"{p.stderr[-250:]}")
+    os.makedirs(h.path("devfull"), exist_ok=True)
+    os.symlink("/dev/full", h.path("devfull", "metrics.csv"))
+    p = train("devfull", expect_rc=1)
+    h.check("output.dir: cannot write its header" in p.stderr and "metrics.csv" in p.stderr,
+            f"an unwritable metrics.csv is an error at the start: {p.stderr[-200:]}")
+finally:
+    for m in reversed(mounts):
+        subprocess.run(["umount", "-l", m])
+
+# ------------------------------------------------------------ 3. non-finite checkpoints
+train("good")
+good = h.path("good", "ckpt", "step00000006.h5")
+
+
+def poisoned(name, dataset, index, value):
+    path = h.path(name + ".h5")
+    shutil.copy(good, path)
+    with h5py.File(path, "r+") as f:
+        d = f[dataset]
+        a = d[()]
+        a[index] = value
+        d[...] = a
+    return path
+
+
+# Byte-level ids stop at 256: embedding row 300 is never looked up, yet refused.
+bad = poisoned("nan_row", "model/embed/weight", (300, 3), np.nan)
+p = h.run(["kmoe-eval", "-i", "h.deck", f"--checkpoint={bad}"], expect_rc=1)
+h.check("/model/embed/weight holds nan at row 300, element 3" in p.stderr,
+        f"kmoe-eval refuses a NaN in an unused row, naming it: {p.stderr[-200:]}")
+p = train("nan_resume", f"--checkpoint.resume={bad}", "--train.max_steps=8", expect_rc=1)
+h.check("/model/embed/weight holds nan" in p.stderr, "a resume refuses it too")
+bad = poisoned("inf_moment", "optimizer/exp_avg_sq/blocks/1/attn/wq", (0, 0), np.inf)
+p = train("inf_resume", f"--checkpoint.resume={bad}", "--train.max_steps=8", expect_rc=1)
+h.check("/optimizer/exp_avg_sq/blocks/1/attn/wq holds inf" in p.stderr,
+        f"an Inf in an AdamW moment is refused on resume: {p.stderr[-200:]}")
+huge = poisoned("huge_head", "model/lm_head/weight", (slice(None), slice(None)), 3e38)
+p = h.run(["kmoe-eval", "-i", "h.deck", f"--checkpoint={huge}"], expect_rc=3)
+h.check("evaluation loss is not finite" in p.stderr, "a non-finite evaluation loss exits 3")
+
+# ----------------------------------------------- 4. a token file truncated under a running job
+shutil.copytree(h.path("data"), h.path("data_cut"))
+proc = subprocess.Popen([TRAIN, "-i", "h.deck", "--train.max_steps=100000", "--output.dir=cut",
+                         "--checkpoint.dir=cut/ckpt", "--checkpoint.every=0",
+                         "--data.paths=data_cut/train.bin"], cwd=work, env=h.env,
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+deadline = time.time() + 120
+while time.time() < deadline and not (os.path.exists(h.path("cut", "metrics.csv")) and
+                                      len(h.metrics("cut")) >= 3):
+    time.sleep(0.1)
+os.truncate(h.path("data_cut", "train.bin"), 100)
+try:
+    _, err = proc.communicate(timeout=120)
+except subprocess.TimeoutExpired:
+    proc.kill()
+    _, err = proc.communicate()
+h.check(proc.returncode == 1 and "data_cut/train.bin" in err and
+        "changed or truncated while in use" in err,
+        f"a token file truncated during the run: exit {proc.returncode}, {err[-250:]}")
+
+
+# ---------------------------------------------------------------------- 5. stop signals
+def launched(name, cmd, signals, wait_rows=3, delay=0.3, gap=0.5):
+    """Starts cmd, waits for wait_rows logged steps (0: `delay` seconds), sends the signals
+    `gap` seconds apart; returns (exit code, its output, the files of its checkpoint
+    directory)."""
+    p = subprocess.Popen(cmd + ["-i", "h.deck", "--train.max_steps=100000",
+                                "--checkpoint.every=0", f"--output.dir={name}",
+                                f"--checkpoint.dir={name}/ckpt"],
+                         cwd=work, env=h.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    if wait_rows:
+        deadline = time.time() + 120
+        while time.time() < deadline and not (os.path.exists(h.path(name, "metrics.csv")) and
+                                              len(h.metrics(name)) >= wait_rows):
+            time.sleep(0.1)
+    else:
+        time.sleep(delay)
+    for s in signals:
+        p.send_signal(s)
+        time.sleep(gap)
+    try:
+        out, err = p.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out, err = p.communicate()
+        err += "\n(hung: killed)"
+    files = sorted(os.listdir(h.path(name, "ckpt"))) if os.path.isdir(h.path(name, "ckpt")) else []
+    return p.returncode, out + err, files
+
+
+def stopped_with_checkpoint(files):
+    return "latest" in files and any(f.startswith("step") for f in files)
+
+
+wrapped = [WRAPPER, *MPI[1:], "-n", "2", "-x", "OPENBLAS_NUM_THREADS=1", TRAIN,
+           "--parallel.dp=2"]
+for sig, what in ((signal.SIGTERM, "SIGTERM"), (signal.SIGINT, "SIGINT (Ctrl-C)")):
+    rc, log, files = launched(f"wrap_{sig}", wrapped, [sig])
+    h.check(rc == 86 and stopped_with_checkpoint(files),
+            f"{what} to kmoe-mpirun: exit {rc}, checkpoint {files}")
+rc, log, files = launched("wrap_int2", wrapped, [signal.SIGINT, signal.SIGINT], gap=0.02)
+h.check(rc not in (0, 85, 86) and "(hung" not in log,
+        f"a second SIGINT aborts the job (exit {rc})")
+rc, log, files = launched("timeout", ["timeout", "--preserve-status", "-s", "TERM", "6"] + wrapped,
+                          [], wait_rows=0, delay=0)
+h.check(rc == 86 and stopped_with_checkpoint(files),
+        f"timeout --preserve-status ... kmoe-mpirun: exit {rc}, checkpoint {files}")
+rc, log, files = launched("int1", [TRAIN], [signal.SIGINT])
+h.check(rc == 86 and stopped_with_checkpoint(files) and "stopped by SIGINT" in log,
+        f"SIGINT to kmoe-train: exit {rc}, checkpoint {files}")
+rc, log, files = launched("startup", [TRAIN], [signal.SIGUSR1], wait_rows=0, delay=0.3)
+h.check(rc == 85 and stopped_with_checkpoint(files),
+        f"SIGUSR1 during start-up: exit {rc} after the first step, checkpoint {files}")
+
+# ----------------------------------------------------------------------- 6. the run lock
+p1 = subprocess.Popen([TRAIN, "-i", "h.deck", "--train.max_steps=100000", "--output.dir=lock_a",
+                       "--checkpoint.dir=shared_ckpt"], cwd=work, env=h.env,
+                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+deadline = time.time() + 60
+while time.time() < deadline and not os.path.exists(h.path("shared_ckpt", "kmoe.lock")):
+    time.sleep(0.1)
+p = train("lock_b", expect_rc=1, ckpt="shared_ckpt")
+h.check(f"belongs to another run: host {os.uname().nodename}, pid {p1.pid}" in p.stderr,
+        f"a second run on a locked directory is refused naming the first: {p.stderr[-200:]}")
+p1.send_signal(signal.SIGTERM)
+p1.wait(timeout=120)
+h.check(not os.path.exists(h.path("shared_ckpt", "kmoe.lock")), "a run that ends removes its lock")
+
+
+def fake_lock(name, host, pid, age, job=""):
+    os.makedirs(h.path(name), exist_ok=True)
+    with open(h.path(name, "kmoe.lock"), "w") as f:
+        f.write(f"kmoe run lock\nhost {host}\npid {pid}\nstarted 2026-01-01T00:00:00Z\n"
+                f"slurm_job {job}\nheartbeat {int(time.time() - age)}\n")
+    return name
+
+
+p = train("stale", ckpt=fake_lock("stale_ckpt", "elsewhere", 4242, 3600))
+h.check("taking over the run lock of host elsewhere, pid 4242: its last heartbeat is" in p.stdout,
+        "a lock without a heartbeat for an hour is taken over")
+p = train("alive", expect_rc=1, ckpt=fake_lock("alive_ckpt", os.uname().nodename, os.getpid(), 5))
+h.check("belongs to another run" in p.stderr, "a live process's fresh lock is respected")
+p = train("gone", ckpt=fake_lock("gone_ckpt", os.uname().nodename, 2 ** 22 + 7, 5))
+h.check("is gone" in p.stdout, "the lock of a process gone from this host is taken over")
+p = train("job", ckpt=fake_lock("job_ckpt", "elsewhere", 4242, 5, job="777"),
+          env={"SLURM_JOB_ID": "777"})
+h.check("this Slurm job's own lock" in p.stdout, "a requeued Slurm job takes over its own lock")
+
+# ------------------------------------------------ 7. dry run, sizes, latest, stale temporaries
+with open(h.path("data", "train.bin"), "rb") as f:
+    tokens = bytearray(f.read())
+tokens[1000:1002] = (1000).to_bytes(2, "little")  # an id beyond model.vocab_size = 320
+os.makedirs(h.path("badids"), exist_ok=True)
+with open(h.path("badids", "train.bin"), "wb") as f:
+    f.write(tokens)
+p = h.run(["kmoe-train", "-i", "h.deck", "--dry-run", "--data.paths=badids/train.bin",
+           "--train.max_steps=2000"], expect_rc=1)
+h.check("token id 1000 >= model.vocab_size 320" in p.stderr,
+        f"the dry run finds a bad token id: {p.stderr[-150:]}")
+p = h.run(["kmoe-train", "-i", "h.deck", "--dry-run", "--checkpoint.resume=missing.h5"],
+          expect_rc=1)
+h.check("checkpoint.resume = missing.h5: no such file" in p.stderr, "the dry run checks resume")
+p = h.run(["kmoe-train", "-i", "h.deck", "--dry-run", f"--checkpoint.resume={good}",
+           "--model.d_model=128"], expect_rc=1)
+h.check("does not match the checkpoint" in p.stderr and "model.d_model" in p.stderr,
+        "the dry run compares the deck with the checkpoint it would resume")
+p = h.run(["kmoe-train", "-i", "h.deck", "--dry-run", "--model.d_model=1000000000",
+           "--model.n_heads=1", "--model.n_kv_heads=1"], expect_rc=1)
+h.check("overflow 64-bit" in p.stderr and "model.d_model" in p.stderr,
+        f"an overflowing size is an error naming the keys: {p.stderr[-150:]}")
+t0 = time.time()
+p = train("toolarge", "--model.ffn_hidden=400000000", expect_rc=1)
+h.check("memory: the 1 rank(s) on this node" in p.stderr and "model.ffn_hidden" in p.stderr and
+        time.time() - t0 < 60, f"a model larger than the machine is refused: {p.stderr[-200:]}")
+shutil.copytree(h.path("good", "ckpt"), h.path("crlf", "ckpt"))
+with open(h.path("crlf", "ckpt", "latest"), "w") as f:
+    f.write("step00000006.h5\r\n")
+with open(h.path("crlf", "ckpt", ".step00000008.h5.tmp"), "wb") as f:
+    f.write(b"\0" * 4096)
+p = train("crlf", "--train.max_steps=8")
+h.check("resuming from crlf/ckpt/step00000006.h5" in p.stdout, "a latest ending in CR-LF resumes")
+h.check("removing crlf/ckpt/.step00000008.h5.tmp" in p.stdout and
+        not os.path.exists(h.path("crlf", "ckpt", ".step00000008.h5.tmp")),
+        "the stale temporary of an interrupted save is removed at the start")
+h.finish()
