@@ -1,7 +1,8 @@
 // kmoe-eval -i DECK --checkpoint FILE [--section.key=value ...]
 // Validation loss of a checkpoint's weights on data.val_paths (at most train.eval_instances
-// instances, file order); the last line is `eval_loss <float> tokens <int>`. On the layout the
-// trainer ran on it reproduces the trainer's val_loss bit for bit.
+// instances, file order); the last line is `eval_loss <float> tokens <int>` (exit code 3 when
+// it is not finite). On the layout the trainer ran on it reproduces the trainer's val_loss bit
+// for bit. A checkpoint holding NaN or Inf is refused, naming the tensor.
 #include <cmath>
 #include <cstdio>
 #include <string>

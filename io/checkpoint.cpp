@@ -188,7 +188,7 @@ void save_checkpoint(const Config& cfg, const ProcessGrid& grid, const TensorTab
       f->write_rows_f32("/optimizer/exp_avg_sq/" + p, g.shape, r0, nr, v.data() + off, writer);
       if (i == catalog.size() / 2) {
         if (fault_requested("kill_during_save")) std::raise(SIGKILL);
-        KMOE_REQUIRE(!save_fault_here(world.rank()),
+        KMOE_REQUIRE(!save_fault_here(world.rank(), state.step),
                      f->path() << ": writing dataset /optimizer/exp_avg_sq/" << p
                                << " failed: No space left on device (KMOE_FAULT)");
       }

@@ -1,8 +1,9 @@
 // Test-only fault injection through the environment (RUNTIME.md sections 2 and 4), so the
 // failure paths of a real run can be exercised by the regression tests:
 //   KMOE_FAULT=kill_during_save   SIGKILL halfway through writing a checkpoint's tensors;
-//   KMOE_FAULT=save_fails:<rank>  a checkpoint write fails halfway on world rank <rank> (-1:
-//                                 on every rank), as on a full disk;
+//   KMOE_FAULT=save_fails:<rank>[:<step>]  a checkpoint write fails halfway on world rank
+//                                 <rank> (-1: on every rank), as on a full disk: in the save of
+//                                 <step>, or in every save;
 //   KMOE_FAULT=no_space_check     a save skips its free-space check and meets the full disk
 //                                 in its writes;
 //   KMOE_FAULT=stall:<rank>:<step> world rank <rank> stops taking part at the start of <step>
@@ -22,11 +23,11 @@ inline bool fault_requested(const char* what) {
   return f && std::strcmp(f, what) == 0;
 }
 
-inline bool save_fault_here(int world_rank) {
+inline bool save_fault_here(int world_rank, int step) {
   const char* f = std::getenv("KMOE_FAULT");
-  int rank = -2;
-  if (!f || std::sscanf(f, "save_fails:%d", &rank) != 1) return false;
-  return rank == -1 || rank == world_rank;
+  int rank = -2, at = -1;
+  if (!f || std::sscanf(f, "save_fails:%d:%d", &rank, &at) < 1) return false;
+  return (rank == -1 || rank == world_rank) && (at < 0 || at == step);
 }
 
 inline void stall_if_requested(int world_rank, int step) {

@@ -110,9 +110,10 @@ try:
                     f"gone, files {left}")
     else:
         print("ok   no tmpfs here: injected write failures only")
-    for fault, what in (("save_fails:1", "one rank"), ("save_fails:-1", "every rank")):
-        p = train(f"inject_{fault[-2:]}", ranks=2, expect_rc=1, env={"KMOE_FAULT": fault})
-        ckpt = h.path(f"inject_{fault[-2:]}", "ckpt")
+    for fault, what in (("save_fails:1:4", "one rank"), ("save_fails:-1:4", "every rank")):
+        name = "inject_one" if fault.startswith("save_fails:1") else "inject_all"
+        p = train(name, ranks=2, expect_rc=1, env={"KMOE_FAULT": fault})
+        ckpt = h.path(name, "ckpt")
         h.check("not saved" in p.stderr and "KMOE_FAULT" in p.stderr and
                 sorted(os.listdir(ckpt)) in INTACT,
                 f"a save failing on {what} of 2 ends the job, step 2 intact: {p.stderr[-200:]}")
