@@ -188,6 +188,7 @@ void save_checkpoint(const Config& cfg, const ProcessGrid& grid, const TensorTab
       f->write_rows_f32("/optimizer/exp_avg_sq/" + p, g.shape, r0, nr, v.data() + off, writer);
       if (i == catalog.size() / 2) {
         if (fault_requested("kill_during_save")) std::raise(SIGKILL);
+        stall_save_if_requested(world.rank());
         KMOE_REQUIRE(!save_fault_here(world.rank(), state.step),
                      f->path() << ": writing dataset /optimizer/exp_avg_sq/" << p
                                << " failed: No space left on device (KMOE_FAULT)");
@@ -326,6 +327,7 @@ TrainState check_checkpoint(const std::string& path, const Config& cfg, std::str
 
 TrainState load_checkpoint(const std::string& path, const Config& cfg, const ProcessGrid& grid,
                            TensorTable& table, bool with_optimizer, std::string* changes) {
+  IoWatchdog watchdog(cfg.parallel.watchdog_seconds, "reading " + path);
   H5File f = H5File::open(path, grid.world.comm());
   const TrainState s = inspect(f, path, cfg, changes);
   auto params = Kokkos::create_mirror_view(table.params);
@@ -336,6 +338,7 @@ TrainState load_checkpoint(const std::string& path, const Config& cfg, const Pro
   auto read = [&](const std::string& dataset, const TensorEntry& e, float* out) {
     const std::int64_t r0 = e.spec.row_begin, nr = e.spec.local_rows();
     f.read_rows_f32(dataset, e.spec.shape, r0, nr, out);
+    watchdog.progress();
     for (std::int64_t i = 0; i < e.size; ++i) {
       if (std::isfinite(out[i])) continue;
       const std::int64_t row_len = std::max<std::int64_t>(1, e.spec.row_elements());

@@ -4,6 +4,7 @@
 
 #include "io/checkpoint.hpp"
 #include "io/hdf5_file.hpp"
+#include "parallel/io_watchdog.hpp"
 #include "parallel/placement.hpp"
 
 namespace kmoe {
@@ -13,6 +14,8 @@ void write_step_dump(const Config& cfg, const ProcessGrid& grid, const TensorTab
   const std::string path = cfg.output.dir + "/dump_step" + std::to_string(d.step) + ".h5";
   const bool writer = grid.is_root();  // tokens and routes are whole-batch arrays
   auto grads = Kokkos::create_mirror_view_and_copy(HostSpace(), table.grads);
+  // Collective writes: a rank left behind by a failing one ends the job instead of waiting.
+  IoWatchdog watchdog(cfg.parallel.watchdog_seconds, "writing " + path);
   H5File f = H5File::create(path, grid.world.comm());
   f.set_attr("/", "step", std::int64_t(d.step));
   f.set_attr("/", "loss", d.loss);
@@ -31,6 +34,7 @@ void write_step_dump(const Config& cfg, const ProcessGrid& grid, const TensorTab
     f.write_rows_f32("/grad/" + tensor_path(g.name), g.shape, e ? e->spec.row_begin : 0,
                      e ? e->spec.local_rows() : 0, grads.data() + (e ? e->offset : 0),
                      e && owns(e->spec, grid));
+    watchdog.progress();
   }
   f.close();
 }

@@ -6,6 +6,8 @@
 //                                 <step>, or in every save;
 //   KMOE_FAULT=no_space_check     a save skips its free-space check and meets the full disk
 //                                 in its writes;
+//   KMOE_FAULT=stall_save:<rank>  world rank <rank> stops halfway through a save (it sleeps),
+//                                 leaving the others in a collective inside HDF5;
 //   KMOE_FAULT=stall:<rank>:<step> world rank <rank> stops taking part at the start of <step>
 //                                  (it sleeps), so the other ranks' watchdog must fire.
 #pragma once
@@ -28,6 +30,13 @@ inline bool save_fault_here(int world_rank, int step) {
   int rank = -2, at = -1;
   if (!f || std::sscanf(f, "save_fails:%d:%d", &rank, &at) < 1) return false;
   return (rank == -1 || rank == world_rank) && (at < 0 || at == step);
+}
+
+inline void stall_save_if_requested(int world_rank) {
+  const char* f = std::getenv("KMOE_FAULT");
+  int rank = -1;
+  if (!f || std::sscanf(f, "stall_save:%d", &rank) != 1 || rank != world_rank) return;
+  for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
 }
 
 inline void stall_if_requested(int world_rank, int step) {

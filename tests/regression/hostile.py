@@ -118,6 +118,16 @@ try:
                 sorted(os.listdir(ckpt)) in INTACT,
                 f"a save failing on {what} of 2 ends the job, step 2 intact: {p.stderr[-200:]}")
 
+    # A rank that stops in the middle of a save leaves the others waiting (in HDF5's
+    # collectives or the ranks' agreement): a watchdog ends the job (the I/O watchdog names the
+    # file, the communicators' the collective).
+    t0 = time.time()
+    p = train("stall", "--parallel.watchdog_seconds=5", ranks=2, expect_rc=1,
+              env={"KMOE_FAULT": "stall_save:1"})
+    h.check(("made no progress for 5 s (parallel.watchdog_seconds) writing" in p.stderr or
+             "waited 5 s (parallel.watchdog_seconds)" in p.stderr) and time.time() - t0 < 120,
+            f"a rank stuck in a save ends the job after the watchdog: {p.stderr[-300:]}")
+
     # ------------------------------------------------------------- 2. a full output disk
     out = tmpfs("fullout", "16k")
     if out:
