@@ -7,11 +7,14 @@
 #include <mpi.h>
 
 #include <Kokkos_Core.hpp>
+#include <chrono>
 #include <functional>
 #include <iostream>
 #include <string>
+#include <thread>
 
 #include "core/error.hpp"
+#include "io/hdf5_file.hpp"
 
 namespace kmoe {
 
@@ -30,7 +33,7 @@ inline int run_driver(int argc, char** argv, const std::string& name, const std:
     }
   }
   int code = 0;
-  bool stop = false;
+  bool stop = false, shared = false;
   {
     Kokkos::ScopeGuard kokkos(argc, argv);  // consumes --kokkos-* arguments
     try {
@@ -42,16 +45,32 @@ inline int run_driver(int argc, char** argv, const std::string& name, const std:
     } catch (const NonFiniteError& e) {
       if (rank == 0) std::cerr << name << ": error: " << e.what() << std::endl;
       code = 3;
+      shared = true;
     } catch (const SharedError& e) {
       if (rank == 0) std::cerr << name << ": error: " << e.what() << std::endl;
       code = 1;
+      shared = true;
     } catch (const std::exception& e) {
       std::cerr << name << ": error: " << e.what() << std::endl;
       code = 1;
     }
   }
-  // A rank that failed alone must not leave the others waiting in a collective.
-  if (code != 0 && !stop && world > 1) MPI_Abort(MPI_COMM_WORLD, code);
+  // A rank that failed alone must not leave the others waiting in a collective: the job is
+  // aborted. An error every rank shares waits (briefly) for rank 0's message to be out first. A
+  // file HDF5 must not touch again (abandoned after a failed collective write) rules out
+  // MPI_Finalize, which would close it.
+  if (code != 0 && !stop && (world > 1 || hdf5_files_abandoned())) {
+    if (shared) {
+      MPI_Request req;
+      MPI_Ibarrier(MPI_COMM_WORLD, &req);
+      int done = 0;
+      for (int i = 0; i < 1000 && !done; ++i) {  // at most ~10 s
+        MPI_Test(&req, &done, MPI_STATUS_IGNORE);
+        if (!done) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
+    }
+    MPI_Abort(MPI_COMM_WORLD, code);
+  }
   MPI_Finalize();
   return code;
 }

@@ -17,6 +17,7 @@
 
 #include "core/error.hpp"
 #include "core/fault_injection.hpp"
+#include "io/collective_write.hpp"
 #include "io/deck.hpp"
 #include "io/hdf5_file.hpp"
 #include "parallel/io_watchdog.hpp"
@@ -137,43 +138,23 @@ void save_checkpoint(const Config& cfg, const ProcessGrid& grid, const TensorTab
   auto m = Kokkos::create_mirror_view_and_copy(HostSpace(), table.exp_avg);
   auto v = Kokkos::create_mirror_view_and_copy(HostSpace(), table.exp_avg_sq);
 
-  // A write that fails on some ranks (a full disk, a quota) must not leave the others in the
-  // next collective: each rank records its first error, the ranks agree after every step of
-  // the file's creation, and all leave together. The watchdog ends the job if a collective
-  // inside HDF5 still does not return.
-  IoWatchdog watchdog(cfg.parallel.watchdog_seconds, "writing " + tmp_path.string());
-  std::string error;  // this rank's first failure
-  auto attempt = [&](const std::function<void()>& work) {
-    if (!error.empty()) return;
-    try {
-      work();
-    } catch (const Error& e) {
-      error = e.what();
-    }
+  // Every rank makes every step, the ranks agree after each (CollectiveWrite): a write that
+  // fails on some ranks (a full disk) ends every rank on the same path.
+  CollectiveWrite out(tmp_path.string(), world, cfg.parallel.watchdog_seconds);
+  auto attr = [&](const std::string& object, const std::string& key, const auto& value) {
+    out.step([&](H5File& f) { f.set_attr(object, key, value); });
   };
-  auto all_ok = [&] {
-    watchdog.progress();
-    return world.allreduce_max(error.empty() ? 0.0 : 1.0) == 0.0;
-  };
-  std::optional<H5File> f;
-  attempt([&] { f.emplace(H5File::create(tmp_path.string(), world.comm())); });
-  bool ok = all_ok();
-  if (ok) {
-    attempt([&] {
-      f->set_attr("/", "format_version", kFormatVersion);
-      f->set_attr("/", "step", std::int64_t(state.step));
-      f->set_attr("/", "tokens_seen", state.tokens_seen);
-      f->set_attr("/", "saved_layout", std::vector<std::int64_t>{grid.pp, grid.dp, grid.ep});
-      f->set_attr("/", "kmoe_version", std::string(KMOE_VERSION));
-      f->set_attr("/input", "deck", cfg.resolved_text);
-      f->set_attr("/data", "seed", std::int64_t(cfg.train.seed));
-      f->set_attr("/data", "next_step", std::int64_t(state.step + 1));
-      f->set_attr("/data", "next_position", state.next_position);
-      f->set_attr("/optimizer", "step", std::int64_t(state.step));
-    });
-    ok = all_ok();
-  }
-  for (std::size_t i = 0; ok && i < catalog.size(); ++i) {
+  attr("/", "format_version", kFormatVersion);
+  attr("/", "step", std::int64_t(state.step));
+  attr("/", "tokens_seen", state.tokens_seen);
+  attr("/", "saved_layout", std::vector<std::int64_t>{grid.pp, grid.dp, grid.ep});
+  attr("/", "kmoe_version", std::string(KMOE_VERSION));
+  attr("/input", "deck", cfg.resolved_text);
+  attr("/data", "seed", std::int64_t(cfg.train.seed));
+  attr("/data", "next_step", std::int64_t(state.step + 1));
+  attr("/data", "next_position", state.next_position);
+  attr("/optimizer", "step", std::int64_t(state.step));
+  for (std::size_t i = 0; out.ok() && i < catalog.size(); ++i) {
     const TensorSpec& g = catalog[i];
     const int local = table.find(g.name);
     const TensorEntry* e = local >= 0 ? &table.entry(local) : nullptr;
@@ -181,54 +162,25 @@ void save_checkpoint(const Config& cfg, const ProcessGrid& grid, const TensorTab
     const std::int64_t r0 = e ? e->spec.row_begin : 0, nr = e ? e->spec.local_rows() : 0;
     const std::int64_t off = e ? e->offset : 0;
     const std::string p = tensor_path(g.name);
-    attempt([&] {
-      f->write_rows_f32("/model/" + p, g.shape, r0, nr, params.data() + off, writer);
-      if (!g.trainable) return;  // buffers have no moments
-      f->write_rows_f32("/optimizer/exp_avg/" + p, g.shape, r0, nr, m.data() + off, writer);
-      f->write_rows_f32("/optimizer/exp_avg_sq/" + p, g.shape, r0, nr, v.data() + off, writer);
-      if (i == catalog.size() / 2) {
-        if (fault_requested("kill_during_save")) std::raise(SIGKILL);
-        stall_save_if_requested(world.rank());
-        KMOE_REQUIRE(!save_fault_here(world.rank(), state.step),
-                     f->path() << ": writing dataset /optimizer/exp_avg_sq/" << p
-                               << " failed: No space left on device (KMOE_FAULT)");
-      }
+    const bool middle = i == catalog.size() / 2;
+    if (middle && fault_requested("kill_during_save")) std::raise(SIGKILL);
+    out.step([&](H5File& f) {
+      if (middle && save_fault_here(world.rank(), state.step)) f.fail_next_write();
+      f.write_rows_f32("/model/" + p, g.shape, r0, nr, params.data() + off, writer);
     });
-    ok = all_ok();
+    if (!g.trainable) continue;  // buffers have no moments
+    out.step([&](H5File& f) {
+      f.write_rows_f32("/optimizer/exp_avg/" + p, g.shape, r0, nr, m.data() + off, writer);
+    });
+    out.step([&](H5File& f) {
+      f.write_rows_f32("/optimizer/exp_avg_sq/" + p, g.shape, r0, nr, v.data() + off, writer);
+    });
   }
   // The format attribute goes last: a file without it was never finished.
-  if (ok) {
-    attempt([&] { f->set_attr("/", "format", std::string(kFormat)); });
-    ok = all_ok();
-  }
-  if (ok) {  // the final flush can fail too (the metadata of a full disk)
-    if (!f->try_close()) error = f->path() + ": closing failed (the file system is full?)";
-    ok = all_ok();
-  }
-  if (!ok) {
-    error = world.first_message(error);
-    if (f && world.size() == 1) {
-      // Free the partial file's blocks, so that HDF5 can complete the close (its flush needs a
-      // little room) and nothing is left for it to flush at MPI_Finalize.
-      ::truncate(tmp_path.c_str(), 0);
-      f->try_close();
-    } else if (f) {
-      // After a failed write the ranks' HDF5 states can disagree (one rank's file size), so a
-      // collective close could wait forever: the file is left to the job's abort, which every
-      // rank reaches with this same error (the driver aborts a failed multi-rank job).
-      f->abandon();
-    }
-    f.reset();
-    world.on_root([&] {
-      std::error_code ec;
-      fs::remove(tmp_path, ec);
-    });
-    std::ostringstream os;
-    os << "checkpoint " << final_path.string() << " not saved: " << error << free_space_note(dir)
-       << "; its partial file is removed, the previous checkpoints and "
-       << (dir / "latest").string() << " are as they were";
-    throw SharedError(os.str());
-  }
+  attr("/", "format", std::string(kFormat));
+  out.finish("checkpoint " + final_path.string() + " not saved",
+             free_space_note(dir) + "; its partial file is removed, the previous checkpoints and " +
+                 (dir / "latest").string() + " are as they were");
   world.on_root([&] {
     std::error_code ec;
     fs::rename(tmp_path, final_path, ec);
@@ -329,6 +281,7 @@ TrainState load_checkpoint(const std::string& path, const Config& cfg, const Pro
                            TensorTable& table, bool with_optimizer, std::string* changes) {
   IoWatchdog watchdog(cfg.parallel.watchdog_seconds, "reading " + path);
   H5File f = H5File::open(path, grid.world.comm());
+  f.set_progress([&watchdog] { watchdog.progress(); });
   const TrainState s = inspect(f, path, cfg, changes);
   auto params = Kokkos::create_mirror_view(table.params);
   auto m = Kokkos::create_mirror_view(table.exp_avg);

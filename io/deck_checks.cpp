@@ -102,6 +102,9 @@ void check_parallel(const Config& c, const Locate& locate) {
   KMOE_DECK_REQUIRE(p.pp >= 1, "parallel.pp", "parallel.pp must be at least 1");
   KMOE_DECK_REQUIRE(p.dp >= 1, "parallel.dp", "parallel.dp must be at least 1");
   KMOE_DECK_REQUIRE(p.ep >= 1, "parallel.ep", "parallel.ep must be at least 1");
+  KMOE_DECK_REQUIRE(std::int64_t(p.pp) * p.dp * p.ep <= (std::int64_t(1) << 30), "parallel.dp",
+                    "parallel.pp * parallel.dp * parallel.ep = " << std::int64_t(p.pp) * p.dp * p.ep
+                                                                 << " ranks is beyond any MPI job");
   KMOE_DECK_REQUIRE(p.pp <= c.model.n_layers, "parallel.pp",
                     "parallel.pp (" << p.pp << ") exceeds model.n_layers (" << c.model.n_layers
                                     << "): every stage needs a block");

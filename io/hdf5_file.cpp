@@ -90,6 +90,17 @@ H5File H5File::open(const std::string& path, MPI_Comm comm) {
   return H5File(path, H5Handle(f, H5Fclose));
 }
 
+namespace {
+bool g_abandoned = false;
+}  // namespace
+
+bool hdf5_files_abandoned() { return g_abandoned; }
+
+void H5File::abandon() {
+  if (file_.get() >= 0) g_abandoned = true;
+  file_.release();
+}
+
 bool H5File::try_close() {
   if (file_.get() < 0) return true;
   if (H5Fclose(file_.get()) < 0) return false;
@@ -133,6 +144,11 @@ void H5File::write_raw(const std::string& dataset, const std::vector<std::int64_
       H5Dcreate2(id(), dataset.c_str(), type, space.get(), lcpl.get(), dcpl.get(), H5P_DEFAULT),
       H5Dclose);
   KMOE_REQUIRE(d.get() >= 0, path_ << ": cannot create dataset " << dataset);
+  if (fail_next_write_) {
+    fail_next_write_ = false;
+    KMOE_REQUIRE(!write, path_ << ": writing dataset " << dataset
+                               << " failed: No space left on device (KMOE_FAULT)");
+  }
   if (!write || shape.empty()) return;
   std::int64_t row_elems = 1;
   for (std::size_t i = 1; i < shape.size(); ++i) row_elems *= shape[i];
@@ -152,6 +168,7 @@ void H5File::write_raw(const std::string& dataset, const std::vector<std::int64_
     const char* src = static_cast<const char*>(data) + r0 * row_elems * elem_bytes;
     KMOE_REQUIRE(H5Dwrite(d.get(), type, mspace.get(), fspace.get(), H5P_DEFAULT, src) >= 0,
                  path_ << ": writing dataset " << dataset << " failed");
+    if (progress_) progress_();
   }
 }
 
@@ -208,6 +225,7 @@ void H5File::read_rows_f32(const std::string& dataset, const std::vector<std::in
     KMOE_REQUIRE(H5Dread(d.get(), H5T_NATIVE_FLOAT, mspace.get(), fspace.get(), H5P_DEFAULT,
                          data + r0 * row_elems) >= 0,
                  path_ << ": reading dataset " << dataset << " failed (truncated file?)");
+    if (progress_) progress_();
   }
 }
 

@@ -7,6 +7,7 @@
 #include <mpi.h>
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -32,6 +33,10 @@ class H5Handle {
   Closer close_ = nullptr;
 };
 
+// True once a file was abandoned: HDF5 must not touch it at MPI_Finalize (its close could
+// fail or wait forever), so the driver ends the process with MPI_Abort instead.
+bool hdf5_files_abandoned();
+
 class H5File {
  public:
   // Collective over `comm`. create: truncates; open: read-only. Errors name `path`.
@@ -39,6 +44,10 @@ class H5File {
   static H5File open(const std::string& path, MPI_Comm comm);
 
   const std::string& path() const { return path_; }
+  // Called after every block of rows a write or read moves (a long transfer is progress).
+  void set_progress(std::function<void()> f) { progress_ = std::move(f); }
+  // Test-only: the next dataset write is created, then fails as on a full disk (KMOE_FAULT).
+  void fail_next_write() { fail_next_write_ = true; }
   hid_t id() const { return file_.get(); }
   void close() { file_.reset(); }  // collective
   // Collective. False when HDF5 could not close the file (its final flush failed, e.g. on a
@@ -47,7 +56,7 @@ class H5File {
   // Forgets the file without closing it: after a failed collective write the ranks' views of
   // the file can disagree, and a collective close could then wait forever. The job ends (MPI
   // abort) without HDF5 touching the file again.
-  void abandon() { file_.release(); }
+  void abandon();
 
   bool exists(const std::string& object) const;  // a group or dataset path like "/model/x"
   // Shape of a dataset; throws naming the file and dataset when it is missing.
@@ -91,6 +100,8 @@ class H5File {
 
   std::string path_;
   H5Handle file_;
+  std::function<void()> progress_;
+  bool fail_next_write_ = false;
 };
 
 }  // namespace kmoe

@@ -1,10 +1,14 @@
 #include "io/metrics.hpp"
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 
 #include "core/error.hpp"
+#include "core/fault_injection.hpp"
 
 namespace kmoe {
 
@@ -13,13 +17,44 @@ const char* MetricsWriter::csv_header() {
          "mfu,step_time_s,mem_hwm_mib,val_loss";
 }
 
+namespace {
+// Keeps the header and the complete rows of steps <= last_step of an existing metrics.csv.
+void keep_rows_through(const std::string& path, int last_step) {
+  std::ifstream in(path);
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  in.close();
+  std::string kept;
+  std::size_t at = 0;
+  bool header = true;
+  while (at < text.size()) {
+    const std::size_t end = text.find('\n', at);
+    if (end == std::string::npos) break;  // cut short: dropped
+    const std::string line = text.substr(at, end + 1 - at);
+    at = end + 1;
+    if (!header && std::atoi(line.c_str()) > last_step) continue;
+    kept += line;
+    header = false;
+  }
+  if (kept.size() == text.size()) return;
+  const std::string tmp = path + ".tmp";
+  std::ofstream out(tmp, std::ios::binary);
+  out << kept;
+  out.close();
+  KMOE_REQUIRE(!out.fail(), "output.dir: cannot rewrite " << path << " (is the file system full?)");
+  std::error_code ec;
+  std::filesystem::rename(tmp, path, ec);
+  KMOE_REQUIRE(!ec, "output.dir: cannot replace " << path << ": " << ec.message());
+}
+}  // namespace
+
 MetricsWriter::MetricsWriter(const std::string& dir, bool append,
-                             const std::vector<std::string>& layer_columns) {
+                             const std::vector<std::string>& layer_columns, int resumed_step) {
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   KMOE_REQUIRE(!ec, "output.dir = " << dir << ": cannot create directory: " << ec.message());
   path_ = dir + "/metrics.csv";
   const bool fresh = !append || !std::filesystem::exists(path_);
+  if (!fresh && resumed_step >= 0) keep_rows_through(path_, resumed_step);
   csv_ = std::fopen(path_.c_str(), fresh ? "w" : "a");
   KMOE_REQUIRE(
       csv_, "output.dir: cannot open " << path_ << " for writing (" << std::strerror(errno) << ")");
@@ -43,7 +78,10 @@ MetricsWriter::~MetricsWriter() {
   if (csv_) std::fclose(csv_);
 }
 
-void MetricsWriter::write(const StepMetrics& m) {
+void MetricsWriter::write(const StepMetrics& m, int step) {
+  KMOE_REQUIRE(!metrics_fault_here(step), "output.dir: cannot write the row of step "
+                                              << step << " to " << path_
+                                              << " (No space left on device, KMOE_FAULT)");
   std::fprintf(csv_, "%d,%.17g,%.17g,%.17g,%.9g,%.17g,%.6g,%.6g,%.6g,", m.step, m.loss, m.ce, m.aux,
                m.lr, m.grad_norm, m.tokens_per_s, m.tokens_per_s_per_rank, m.model_flops_per_s);
   if (m.mfu) std::fprintf(csv_, "%.6g", *m.mfu);

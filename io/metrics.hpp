@@ -29,15 +29,18 @@ struct StepMetrics {
 class MetricsWriter {
  public:
   // Opens (truncating, or appending when `append`) <dir>/metrics.csv; creates `dir`.
-  // `layer_columns` names StepMetrics::layer_stats, in order.
+  // `layer_columns` names StepMetrics::layer_stats, in order. Appending (a resume from step
+  // `resumed_step`) first drops a last row cut short (a full disk, a kill) and the rows of
+  // steps after the resumed one: the run writes them again.
   MetricsWriter(const std::string& dir, bool append,
-                const std::vector<std::string>& layer_columns = {});
+                const std::vector<std::string>& layer_columns = {}, int resumed_step = -1);
   ~MetricsWriter();
   MetricsWriter(const MetricsWriter&) = delete;
   MetricsWriter& operator=(const MetricsWriter&) = delete;
 
   // The csv row, flushed; a failed write (a full disk) throws kmoe::Error naming the file.
-  void write(const StepMetrics& m);
+  // `step` only feeds the test-only KMOE_FAULT=metrics_fails:<step>.
+  void write(const StepMetrics& m, int step = -1);
   // The console line (RUNTIME.md section 5): loss, CE, aux, lr, gradient norm, throughput,
   // model FLOP/s, MFU when known, seconds per step, memory, val_loss when evaluated, then one
   // summary per kind of layer instead of the layers' columns (those are in metrics.csv).

@@ -1,5 +1,6 @@
 #include "io/run_lock.hpp"
 
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -92,30 +93,36 @@ RunLock::RunLock(const CheckpointCfg& cfg, const Communicator& world)
     fs::create_directories(cfg.dir, ec);
     KMOE_REQUIRE(!ec, "checkpoint.dir = " << cfg.dir << ": cannot create: " << ec.message());
     const std::string mine = path_ + "." + host_ + "." + std::to_string(pid_);
-    {
-      std::ofstream out(mine);
-      out << "kmoe run lock\nhost " << host_ << "\npid " << pid_ << "\nstarted " << started_
-          << "\nslurm_job " << job_ << "\nheartbeat " << std::time(nullptr) << "\n";
-      out.close();
-      KMOE_REQUIRE(!out.fail(), mine << ": cannot write the run lock (the file system is full?)");
+    write_lock_file(mine);
+    // link() creates the lock only if there is none: two runs cannot both succeed. Where the
+    // file system has no hard links, an O_EXCL create does the same.
+    bool created = ::link(mine.c_str(), path_.c_str()) == 0;
+    int create_errno = created ? 0 : errno;
+    if (!created && create_errno != EEXIST) {
+      const int fd = ::open(path_.c_str(), O_CREAT | O_EXCL | O_WRONLY | O_CLOEXEC, 0644);
+      create_errno = fd >= 0 ? 0 : errno;
+      if (fd >= 0) {
+        ::close(fd);
+        created = ::rename(mine.c_str(), path_.c_str()) == 0;
+        if (!created) create_errno = errno;
+      }
     }
-    // link() creates the lock only if there is none: two runs cannot both succeed.
-    if (::link(mine.c_str(), path_.c_str()) == 0) {
+    if (created) {
       ::unlink(mine.c_str());
       holder_ = true;
       return;
     }
-    const int link_errno = errno;
-    if (link_errno != EEXIST) {
+    if (create_errno != EEXIST) {
       ::unlink(mine.c_str());
-      KMOE_FAIL(path_ << ": cannot create the run lock (" << std::strerror(link_errno) << ")");
+      KMOE_FAIL(path_ << ": cannot create the run lock (" << std::strerror(create_errno) << ")");
     }
     const auto held = read_lock(path_);
     const std::string host = value_or(held, "host", "?"), job = value_or(held, "slurm_job", "");
     const long pid = std::atol(value_or(held, "pid", "0").c_str());
     const double age = heartbeat_age(path_, held);
+    const bool own_job = !job_.empty() && job == job_;
     std::string why;
-    if (!job_.empty() && job == job_)
+    if (own_job)
       why = "it is this Slurm job's own lock (" + job + "), from before a requeue";
     else if (host == host_ && !process_alive(pid))
       why = "its process " + std::to_string(pid) + " on this host is gone";
@@ -135,13 +142,16 @@ RunLock::RunLock(const CheckpointCfg& cfg, const Communicator& world)
                    "after checkpoint.lock_stale_seconds = "
                 << cfg.lock_stale_seconds << " s without a heartbeat)");
     }
-    KMOE_REQUIRE(::rename(mine.c_str(), path_.c_str()) == 0,
-                 path_ << ": cannot take over the run lock (" << std::strerror(errno) << ")");
-    const auto now = read_lock(path_);  // another run taking it over at the same instant?
-    KMOE_REQUIRE(
-        value_or(now, "host", "") == host_ && value_or(now, "pid", "") == std::to_string(pid_),
-        path_ << ": another run took the lock over at the same time");
+    if (::rename(mine.c_str(), path_.c_str()) != 0) {
+      const int e = errno;
+      ::unlink(mine.c_str());
+      KMOE_FAIL(path_ << ": cannot take over the run lock (" << std::strerror(e) << ")");
+    }
+    // Two runs taking over the same stale lock at the same instant: the last rename wins, and
+    // the other one sees it here (a window of a few microseconds remains).
+    KMOE_REQUIRE(still_ours(), path_ << ": another run took the lock over at the same time");
     holder_ = true;
+    requeued_own_ = own_job;
     std::printf("checkpoint.dir = %s: taking over the run lock of host %s, pid %ld: %s\n",
                 cfg.dir.c_str(), host.c_str(), pid, why.c_str());
     std::fflush(stdout);
@@ -156,29 +166,48 @@ RunLock::~RunLock() {
   }
   wake_.notify_all();
   if (thread_.joinable()) thread_.join();
-  if (!holder_) return;
-  const auto held = read_lock(path_);  // still ours (not taken over as stale meanwhile)?
-  if (value_or(held, "host", "") == host_ && value_or(held, "pid", "") == std::to_string(pid_))
-    ::unlink(path_.c_str());
+  if (holder_ && still_ours()) ::unlink(path_.c_str());  // not taken over meanwhile
+}
+
+void RunLock::write_lock_file(const std::string& path) const {
+  std::ofstream out(path);
+  out << "kmoe run lock\nhost " << host_ << "\npid " << pid_ << "\nstarted " << started_
+      << "\nslurm_job " << job_ << "\nheartbeat " << std::time(nullptr) << "\n";
+  out.close();
+  KMOE_REQUIRE(!out.fail(), path << ": cannot write the run lock (the file system is full?)");
+}
+
+bool RunLock::still_ours() const {
+  const auto held = read_lock(path_);
+  return value_or(held, "host", "") == host_ && value_or(held, "pid", "") == std::to_string(pid_);
 }
 
 void RunLock::write_lock() const {
   const std::string tmp = path_ + "." + host_ + "." + std::to_string(pid_);
-  std::ofstream out(tmp);
-  out << "kmoe run lock\nhost " << host_ << "\npid " << pid_ << "\nstarted " << started_
-      << "\nslurm_job " << job_ << "\nheartbeat " << std::time(nullptr) << "\n";
-  out.close();
-  if (out.fail() || ::rename(tmp.c_str(), path_.c_str()) != 0) ::unlink(tmp.c_str());
+  try {
+    write_lock_file(tmp);
+    if (::rename(tmp.c_str(), path_.c_str()) != 0) ::unlink(tmp.c_str());
+  } catch (const Error&) {
+    ::unlink(tmp.c_str());  // a full disk only ages the heartbeat; the run goes on
+  }
 }
 
 void RunLock::heartbeat() {
   std::unique_lock<std::mutex> lock(mutex_);
   while (
-      !wake_.wait_for(lock, std::chrono::duration<double>(interval_s_), [this] { return done_; }))
-    write_lock();  // a full disk only ages the heartbeat; the run goes on
+      !wake_.wait_for(lock, std::chrono::duration<double>(interval_s_), [this] { return done_; })) {
+    // Another run took the lock over (this one stalled past lock_stale_seconds): never write
+    // over its lock; the run stops at its next step boundary.
+    if (!still_ours()) {
+      lost_ = true;
+      return;
+    }
+    write_lock();
+  }
 }
 
-void prepare_run_directories(const Config& cfg, bool resuming, const Communicator& world) {
+void prepare_run_directories(const Config& cfg, bool resuming, bool own_files,
+                             const Communicator& world) {
   world.on_root([&] {
     const fs::path dir = cfg.checkpoint.dir;
     std::error_code ec;
@@ -207,6 +236,14 @@ void prepare_run_directories(const Config& cfg, bool resuming, const Communicato
                       " checkpoint file(s) in checkpoint.dir = " + dir.string());
     if (old_metrics) found.push_back("its metrics.csv in output.dir = " + cfg.output.dir);
     const std::string what = found.size() == 2 ? found[0] + " and " + found[1] : found[0];
+    if (own_files) {  // this Slurm job's own files, from before its requeue
+      for (const fs::path& c : checkpoints) fs::remove(c, ec);
+      if (old_metrics) fs::remove(metrics, ec);
+      std::printf("the requeued job starts afresh: removed %s of its earlier attempt\n",
+                  what.c_str());
+      std::fflush(stdout);
+      return;
+    }
     KMOE_REQUIRE(cfg.checkpoint.overwrite,
                  "checkpoint.resume = " << cfg.checkpoint.resume
                                         << (cfg.checkpoint.resume == "none"

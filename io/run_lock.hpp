@@ -6,6 +6,7 @@
 // Slurm job's own lock from before a requeue. Then the lock is taken over, with a message.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <mutex>
@@ -27,13 +28,22 @@ class RunLock {
   RunLock& operator=(const RunLock&) = delete;
 
   const std::string& path() const { return path_; }
+  // This run took over this Slurm job's own lock (a requeue): its files are its own.
+  bool requeued_own() const { return requeued_own_; }
+  // Rank 0: the heartbeat found the lock taken over by another run (this one stalled for
+  // longer than checkpoint.lock_stale_seconds): the run must stop.
+  bool lost() const { return lost_; }
 
  private:
   void heartbeat();
-  void write_lock() const;  // the lock's content with a fresh heartbeat, replaced atomically
+  bool still_ours() const;
+  void write_lock_file(const std::string& path) const;  // the lock's content, a fresh heartbeat
+  void write_lock() const;  // the same over the lock, replaced atomically
 
   std::string path_;
   bool holder_ = false;  // rank 0, once the lock is ours
+  bool requeued_own_ = false;
+  std::atomic<bool> lost_{false};
   std::string host_, started_, job_;
   long pid_ = 0;
   double interval_s_ = 60;
@@ -48,6 +58,8 @@ class RunLock {
 // what it removed. For a fresh run (nothing to resume) into a checkpoint.dir that holds
 // another run's checkpoints, or an output.dir with another run's metrics.csv: an error naming
 // them, unless checkpoint.overwrite = true, which removes them first (and says so).
-void prepare_run_directories(const Config& cfg, bool resuming, const Communicator& world);
+// `own_files`: they are this run's own (a Slurm job requeued before its first checkpoint).
+void prepare_run_directories(const Config& cfg, bool resuming, bool own_files,
+                             const Communicator& world);
 
 }  // namespace kmoe

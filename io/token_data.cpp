@@ -5,6 +5,7 @@
 
 #include <fcntl.h>
 #include <glob.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -206,11 +207,23 @@ TokenDataset::TokenDataset(const std::vector<std::string>& patterns, const std::
   KMOE_REQUIRE(seq_len > 0, "train.seq_len must be positive, got " << seq_len);
   KMOE_REQUIRE(vocab_size > 0, "model.vocab_size must be positive, got " << vocab_size);
   KMOE_REQUIRE(!patterns.empty(), key << ": no files given");
-  for (const std::string& pattern : patterns) {
-    for (const std::string& path : expand_pattern(pattern, key)) {
-      files_.push_back(open_token_file(path, dtype, key));
-    }
+  std::vector<std::string> paths;
+  for (const std::string& pattern : patterns)
+    for (const std::string& path : expand_pattern(pattern, key)) paths.push_back(path);
+  // Every file stays open for the run (reads see the file the run opened): raise the soft limit
+  // on open files to the hard one if there are many shards.
+  rlimit files_limit{};
+  if (::getrlimit(RLIMIT_NOFILE, &files_limit) == 0 && files_limit.rlim_cur != RLIM_INFINITY &&
+      paths.size() + 256 > files_limit.rlim_cur) {
+    files_limit.rlim_cur = files_limit.rlim_max;
+    ::setrlimit(RLIMIT_NOFILE, &files_limit);
+    ::getrlimit(RLIMIT_NOFILE, &files_limit);
+    KMOE_REQUIRE(
+        files_limit.rlim_cur == RLIM_INFINITY || paths.size() + 256 <= files_limit.rlim_cur,
+        key << ": " << paths.size() << " token files, but this process may open only "
+            << files_limit.rlim_cur << " files (ulimit -n): merge shards or raise the limit");
   }
+  for (const std::string& path : paths) files_.push_back(open_token_file(path, dtype, key));
   std::int64_t total_tokens = 0;
   for (std::size_t f = 0; f < files_.size(); ++f) {
     total_tokens += files_[f].n_tokens;

@@ -6,8 +6,9 @@
 //                                 <step>, or in every save;
 //   KMOE_FAULT=no_space_check     a save skips its free-space check and meets the full disk
 //                                 in its writes;
-//   KMOE_FAULT=stall_save:<rank>  world rank <rank> stops halfway through a save (it sleeps),
-//                                 leaving the others in a collective inside HDF5;
+//   KMOE_FAULT=stall_save:<rank>  world rank <rank> stops before closing a file it writes with
+//                                 the others (it sleeps), leaving them in HDF5's collective close;
+//   KMOE_FAULT=metrics_fails:<step>  the metrics row of <step> cannot be written (a full disk);
 //   KMOE_FAULT=stall:<rank>:<step> world rank <rank> stops taking part at the start of <step>
 //                                  (it sleeps), so the other ranks' watchdog must fire.
 #pragma once
@@ -30,6 +31,13 @@ inline bool save_fault_here(int world_rank, int step) {
   int rank = -2, at = -1;
   if (!f || std::sscanf(f, "save_fails:%d:%d", &rank, &at) < 1) return false;
   return (rank == -1 || rank == world_rank) && (at < 0 || at == step);
+}
+
+// KMOE_FAULT=metrics_fails:<step>: the metrics row of <step> cannot be written.
+inline bool metrics_fault_here(int step) {
+  const char* f = std::getenv("KMOE_FAULT");
+  int at = -2;
+  return f && std::sscanf(f, "metrics_fails:%d", &at) == 1 && at == step;
 }
 
 inline void stall_save_if_requested(int world_rank) {

@@ -2,6 +2,7 @@
 
 #include <sys/resource.h>
 
+#include <algorithm>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -21,7 +22,40 @@ double peak_rss_mib() {
   return u.ru_maxrss / 1024.0;  // KiB on Linux
 }
 
+namespace {
+// The first number in a file ("max" or a missing file: -1).
+std::int64_t read_number(const std::string& path) {
+  std::ifstream in(path);
+  std::int64_t v = -1;
+  if (!(in >> v)) return -1;
+  return v;
+}
+
+// Room left under this process's cgroup memory limit (a Slurm --mem, a container), -1 if none.
+std::int64_t cgroup_room() {
+  std::ifstream self("/proc/self/cgroup");
+  std::string line, v2, v1;
+  while (std::getline(self, line)) {
+    if (line.rfind("0::", 0) == 0) v2 = line.substr(3);
+    const auto memory = line.find(":memory:");
+    if (memory != std::string::npos) v1 = line.substr(memory + 8);
+  }
+  std::int64_t limit = -1, used = -1;
+  if (!v2.empty()) {
+    limit = read_number("/sys/fs/cgroup" + v2 + "/memory.max");
+    used = read_number("/sys/fs/cgroup" + v2 + "/memory.current");
+  }
+  if (limit < 0 && !v1.empty()) {
+    limit = read_number("/sys/fs/cgroup/memory" + v1 + "/memory.limit_in_bytes");
+    used = read_number("/sys/fs/cgroup/memory" + v1 + "/memory.usage_in_bytes");
+    if (limit >= (std::int64_t(1) << 60)) limit = -1;  // v1's "no limit"
+  }
+  return limit < 0 || used < 0 ? -1 : std::max<std::int64_t>(0, limit - used);
+}
+}  // namespace
+
 std::int64_t host_available_bytes() {
+  std::int64_t available = -1;
   std::ifstream in("/proc/meminfo");
   std::string line;
   while (std::getline(in, line)) {
@@ -29,9 +63,11 @@ std::int64_t host_available_bytes() {
     std::istringstream ls(line.substr(13));
     std::int64_t kib = -1;
     ls >> kib;
-    return kib < 0 ? -1 : kib * 1024;
+    available = kib < 0 ? -1 : kib * 1024;
   }
-  return -1;
+  const std::int64_t room = cgroup_room();
+  if (room >= 0 && (available < 0 || room < available)) available = room;
+  return available;
 }
 
 std::int64_t device_free_bytes() {

@@ -8,7 +8,8 @@ namespace kmoe {
 // Host memory high-water mark of this process (Linux ru_maxrss), MiB.
 double peak_rss_mib();
 
-// Bytes of host memory available to new allocations (Linux MemAvailable), -1 if unknown.
+// Bytes of host memory available to new allocations: Linux MemAvailable, or less under a cgroup
+// memory limit (a Slurm --mem, a container); -1 if unknown.
 std::int64_t host_available_bytes();
 
 // Free bytes on the Kokkos device this process uses (CUDA, HIP), -1 on host-memory builds or

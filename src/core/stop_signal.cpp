@@ -22,8 +22,8 @@ extern "C" void on_stop_signal(int sig) {
   const int kind =
       sig == SIGUSR1 ? static_cast<int>(StopKind::Requeue) : static_cast<int>(StopKind::Cancel);
   if (kind > g_stop) {
+    g_signal = sig;  // first: a reader that sees the stop sees its signal
     g_stop = kind;
-    g_signal = sig;
   }
 }
 }  // namespace
@@ -32,6 +32,7 @@ void install_stop_handlers() {
   struct sigaction sa;
   std::memset(&sa, 0, sizeof sa);
   sa.sa_handler = on_stop_signal;
+  sa.sa_flags = SA_RESTART;  // reads and writes the signal interrupts go on
   sigemptyset(&sa.sa_mask);
   for (int sig : {SIGUSR1, SIGUSR2, SIGTERM, SIGINT}) sigaction(sig, &sa, nullptr);
 }

@@ -1,8 +1,8 @@
 // The watchdog for I/O whose collectives happen inside a library (parallel HDF5 over MPI-IO),
 // where the Communicator's own watchdog cannot look: a thread waits while the section runs, and
 // if the section reports no progress for parallel.watchdog_seconds it names the section on
-// stderr and aborts the job (MPI_Abort, exit code 1), so a rank left in a collective by the
-// others ends the job instead of hanging it.
+// stderr and ends the process (exit code 1; the launcher then ends the job), so a rank left in
+// a collective by the others ends the job instead of hanging it.
 #pragma once
 
 #include <chrono>
@@ -29,6 +29,7 @@ class IoWatchdog {
 
   double seconds_;
   std::string what_;
+  int rank_ = -1;
   std::mutex mutex_;
   std::condition_variable wake_;
   std::chrono::steady_clock::time_point last_;

@@ -75,7 +75,7 @@ Trainer::Trainer(const Config& cfg, ProcessGrid& grid)
   host_tokens_.resize(std::size_t(t.global_batch) * t.seq_len);
 
   const std::string from = resume_file(cfg.checkpoint);
-  prepare_run_directories(cfg, !from.empty(), grid.world);
+  prepare_run_directories(cfg, !from.empty(), lock_->requeued_own(), grid.world);
   if (!from.empty()) {
     std::string changes;
     const auto t0 = std::chrono::steady_clock::now();
@@ -94,7 +94,8 @@ Trainer::Trainer(const Config& cfg, ProcessGrid& grid)
     }
   }
   grid_.world.on_root([&] {
-    metrics_ = std::make_unique<MetricsWriter>(cfg.output.dir, /*append=*/resumed_, stats_.names());
+    metrics_ = std::make_unique<MetricsWriter>(cfg.output.dir, /*append=*/resumed_, stats_.names(),
+                                               state_.step);
     const std::string deck = cfg.output.dir + "/deck.resolved";
     std::ofstream out(deck);
     out << cfg.resolved_text;
@@ -286,20 +287,34 @@ void Trainer::run() {
     const bool log_now =
         step % cfg_.output.log_every == 0 || step == t.max_steps || eval_now || stopping;
     // A metrics row that cannot be written (a full output disk) stops the run too, after a
-    // checkpoint: every rank learns of it before the save.
+    // checkpoint, and so does a lost run lock (another run took the directory over while this
+    // one stalled), without one: every rank learns of both before the save.
     std::string output_error;
     if (grid_.is_root() && log_now) {
       try {
-        metrics_->write(m);
+        metrics_->write(m, step);
       } catch (const Error& e) {
         output_error = e.what();
       }
     }
-    if (grid_.world.allreduce_max(output_error.empty() ? 0.0 : 1.0) > 0)
-      output_error = grid_.world.first_message(output_error);
+    double trouble[2] = {output_error.empty() ? 0.0 : 1.0, lock_->lost() ? 1.0 : 0.0};
+    grid_.world.allreduce_sum(trouble, 2);
+    if (trouble[1] > 0)
+      throw SharedError(cfg_.checkpoint.dir +
+                        "/kmoe.lock was taken over by another run (this "
+                        "one made no heartbeat for checkpoint.lock_stale_seconds): stopping "
+                        "after step " +
+                        std::to_string(step) + " without a checkpoint");
+    if (trouble[0] > 0) output_error = grid_.world.first_message(output_error);
     if ((c.every > 0 && step % c.every == 0) || step == t.max_steps || stopping ||
         !output_error.empty()) {
-      save();
+      try {
+        save();
+      } catch (const Error& e) {  // the same full disk, most likely: say both
+        if (output_error.empty()) throw;
+        throw SharedError(output_error + "; and the checkpoint of step " + std::to_string(step) +
+                          " could not be saved either: " + e.what());
+      }
       timer.stop(phases_.checkpoint);
     }
     if (grid_.is_root() && log_now) {

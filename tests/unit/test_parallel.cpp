@@ -359,5 +359,24 @@ TEST(RankShare, ExpertsAndEngramRowsSplitOverTheGroup) {
   }
 }
 
+// The agreement helpers every rank-0-only file operation goes through: the first message in
+// member order reaches every member; an error on member 0 is every member's SharedError.
+TEST(Agreement, FirstMessageAndOnRoot) {
+  Communicator world(MPI_COMM_WORLD, "world", 60.0);
+  const int me = world.rank();
+  EXPECT_EQ(world.first_message(""), "");
+  EXPECT_EQ(world.first_message(me >= 1 ? "from " + std::to_string(me) : ""),
+            world.size() > 1 ? "from 1" : "");
+  int ran = 0;
+  world.on_root([&] { ++ran; });
+  EXPECT_EQ(ran, me == 0 ? 1 : 0);
+  try {
+    world.on_root([] { KMOE_FAIL("disk full on the root"); });
+    ADD_FAILURE() << "no error";
+  } catch (const SharedError& e) {
+    EXPECT_STREQ(e.what(), "disk full on the root");
+  }
+}
+
 }  // namespace
 }  // namespace kmoe

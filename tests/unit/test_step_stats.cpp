@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <string>
 
 #include "core/error.hpp"
@@ -189,6 +190,24 @@ TEST(Metrics, CsvColumnsThenLayerColumnsThenCommAndAConsoleLineWithSummaries) {
   EXPECT_NE(line.find("engram gate 0.500"), std::string::npos) << line;
   EXPECT_EQ(line.find("moe0_"), std::string::npos) << line;
   EXPECT_LT(line.size(), 240u) << line;
+  std::filesystem::remove_all(dir);
+}
+
+// A resume appends after the rows it keeps: a last row cut short (a full disk, a kill) and the
+// rows after the resumed step go.
+TEST(Metrics, AResumeDropsACutRowAndTheRowsAfterItsStep) {
+  const std::string dir = std::filesystem::temp_directory_path() /
+                          ("kmoe-metrics-resume-" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  {
+    std::ofstream f(dir + "/metrics.csv");
+    f << "step,loss\n1,a\n2,b\n3,c\n4,d\n5,e";  // row 5 cut short
+  }
+  { MetricsWriter w(dir, true, {}, 3); }
+  std::ifstream in(dir + "/metrics.csv");
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(text, "step,loss\n1,a\n2,b\n3,c\n");
   std::filesystem::remove_all(dir);
 }
 

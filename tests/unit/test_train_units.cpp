@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <csignal>
 #include <cstdint>
 #include <cstring>
 #include <map>
@@ -15,6 +16,7 @@
 #include <vector>
 
 #include "core/error.hpp"
+#include "core/stop_signal.hpp"
 #include "core/tensor_table.hpp"
 #include "modules/model/model_size.hpp"
 #include "modules/model/stage.hpp"
@@ -852,6 +854,21 @@ TEST(TensorTable, DeclaringAgainAfterAllocationSharesTheTensor) {
   EXPECT_THROW(t.add(TensorSpec::gain("c", 5)), Error);  // new after allocation
   EXPECT_EQ(t.size(), 2);
   EXPECT_EQ(t.total_elements(), 17);
+}
+
+// Stop signals only record a request (checked at step boundaries): SIGUSR1 asks for a requeue,
+// SIGTERM/SIGUSR2/SIGINT for a stop, which wins.
+TEST(StopSignals, RecordTheStrongestRequest) {
+  install_stop_handlers();
+  ASSERT_EQ(requested_stop(), StopKind::None);
+  std::raise(SIGUSR1);
+  EXPECT_EQ(requested_stop(), StopKind::Requeue);
+  EXPECT_STREQ(stop_signal_name(), "SIGUSR1");
+  std::raise(SIGUSR2);
+  EXPECT_EQ(requested_stop(), StopKind::Cancel);
+  EXPECT_STREQ(stop_signal_name(), "SIGUSR2");
+  std::raise(SIGUSR1);  // a requeue does not undo a stop
+  EXPECT_EQ(requested_stop(), StopKind::Cancel);
 }
 
 }  // namespace
