@@ -15,12 +15,13 @@
 
 #include "core/error.hpp"
 #include "io/hdf5_file.hpp"
+#include "parallel/communicator.hpp"
 
 namespace kmoe {
 
 inline int run_driver(int argc, char** argv, const std::string& name, const std::string& help,
                       const std::function<void(int, char**)>& body) {
-  MPI_Init(&argc, &argv);
+  init_mpi(&argc, &argv);
   int rank = 0, world = 1;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &world);

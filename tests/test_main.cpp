@@ -7,8 +7,10 @@
 #include <Kokkos_Core.hpp>
 #include <cstdlib>
 
+#include "parallel/communicator.hpp"
+
 int main(int argc, char** argv) {
-  MPI_Init(&argc, &argv);
+  kmoe::init_mpi(&argc, &argv);
   int rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   int result = 0;

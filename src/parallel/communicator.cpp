@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <chrono>
 #include <climits>
+#include <cstdlib>
 #include <cstdio>
 #include <cstring>
 #include <sstream>
@@ -13,6 +14,11 @@
 #include "core/error.hpp"
 
 namespace kmoe {
+
+void init_mpi(int* argc, char*** argv) {
+  setenv("OMPI_MCA_sharedfp", "^lockedfile", /*overwrite=*/0);
+  MPI_Init(argc, argv);
+}
 
 void mpi_check(int rc, const char* call) {
   if (rc == MPI_SUCCESS) return;

@@ -16,6 +16,13 @@
 
 namespace kmoe {
 
+// MPI_Init for every kmoe program. Open MPI's file layer asks each shared-file-pointer
+// component whether it can serve a file at every open, and its "lockedfile" component
+// overflows a fixed buffer on a path longer than about 240 characters, which deep scratch
+// directories reach; kmoe never uses shared file pointers, so that component is left out
+// (OMPI_MCA_sharedfp=^lockedfile) unless the environment already chooses.
+void init_mpi(int* argc, char*** argv);
+
 // Wraps an MPI call so a failure names the call instead of aborting silently.
 void mpi_check(int rc, const char* call);
 

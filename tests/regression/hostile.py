@@ -18,7 +18,8 @@ documented exit code), never a crash, a hang or silently lost output.
     heartbeat, gone process, this Slurm job's own) are taken over;
  7. the dry run checks token ids and the checkpoint it would resume; an overflowing model size
     and a model larger than the machine are errors naming the keys; `latest` with CR-LF;
-    stale temporaries of an interrupted save are removed at the next start.
+    stale temporaries of an interrupted save are removed at the next start;
+ 8. a checkpoint directory whose path is longer than 300 characters saves and resumes.
 Usage: hostile.py BIN_DIR WORK_DIR MPIEXEC SCRIPTS_DIR
 """
 import os
@@ -338,4 +339,13 @@ h.check("resuming from crlf/ckpt/step00000006.h5" in p.stdout, "a latest ending 
 h.check("removing crlf/ckpt/.step00000008.h5.tmp" in p.stdout and
         not os.path.exists(h.path("crlf", "ckpt", ".step00000008.h5.tmp")),
         "the stale temporary of an interrupted save is removed at the start")
+
+# ------------------------------------------------- 8. a checkpoint path of over 300 characters
+deep = h.path("deep", *(["a directory level with a long name"] * 9))
+os.makedirs(deep)
+h.check(len(os.path.abspath(deep)) > 300, f"the deep path has {len(os.path.abspath(deep))} chars")
+train("deep", "--train.max_steps=4", ranks=2, ckpt=deep)
+p = train("deep", "--train.max_steps=6", ranks=2, ckpt=deep)
+h.check("resuming from" in p.stdout and latest(deep) == "step00000006.h5",
+        "checkpoints under a path of over 300 characters save and resume")
 h.finish()
