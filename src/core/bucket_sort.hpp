@@ -1,7 +1,14 @@
 // Deterministic grouping of items by an integer key: the basis of every floating-point
 // scatter-add in kmoe (embedding and expert gradients, Engram rows). Float atomics have no fixed
 // order on OpenMP or GPUs; instead items are grouped by key in increasing item order, then each
-// key's sum runs sequentially over its group. Integer atomics only count and place.
+// key's sum runs sequentially over its group.
+//
+// The grouping is a least-significant-digit radix sort of the keys (8-bit digits, as many
+// passes as the key range needs), each pass a stable scatter: blocks of kBlock consecutive items
+// count their digits, one scan over (digit, block) gives every block its first slot per digit,
+// and each block places its items in item order. Only integer counts and one fixed traversal
+// per block, so the result is the same on every backend and thread count, and the work is
+// O(items x passes) with items / kBlock independent blocks, however the keys are distributed.
 #pragma once
 
 #include "core/kokkos_types.hpp"
@@ -10,6 +17,10 @@ namespace kmoe {
 
 class KeyBuckets {
  public:
+  static constexpr int kDigitBits = 8;
+  static constexpr int kDigits = 1 << kDigitBits;
+  static constexpr int kBlock = 256;
+
   KeyBuckets() = default;
   KeyBuckets(int max_items, int num_keys);
 
@@ -21,8 +32,12 @@ class KeyBuckets {
   View1I order;    // (max_items)
 
  private:
-  View1I cursor_;  // (num_keys)
+  View1I sorted_keys_[2];  // (max_items) ping-pong key buffers of the passes
+  View1I items_[2];        // (max_items) ping-pong item buffers; the last pass writes order
+  View1I block_counts_;    // (kDigits * blocks) digit-major counts, then first slots
+  View1I key_counts_;      // (num_keys)
   int num_keys_ = 0;
+  int passes_ = 0;
 };
 
 }  // namespace kmoe

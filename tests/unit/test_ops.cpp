@@ -316,12 +316,12 @@ void expect_buckets(KeyBuckets& buckets, const std::vector<int>& keys, int num_k
   const int n = keys.size();
   View1I keys_dev = device_ints(keys);
   buckets.build(ConstIVec(keys_dev.data(), n));
-  std::vector<int> want_offsets = {0}, want_order;
-  for (int k = 0; k < num_keys; ++k) {
-    for (int i = 0; i < n; ++i)
-      if (keys[i] == k) want_order.push_back(i);
-    want_offsets.push_back(want_order.size());
-  }
+  std::vector<int> want_order(n), want_offsets(num_keys + 1, 0);
+  for (int i = 0; i < n; ++i) want_order[i] = i;
+  std::stable_sort(want_order.begin(), want_order.end(),
+                   [&](int a, int b) { return keys[a] < keys[b]; });
+  for (int key : keys) ++want_offsets[key + 1];
+  for (int k = 0; k < num_keys; ++k) want_offsets[k + 1] += want_offsets[k];
   EXPECT_EQ(host_ints(buckets.offsets, num_keys + 1), want_offsets);
   EXPECT_EQ(host_ints(buckets.order, n), want_order);
 }
@@ -334,6 +334,25 @@ TEST(KeyBuckets, GroupsInIncreasingItemOrder) {
   // Rebuilt on fewer items, all on one key.
   expect_buckets(buckets, std::vector<int>(11, 2), num_keys);
   expect_buckets(buckets, {}, num_keys);
+}
+
+// Several blocks and radix passes: 1 pass (<= 256 keys), 2, 3; skewed and uniform keys.
+TEST(KeyBuckets, ManyBlocksAndPasses) {
+  std::mt19937 rng(7);
+  for (int num_keys : {1, 2, 200, 256, 257, 5000, 70000}) {
+    for (int n : {1, 255, 256, 257, 3000}) {
+      KeyBuckets buckets(n, num_keys);
+      std::vector<int> uniform(n), skewed(n);
+      std::uniform_int_distribution<int> any(0, num_keys - 1), few(0, std::min(num_keys, 3) - 1);
+      for (int i = 0; i < n; ++i) {
+        uniform[i] = any(rng);
+        skewed[i] = i % 5 == 0 ? any(rng) : num_keys - 1 - few(rng);
+      }
+      SCOPED_TRACE("num_keys " + std::to_string(num_keys) + ", n " + std::to_string(n));
+      expect_buckets(buckets, uniform, num_keys);
+      expect_buckets(buckets, skewed, num_keys);
+    }
+  }
 }
 
 }  // namespace
