@@ -1,5 +1,6 @@
 // The frame every kmoe driver runs in: MPI, then --help (answered before Kokkos starts, which
-// would print its own help instead), then Kokkos, then the driver's body, with kmoe's error
+// would print its own help instead), then Kokkos on the rank's share of the node
+// (parallel/execution), then the driver's body, with kmoe's error
 // reporting and exit codes: 0 done, 1 error, 3 non-finite loss or gradient norm, 85/86 a
 // checkpointed stop after SIGUSR1/SIGTERM (every rank exits with it, no abort).
 #pragma once
@@ -16,6 +17,7 @@
 #include "core/error.hpp"
 #include "io/hdf5_file.hpp"
 #include "parallel/communicator.hpp"
+#include "parallel/execution.hpp"
 
 namespace kmoe {
 
@@ -36,7 +38,7 @@ inline int run_driver(int argc, char** argv, const std::string& name, const std:
   int code = 0;
   bool stop = false, shared = false;
   {
-    Kokkos::ScopeGuard kokkos(argc, argv);  // consumes --kokkos-* arguments
+    KokkosSession kokkos(argc, argv, name);  // consumes --kokkos-* arguments
     try {
       body(argc, argv);
     } catch (const StopRequest& e) {

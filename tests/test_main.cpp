@@ -8,6 +8,7 @@
 #include <cstdlib>
 
 #include "parallel/communicator.hpp"
+#include "parallel/execution.hpp"
 
 int main(int argc, char** argv) {
   kmoe::init_mpi(&argc, &argv);
@@ -15,7 +16,7 @@ int main(int argc, char** argv) {
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   int result = 0;
   {
-    Kokkos::ScopeGuard kokkos(argc, argv);
+    kmoe::KokkosSession kokkos(argc, argv, "kmoe-test");
     ::testing::InitGoogleTest(&argc, argv);
     if (rank != 0 && !std::getenv("KMOE_TEST_ALL_RANKS")) {
       auto& listeners = ::testing::UnitTest::GetInstance()->listeners();

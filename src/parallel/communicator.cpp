@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <cstdio>
 #include <cstring>
+#include <iostream>
 #include <sstream>
 #include <thread>
 #include <utility>
@@ -17,7 +18,18 @@ namespace kmoe {
 
 void init_mpi(int* argc, char*** argv) {
   setenv("OMPI_MCA_sharedfp", "^lockedfile", /*overwrite=*/0);
-  MPI_Init(argc, argv);
+  // Only the main thread calls MPI (the I/O watchdog and the lock heartbeat never do), and
+  // OpenMP builds run Kokkos threads next to it: FUNNELED is the level kmoe needs.
+  int provided = MPI_THREAD_SINGLE;
+  MPI_Init_thread(argc, argv, MPI_THREAD_FUNNELED, &provided);
+  if (provided < MPI_THREAD_FUNNELED) {
+    int rank = 0;
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    if (rank == 0)
+      std::cerr << "kmoe: note: this MPI provides thread level " << provided
+                << " < MPI_THREAD_FUNNELED; multi-threaded (OpenMP) ranks rely on it"
+                << std::endl;
+  }
 }
 
 void mpi_check(int rc, const char* call) {
