@@ -34,6 +34,7 @@ else()
 endif()
 # The language standard comes from the Kokkos target (Kokkos 5 asks for C++20); at least 17.
 target_compile_features(kmoe_kokkos INTERFACE cxx_std_17)
+include(KmoeBackendChecks)
 
 find_package(MPI REQUIRED COMPONENTS C)
 
