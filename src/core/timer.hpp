@@ -3,6 +3,7 @@
 #pragma once
 
 #include <chrono>
+#include <string>
 
 #include "core/kokkos_types.hpp"
 
@@ -21,6 +22,16 @@ class PhaseTimer {
 
  private:
   std::chrono::steady_clock::time_point t0_ = std::chrono::steady_clock::now();
+};
+
+// A named Kokkos Tools region for the scope's lifetime ("kmoe::step" around each optimizer
+// step: tests/tools/kokkos_counter counts per step inside it). Free unless a tool is loaded.
+class ProfileRegion {
+ public:
+  explicit ProfileRegion(const std::string& name) { Kokkos::Profiling::pushRegion(name); }
+  ~ProfileRegion() { Kokkos::Profiling::popRegion(); }
+  ProfileRegion(const ProfileRegion&) = delete;
+  ProfileRegion& operator=(const ProfileRegion&) = delete;
 };
 
 }  // namespace kmoe

@@ -112,6 +112,7 @@ void Trainer::load_positions(std::int64_t first, int count) {
 }
 
 StepMetrics Trainer::train_step(int step) {
+  ProfileRegion region("kmoe::step");
   stall_if_requested(grid_.world.rank(), step);
   const auto& t = cfg_.train;
   const int b = t.micro_batch, T = t.seq_len, n_micro = t.global_batch / b;

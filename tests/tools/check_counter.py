@@ -1,0 +1,70 @@
+#!/usr/bin/python3
+"""The Kokkos Tools counter (kokkos_counter.cpp) on real training steps: it loads into
+kmoe-train, writes one row per optimizer step (the "kmoe::step" region), sees the step's
+kernel launches and deep copies, counts the same work the same way step after step, and grows
+with the micro-batches of a step and the layers of the model. Which fences a build reports
+depends on Kokkos (none on Kokkos 3.4 Serial), so fences are only required to be consistent.
+Usage: check_counter.py BIN_DIR WORK_DIR COUNTER_LIB
+"""
+import csv
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from kmoe_testlib import Harness, counting_documents  # noqa: E402
+
+h = Harness(sys.argv[1], sys.argv[2])
+lib = sys.argv[3]
+h.prepare_corpus(counting_documents(400))
+h.write("small.deck", """
+[model]
+vocab_size = 320
+d_model = 32
+n_layers = 2
+n_heads = 2
+ffn_hidden = 64
+[moe]
+experts = 4
+top_k = 2
+expert_hidden = 32
+[train]
+seq_len = 32
+global_batch = 4
+micro_batch = 2
+max_steps = 3
+[optimizer]
+lr = 1e-3
+[data]
+paths = data/train.bin
+[checkpoint]
+every = 0
+""")
+
+
+def counts(name, *overrides):
+    out = h.path(name + ".csv")
+    env = dict(h.env, KOKKOS_TOOLS_LIBS=lib, KOKKOS_PROFILE_LIBRARY=lib, KMOE_KOKKOS_COUNTS=out)
+    h.run(["kmoe-train", "-i", "small.deck", f"--output.dir={name}",
+           f"--checkpoint.dir={name}/ckpt", *overrides], env=env)
+    if not h.check(os.path.exists(out), f"{name}: the counter wrote {out}"):
+        return None
+    with open(out) as f:
+        return [{k: int(v) for k, v in row.items()} for row in csv.DictReader(f)]
+
+
+base = counts("base")
+micro = counts("micro", "--train.global_batch=8")
+layers = counts("layers", "--model.n_layers=4")
+if base and micro and layers:
+    h.check(len(base) == 3 and [r["step"] for r in base] == [1, 2, 3], "one row per step")
+    h.check(all(r["kernels"] > 50 for r in base), f"kernel launches seen: {base[1]['kernels']}")
+    h.check(all(r["deep_copies"] > 0 for r in base), f"deep copies seen: {base[1]['deep_copies']}")
+    h.check(base[1] == base[2] or abs(base[1]["kernels"] - base[2]["kernels"]) <= 4,
+            f"steps 2 and 3 alike: {base[1]} / {base[2]}")
+    # Micro-batches run the whole forward and backward again; layers add their kernels.
+    h.check(micro[1]["kernels"] > 1.6 * base[1]["kernels"],
+            f"twice the micro-batches: {base[1]['kernels']} -> {micro[1]['kernels']} launches")
+    h.check(layers[1]["kernels"] > 1.3 * base[1]["kernels"],
+            f"twice the layers: {base[1]['kernels']} -> {layers[1]['kernels']} launches")
+    h.check(all(r["fences"] >= 0 for r in base + micro + layers), "fence counts present")
+h.finish()

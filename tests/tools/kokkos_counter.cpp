@@ -1,0 +1,143 @@
+// A Kokkos Tools library that counts, per kmoe training step, what the step asks of the device
+// and how often the host waits for it: kernel launches, fences (explicit ones and those Kokkos
+// issues inside deep_copy or a reduction to a host value) and deep copies by direction. A step
+// is the profile region "kmoe::step" that the trainer opens around each optimizer step.
+//
+// Loaded with KOKKOS_TOOLS_LIBS=<path> (Kokkos 4) or KOKKOS_PROFILE_LIBRARY=<path> (Kokkos 3).
+// At exit it writes one CSV row per step to $KMOE_KOKKOS_COUNTS (".<rank>" appended on ranks
+// other than 0 of an MPI launch), or to stderr. Which events a build reports differs: Kokkos 3.4
+// reports no Serial fences and skips host-to-host copies; a GPU build reports all of them.
+// Only the C interface of Kokkos Tools is used; it links no Kokkos.
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace {
+
+struct SpaceHandle {
+  char name[64];
+};
+
+struct ToolSettings {  // Kokkos_Tools_ToolSettings
+  bool requires_global_fencing;
+  bool padding[255];
+};
+
+struct Counts {
+  long kernels = 0, fences = 0, copies = 0, to_host = 0, from_host = 0, on_device = 0;
+  std::uint64_t bytes_to_host = 0;
+};
+
+std::vector<Counts> g_steps;
+Counts g_current;
+int g_step_depth = 0;  // > 0 inside "kmoe::step"
+std::vector<bool> g_regions;
+std::uint64_t g_next_id = 1;
+// KMOE_KOKKOS_COUNTS_NAMES=1: the fences' names inside steps, most frequent first, at exit.
+bool g_names = false;
+std::map<std::string, long> g_fence_names;
+
+bool host_space(const char* name) {
+  // "Host", "HostSpace", "CudaHostPinned", "HIPHostPinned", "SYCLHostUSM" ...
+  return std::strstr(name, "Host") != nullptr;
+}
+
+void launched(std::uint64_t* id) {
+  *id = g_next_id++;
+  if (g_step_depth > 0) ++g_current.kernels;
+}
+
+}  // namespace
+
+extern "C" {
+
+void kokkosp_init_library(int, std::uint64_t, std::uint32_t, void*) {
+  g_names = std::getenv("KMOE_KOKKOS_COUNTS_NAMES") != nullptr;
+}
+
+// Kokkos fences around every kernel for a tool unless it says it needs no such fences; those
+// would be counted as the step's own.
+void kokkosp_request_tool_settings(std::uint32_t, ToolSettings* settings) {
+  settings->requires_global_fencing = false;
+}
+
+void kokkosp_finalize_library() {
+  const char* path = std::getenv("KMOE_KOKKOS_COUNTS");
+  std::string file = path ? path : "";
+  const char* rank = nullptr;
+  for (const char* v : {"OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID"})
+    if (!rank) rank = std::getenv(v);
+  if (!file.empty() && rank && std::strcmp(rank, "0") != 0) file += std::string(".") + rank;
+  FILE* out = file.empty() ? stderr : std::fopen(file.c_str(), "w");
+  if (!out) {
+    std::fprintf(stderr, "kokkos_counter: cannot write %s\n", file.c_str());
+    return;
+  }
+  std::fprintf(out,
+               "step,kernels,fences,deep_copies,copies_to_host,copies_from_host,"
+               "copies_on_device,bytes_to_host\n");
+  for (std::size_t s = 0; s < g_steps.size(); ++s) {
+    const Counts& c = g_steps[s];
+    std::fprintf(out, "%zu,%ld,%ld,%ld,%ld,%ld,%ld,%llu\n", s + 1, c.kernels, c.fences,
+                 c.copies, c.to_host, c.from_host, c.on_device,
+                 static_cast<unsigned long long>(c.bytes_to_host));
+  }
+  if (out != stderr) std::fclose(out);
+  if (g_names) {
+    std::vector<std::pair<long, std::string>> by_count;
+    for (const auto& [name, n] : g_fence_names) by_count.emplace_back(n, name);
+    std::sort(by_count.rbegin(), by_count.rend());
+    for (const auto& [n, name] : by_count) std::fprintf(stderr, "fence %8ld %s\n", n, name.c_str());
+  }
+}
+
+void kokkosp_begin_parallel_for(const char*, std::uint32_t, std::uint64_t* id) { launched(id); }
+void kokkosp_end_parallel_for(std::uint64_t) {}
+void kokkosp_begin_parallel_reduce(const char*, std::uint32_t, std::uint64_t* id) { launched(id); }
+void kokkosp_end_parallel_reduce(std::uint64_t) {}
+void kokkosp_begin_parallel_scan(const char*, std::uint32_t, std::uint64_t* id) { launched(id); }
+void kokkosp_end_parallel_scan(std::uint64_t) {}
+
+void kokkosp_begin_fence(const char* name, std::uint32_t, std::uint64_t* id) {
+  *id = g_next_id++;
+  if (g_step_depth == 0) return;
+  ++g_current.fences;
+  if (g_names) ++g_fence_names[name];
+}
+void kokkosp_end_fence(std::uint64_t) {}
+
+void kokkosp_begin_deep_copy(SpaceHandle dst, const char*, const void*, SpaceHandle src,
+                             const char*, const void*, std::uint64_t size) {
+  if (g_step_depth == 0) return;
+  ++g_current.copies;
+  const bool dst_host = host_space(dst.name), src_host = host_space(src.name);
+  if (dst_host && !src_host) {
+    ++g_current.to_host;
+    g_current.bytes_to_host += size;
+  } else if (!dst_host && src_host) {
+    ++g_current.from_host;
+  } else if (!dst_host && !src_host) {
+    ++g_current.on_device;
+  }
+}
+void kokkosp_end_deep_copy() {}
+
+void kokkosp_push_profile_region(const char* name) {
+  const bool step = std::strcmp(name, "kmoe::step") == 0;
+  g_regions.push_back(step);
+  if (step && g_step_depth++ == 0) g_current = Counts();
+}
+
+void kokkosp_pop_profile_region() {
+  if (g_regions.empty()) return;
+  const bool step = g_regions.back();
+  g_regions.pop_back();
+  if (step && --g_step_depth == 0) g_steps.push_back(g_current);
+}
+
+}  // extern "C"
