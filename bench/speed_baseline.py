@@ -49,6 +49,7 @@ def main():
            "OPENBLAS_NUM_THREADS=1", os.path.join(a.build, "drivers", "kmoe-train"), "-i",
            "inputs/tiny.deck", f"--parallel.dp={a.ranks}", f"--train.max_steps={a.steps}",
            "--data.val_paths=", f"--output.dir={run_dir}", "--output.log_every=1",
+           "--output.phase_timing=true",
            f"--checkpoint.dir={run_dir}/checkpoints", "--checkpoint.resume=none",
            "--checkpoint.overwrite=true",
            f"--checkpoint.every={a.steps}", f"--output.peak_flops={peak / a.ranks:.6g}"]

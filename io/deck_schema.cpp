@@ -345,6 +345,9 @@ Schema::Schema(Config& c) : options_("kmoe input deck") {
   key(c.output.dir, "dir", "run", "directory of metrics.csv, the resolved deck and dumps");
   key(c.output.log_every, "log_every", 1, "steps between log lines");
   key(c.output.peak_flops, "peak_flops", 0.0, "peak FLOP/s per rank for MFU; 0 = no MFU");
+  key(c.output.phase_timing, "phase_timing", false,
+      "time the step's phases (data, forward, backward, ...): the host waits for the device "
+      "at every phase boundary");
   key(c.output.dump_step, "dump_step", std::vector<int>{},
       "steps to dump (tokens, loss, gradients, routes) to <dir>/dump_step<s>.h5");
 }

@@ -2,6 +2,7 @@
 
 #include <cmath>
 
+#include "core/device_sync.hpp"
 #include "core/error.hpp"
 #include "core/gemm.hpp"
 #include "modules/norm/rmsnorm.hpp"
@@ -290,7 +291,7 @@ EngramStatColumns EngramLayer::declare_stats(StepStats& stats, int block) {
 void EngramLayer::finish_step(StepStats& stats, const Communicator& counted_over,
                               bool write) const {
   if (!stats_) return;
-  auto counts = Kokkos::create_mirror_view_and_copy(HostSpace(), stats.counters(cols_.touched, R_));
+  auto counts = read_to_host("engram rows touched", stats.counters(cols_.touched, R_));
   counted_over.allreduce_sum(counts.data(), counts.size());
   std::int64_t used = 0;
   for (std::size_t r = 0; r < counts.size(); ++r) used += counts(r) > 0;
@@ -298,8 +299,7 @@ void EngramLayer::finish_step(StepStats& stats, const Communicator& counted_over
 }
 
 double EngramLayer::mean_gate() const {
-  auto h = Kokkos::create_mirror_view_and_copy(HostSpace(),
-                                               Kokkos::subview(gate_, Kokkos::make_pair(0, N_)));
+  auto h = read_to_host("engram mean gate", Kokkos::subview(gate_, Kokkos::make_pair(0, N_)));
   double s = 0.0;
   for (int t = 0; t < N_; ++t) s += h(t);
   return N_ > 0 ? s / N_ : 0.0;

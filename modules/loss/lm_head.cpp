@@ -1,5 +1,6 @@
 #include "modules/loss/lm_head.hpp"
 
+#include "core/device_sync.hpp"
 #include "core/gemm.hpp"
 #include "modules/norm/rmsnorm.hpp"
 
@@ -24,7 +25,7 @@ LmHead::LmHead(const ModelCfg& m, int max_tokens, int embed_weight, TensorTable&
 }
 
 LossSums LmHead::forward(const TensorTable& table, ConstMat x, ConstIVec tokens, int T,
-                         float grad_scale) {
+                         float grad_scale, View1D accumulate) {
   const int N = x.extent(0), V = V_, nseq = N / T;
   Mat normed = as_mat(normed_.data(), N, D_);
   rmsnorm_forward(x, ConstVec(table.param(norm_), D_), eps_, ConstMat(), normed,
@@ -78,16 +79,29 @@ LossSums LmHead::forward(const TensorTable& table, ConstMat x, ConstIVec tokens,
         seq_sums(2 * s) = ce;
         seq_sums(2 * s + 1) = z;
       });
-  auto h = Kokkos::create_mirror_view_and_copy(
-      HostSpace(), Kokkos::subview(seq_sums, Kokkos::make_pair(0, 2 * nseq)));
   LossSums out;
+  out.targets = std::int64_t(nseq) * (T - 1);
+  if (accumulate.extent(0) > 0) {
+    // The sums the host would form, in the same order, added where the step keeps them.
+    Kokkos::parallel_for(
+        "head::accumulate_sums", Range(0, 1), KOKKOS_LAMBDA(int) {
+          double ce = 0.0, z = 0.0;
+          for (int s = 0; s < nseq; ++s) {
+            ce += seq_sums(2 * s);
+            z += seq_sums(2 * s + 1);
+          }
+          accumulate(0) += ce;
+          accumulate(1) += z;
+        });
+    return out;
+  }
+  auto h = read_to_host("loss sums", Kokkos::subview(seq_sums, Kokkos::make_pair(0, 2 * nseq)));
   out.seq_ce.resize(nseq);
   for (int s = 0; s < nseq; ++s) {
     out.seq_ce[s] = h(2 * s);
     out.ce += h(2 * s);
     out.z += h(2 * s + 1);
   }
-  out.targets = std::int64_t(nseq) * (T - 1);
   return out;
 }
 

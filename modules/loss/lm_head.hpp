@@ -32,8 +32,11 @@ class LmHead {
 
   // x: (N, D) final residual stream, tokens: (N) ids of the nseq = N/T sequences.
   // grad_scale > 0: also leaves d(loss * grad_scale / targets)/d logits for backward().
+  // With `accumulate` (2 doubles on the device) the CE and z sums are added there and not read
+  // back (the training step reads them once; the returned ce, z and seq_ce stay empty);
+  // without it they are read back and returned.
   LossSums forward(const TensorTable& table, ConstMat x, ConstIVec tokens, int seq_len,
-                   float grad_scale);
+                   float grad_scale, View1D accumulate = View1D());
   // dx: (N, D) gradient w.r.t. the final residual stream (assigned).
   void backward(TensorTable& table, ConstMat x, Mat dx);
   // The lowest table index of the tensors the head declared (final_norm.weight).

@@ -70,14 +70,14 @@ Stage::Stage(const ModelCfg& m, const MoeCfg& e, int max_seqs, int T, TensorTabl
 }
 
 LossSums Stage::forward(const TensorTable& table, const std::int32_t* tokens, int nseq,
-                        float grad_scale) {
+                        float grad_scale, View1D loss_sums) {
   KMOE_REQUIRE(nseq >= 1 && nseq <= max_seqs_,
                "Stage: " << nseq << " sequences, buffers hold " << max_seqs_);
   nseq_ = nseq;
   const int N = nseq * T_;
   Kokkos::View<const std::int32_t*, HostSpace, Unmanaged> host_ids(tokens, N);
   auto ids = Kokkos::subview(tokens_, Kokkos::make_pair(0, N));
-  Kokkos::deep_copy(ids, host_ids);
+  Kokkos::deep_copy(ExecSpace(), ids, host_ids);  // ordered before the kernels that read it
   ConstIVec tok(tokens_.data(), N);
 
   if (has_embed_) embed_->forward(table, tok, resid(0, N));
@@ -93,7 +93,8 @@ LossSums Stage::forward(const TensorTable& table, const std::int32_t* tokens, in
     blocks_[l]->forward(table, rope_, as_cmat(resid(l, N)), engram_tok, resid(l + 1, N), scratch_);
   LossSums sums;
   if (has_head_)
-    sums = head_->forward(table, as_cmat(resid(blocks_.size(), N)), tok, T_, grad_scale);
+    sums = head_->forward(table, as_cmat(resid(blocks_.size(), N)), tok, T_, grad_scale,
+                          loss_sums);
   aux_scale_ = static_cast<float>(double(grad_scale) * nseq * (T_ - 1));
   for (const auto& block : blocks_)
     if (block->is_moe()) sums.moe_aux += block->aux_loss();

@@ -56,9 +56,10 @@ class Stage {
   // hashes them, the head needs the targets). grad_scale > 0 prepares backward() for this
   // micro-batch's loss with weight grad_scale * targets in the step loss (CE gradients scaled by
   // grad_scale, MoE auxiliary losses by grad_scale * targets). The CE and z sums are those of
-  // the head (0 on a stage without it); the MoE terms those of this stage's MoE blocks.
+  // the head (0 on a stage without it), or, given `loss_sums` (2 doubles on the device), added
+  // there instead (LmHead::forward); the MoE terms those of this stage's MoE blocks.
   LossSums forward(const TensorTable& table, const std::int32_t* tokens, int nseq,
-                   float grad_scale);
+                   float grad_scale, View1D loss_sums = View1D());
   // Accumulates parameter gradients of the last forward()'s micro-batch; returns d loss / d
   // input (N, D) for the previous stage (null on a stage with the embedding). `ready(k)`, when
   // given, hears as backward goes that every tensor with table index >= k is done (the

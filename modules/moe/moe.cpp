@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "core/buffers.hpp"
+#include "core/device_sync.hpp"
 #include "core/error.hpp"
 #include "core/gemm.hpp"
 
@@ -27,7 +28,7 @@ void update_router_bias(TensorTable& table, int bias_index, const std::vector<do
   for (double c : counts) mean += c;
   mean /= E;
   auto b = Kokkos::View<float*, Layout, MemSpace, Unmanaged>(table.param(bias_index), E);
-  auto h = Kokkos::create_mirror_view_and_copy(HostSpace(), b);
+  auto h = read_to_host("router bias", b);
   for (int e = 0; e < E; ++e) {
     const double d = mean - counts[e];
     h(e) += static_cast<float>(gamma * (d > 0 ? 1.0 : (d < 0 ? -1.0 : 0.0)));
@@ -153,7 +154,7 @@ MoeStats MoeLayer::forward(const TensorTable& table, ConstMat x, Mat y) {
   // first `cap` slots (token order) and drops the rest.
   const int slots = N * k;
   buckets_.build(ConstIVec(sel_.data(), slots));
-  auto counts_host = Kokkos::create_mirror_view_and_copy(HostSpace(), buckets_.offsets);
+  auto counts_host = read_to_host("moe expert offsets", buckets_.offsets);
   const int cap = cfg_.capacity_factor > 0
                       ? static_cast<int>(std::ceil(cfg_.capacity_factor * double(N) * k / E))
                       : INT_MAX;
@@ -166,14 +167,18 @@ MoeStats MoeLayer::forward(const TensorTable& table, ConstMat x, Mat y) {
     stats.dropped += std::max(0, c - cap);
     host_offsets_[e + 1] = host_offsets_[e] + std::min(c, cap);
   }
-  {
-    auto h = Kokkos::create_mirror_view(row_offsets_);
-    for (int e = 0; e <= E; ++e) h(e) = host_offsets_[e];
-    Kokkos::deep_copy(row_offsets_, h);
-  }
   auto off = buckets_.offsets;
   auto ord = buckets_.order;
   auto roff = row_offsets_;
+  // The same kept-row offsets on the device, from the device counts (no upload).
+  Kokkos::parallel_for(
+      "moe::row_offsets", Range(0, 1), KOKKOS_LAMBDA(int) {
+        roff(0) = 0;
+        for (int e = 0; e < E; ++e) {
+          const int c = off(e + 1) - off(e);
+          roff(e + 1) = roff(e) + (c < cap ? c : cap);
+        }
+      });
   auto slot_row = slot_row_, row_slot = row_slot_;
   Kokkos::parallel_for(
       "moe::assign_rows", Range(0, E), KOKKOS_LAMBDA(int e) {
@@ -218,7 +223,8 @@ MoeStats MoeLayer::forward(const TensorTable& table, ConstMat x, Mat y) {
   if (shared_)
     shared_->forward(table, x, y);
   else
-    Kokkos::deep_copy(Kokkos::View<float**, Layout, MemSpace, Unmanaged>(y.data(), N, D), 0.0f);
+    Kokkos::deep_copy(ExecSpace(), Kokkos::View<float**, Layout, MemSpace, Unmanaged>(y.data(), N, D),
+                      0.0f);
   auto out = as_cmat(rows_out_.data(), std::max(R, 1), D);
   Kokkos::parallel_for(
       "moe::combine", row_policy(N), KOKKOS_LAMBDA(const TeamMember& tm) {
@@ -240,7 +246,7 @@ MoeStats MoeLayer::forward(const TensorTable& table, ConstMat x, Mat y) {
         for (int t = 0; t < N; ++t) acc += e < E ? double(p(t, e)) : double(lse(t)) * lse(t);
         sums(e) = acc;
       });
-  auto hs = Kokkos::create_mirror_view_and_copy(HostSpace(), sums);
+  auto hs = read_to_host("moe aux sums", sums);
   for (int e = 0; e < E; ++e) stats.lb += double(stats.load[e]) / N * (hs(e) / N);
   stats.lb *= double(E) / k;
   stats.rz = hs(E) / N;
@@ -263,7 +269,8 @@ void MoeLayer::backward(TensorTable& table, ConstMat x, ConstMat dy, Mat dx, Moe
   if (shared_)
     shared_->backward(table, x, dy, dx, s.shared);
   else
-    Kokkos::deep_copy(Kokkos::View<float**, Layout, MemSpace, Unmanaged>(dx.data(), N, D), 0.0f);
+    Kokkos::deep_copy(ExecSpace(),
+                      Kokkos::View<float**, Layout, MemSpace, Unmanaged>(dx.data(), N, D), 0.0f);
 
   // Per expert row: the gradient of its output (w * dy of its token) and of its weight
   // (<dy, output>); dropped slots contributed 0 and get weight gradient 0.

@@ -225,6 +225,7 @@ struct OutputCfg {
   std::string dir = "run";
   int log_every = 1;
   double peak_flops = 0.0;  // per rank, FLOP/s; 0: MFU not reported
+  bool phase_timing = false;  // time the step's phases (a fence at each phase boundary)
   std::vector<int> dump_step;
 };
 

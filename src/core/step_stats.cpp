@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "core/device_sync.hpp"
 #include "core/error.hpp"
 
 namespace kmoe {
@@ -65,7 +66,7 @@ IVec StepStats::counters(int i, std::int64_t n) {
 void StepStats::gather_device() {
   if (device_.extent(0) == 0) return;
   // Read before any reset: on a host backend the mirror is the view itself.
-  auto h = Kokkos::create_mirror_view_and_copy(HostSpace(), device_);
+  auto h = read_to_host("step statistics", device_);
   for (std::size_t k = 0; k < host_.size(); ++k) host_[k] += h(k);
 }
 

@@ -1,26 +1,32 @@
-// Wall-clock phase timers. Each stop() fences the execution space so device work is counted
-// in the phase that launched it.
+// Wall-clock phase timers. An enabled timer's stop() waits for the device (a named host
+// synchronization) so device work is counted in the phase that launched it; a disabled one
+// adds nothing and never waits (the step's phases, unless output.phase_timing = true).
 #pragma once
 
 #include <chrono>
 #include <string>
 
+#include "core/device_sync.hpp"
 #include "core/kokkos_types.hpp"
 
 namespace kmoe {
 
 class PhaseTimer {
  public:
+  explicit PhaseTimer(bool enabled = true) : enabled_(enabled) {}
+  bool enabled() const { return enabled_; }
   void start() { t0_ = std::chrono::steady_clock::now(); }
   // Adds the time since start() to `total`, and restarts.
   void stop(double& total) {
-    Kokkos::fence();
+    if (!enabled_) return;
+    host_sync("phase timer");
     const auto t = std::chrono::steady_clock::now();
     total += std::chrono::duration<double>(t - t0_).count();
     t0_ = t;
   }
 
  private:
+  bool enabled_ = true;
   std::chrono::steady_clock::time_point t0_ = std::chrono::steady_clock::now();
 };
 

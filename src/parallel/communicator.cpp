@@ -12,6 +12,7 @@
 #include <thread>
 #include <utility>
 
+#include "core/device_sync.hpp"
 #include "core/error.hpp"
 
 namespace kmoe {
@@ -230,7 +231,7 @@ template <class T>
 Pending Communicator::start_reduce(T* data, std::int64_t n, MPI_Datatype type, MPI_Op mpi_op,
                                    const char* op) const {
   if (size_ == 1) return nullptr;
-  Kokkos::fence();
+  host_sync("mpi allreduce");
   auto p = begin(op, true, -1, n);
   for (std::int64_t off = 0; off < n; off += kChunk) {
     p->reqs.emplace_back();
@@ -353,7 +354,7 @@ void post(std::vector<MPI_Request>& reqs, bool is_send, const float* data, std::
 void Communicator::all_to_all_v(const float* send, const std::vector<std::int64_t>& send_counts,
                                 float* recv, const std::vector<std::int64_t>& recv_counts) const {
   check_all_to_all_counts(name_, size_, rank_, send_counts, recv_counts);
-  Kokkos::fence();
+  host_sync("mpi all_to_all_v");
   auto pend = begin("all_to_all_v", true, -1);
   auto& reqs = pend->reqs;
   std::int64_t soff = 0, roff = 0;
@@ -370,7 +371,7 @@ void Communicator::all_to_all_v(const float* send, const std::vector<std::int64_
 }
 
 Pending Communicator::start_send(const float* data, std::int64_t n, int peer) const {
-  Kokkos::fence();
+  host_sync("mpi send");
   auto p = begin("send", false, peer);
   post(p->reqs, true, data, n, peer, comm_);
   return Pending(std::move(p));
@@ -383,7 +384,7 @@ void Communicator::recv(float* data, std::int64_t n, int peer) const {
 void Communicator::send_recv(const float* send, std::int64_t n_send, int to, float* recv,
                              std::int64_t n_recv, int from) const {
   if (to < 0 && from < 0) return;
-  Kokkos::fence();
+  host_sync("mpi send_recv");
   const char* op = to >= 0 && from >= 0 ? "send_recv" : (to >= 0 ? "send" : "recv");
   auto p = begin(op, false, from >= 0 ? from : to);
   if (from >= 0) post(p->reqs, false, recv, n_recv, from, comm_);

@@ -3,6 +3,7 @@
 #include <numeric>
 
 #include "core/buffers.hpp"
+#include "core/device_sync.hpp"
 #include "core/error.hpp"
 
 namespace kmoe {
@@ -33,7 +34,7 @@ void RowExchange::plan(ConstIVec dest, int n) {
   if (by_dest_.offsets.extent(0) == 0 || int(by_dest_.order.extent(0)) < n)
     by_dest_ = KeyBuckets(std::max(1, n + n / 4), P_);
   by_dest_.build(ConstIVec(dest.data(), n));
-  auto off = Kokkos::create_mirror_view_and_copy(HostSpace(), by_dest_.offsets);
+  auto off = read_to_host("row exchange counts", by_dest_.offsets);
   for (int q = 0; q < P_; ++q) send_rows_[q] = off(q + 1) - off(q);
   control_.all_to_all(send_rows_.data(), recv_rows_.data(), 1);
   recv_blocks_ = recv_rows_;

@@ -1,6 +1,10 @@
 #include "train/optimizer.hpp"
 
+#include <algorithm>
 #include <cmath>
+#include <type_traits>
+
+#include "core/device_sync.hpp"
 
 namespace kmoe {
 
@@ -18,46 +22,107 @@ double learning_rate(const OptimizerCfg& o, int max_steps, int s) {
   return lr_min + (lr - lr_min) * 0.5 * (1.0 + std::cos(pi * (s - W) / double(max_steps - W)));
 }
 
-double grad_sq_sum(const TensorTable& table, const std::vector<char>* counted) {
-  auto g = table.grads;
-  if (!counted) {
-    double sum = 0.0;
-    Kokkos::parallel_reduce(
-        "optim::grad_sq_sum", Range(0, table.total_elements()),
-        KOKKOS_LAMBDA(std::int64_t i, double& acc) { acc += double(g(i)) * g(i); }, sum);
-    return sum;
-  }
-  double total = 0.0;
+namespace {
+enum ChunkFlag { kCounted = 1, kTrainable = 2, kDecay = 4 };
+
+#if defined(KOKKOS_ENABLE_SERIAL)
+constexpr bool kSerialDefault = std::is_same<ExecSpace, Kokkos::Serial>::value;
+#else
+constexpr bool kSerialDefault = false;
+#endif
+}  // namespace
+
+FlatOptimizer::FlatOptimizer(const TensorTable& table, const std::vector<char>* counted) {
+  std::vector<std::int64_t> begin, end;
+  std::vector<double> lr_mult;
+  std::vector<int> flags;
   for (int t = 0; t < table.size(); ++t) {
-    if (!(*counted)[t]) continue;
     const TensorEntry& e = table.entry(t);
-    double sum = 0.0;
-    Kokkos::parallel_reduce(
-        "optim::grad_sq_sum", Range(e.offset, e.offset + e.size),
-        KOKKOS_LAMBDA(std::int64_t i, double& acc) { acc += double(g(i)) * g(i); }, sum);
-    total += sum;
+    const int f = ((!counted || (*counted)[t]) ? kCounted : 0) |
+                  (e.spec.trainable ? kTrainable : 0) | (e.spec.weight_decay ? kDecay : 0);
+    const std::int64_t step = kSerialDefault ? std::max<std::int64_t>(e.size, 1) : kChunk;
+    for (std::int64_t a = 0; a < e.size; a += step) {
+      begin.push_back(e.offset + a);
+      end.push_back(e.offset + std::min(e.size, a + step));
+      lr_mult.push_back(e.spec.lr_mult);
+      flags.push_back(f);
+    }
   }
-  return total;
+  chunks_ = static_cast<int>(begin.size());
+  begin_ = Kokkos::View<std::int64_t*, Layout, MemSpace>("optim::chunk_begin", chunks_);
+  end_ = Kokkos::View<std::int64_t*, Layout, MemSpace>("optim::chunk_end", chunks_);
+  lr_mult_ = View1D("optim::chunk_lr_mult", chunks_);
+  flags_ = View1I("optim::chunk_flags", chunks_);
+  partial_ = View1D("optim::chunk_sums", chunks_ + 1);
+  auto up = [](const auto& host, const auto& dev) {
+    using T = typename std::decay_t<decltype(dev)>::value_type;
+    Kokkos::deep_copy(dev, Kokkos::View<const T*, HostSpace, Unmanaged>(host.data(), host.size()));
+  };
+  up(begin, begin_);
+  up(end, end_);
+  up(lr_mult, lr_mult_);
+  up(flags, flags_);
 }
 
-void adamw_step(const OptimizerCfg& o, TensorTable& table, int t, double lr, double clip_scale) {
+double FlatOptimizer::grad_sq_sum(const TensorTable& table) const {
+  auto g = table.grads;
+  auto begin = begin_, end = end_;
+  auto flags = flags_;
+  auto partial = partial_;
+  const int C = chunks_;
+  Kokkos::parallel_for(
+      "optim::grad_sq_chunks", TeamPolicy(C, Kokkos::AUTO), KOKKOS_LAMBDA(const TeamMember& tm) {
+        const int c = tm.league_rank();
+        double sum = 0.0;
+        if (flags(c) & kCounted)
+          Kokkos::parallel_reduce(
+              Kokkos::TeamThreadRange(tm, begin(c), end(c)),
+              [&](std::int64_t i, double& acc) { acc += double(g(i)) * g(i); }, sum);
+        Kokkos::single(Kokkos::PerTeam(tm), [&]() { partial(c) = sum; });
+      });
+  Kokkos::parallel_for(
+      "optim::grad_sq_total", Range(0, 1), KOKKOS_LAMBDA(int) {
+        double total = 0.0;
+        for (int c = 0; c < C; ++c) total += partial(c);
+        partial(C) = total;
+      });
+  auto h = read_to_host("gradient norm", Kokkos::subview(partial_, std::make_pair(C, C + 1)));
+  return h(0);
+}
+
+void FlatOptimizer::adamw_step(const OptimizerCfg& o, TensorTable& table, int t, double lr,
+                               double clip_scale) const {
   const float b1 = o.beta1, b2 = o.beta2, eps = o.eps;
   const float bc1 = 1.0 - std::pow(o.beta1, t), bc2 = 1.0 - std::pow(o.beta2, t);
-  const float gs = clip_scale;
+  const float gs = clip_scale, wd_all = o.weight_decay;
+  const double lr_d = lr;
   auto p = table.params, g = table.grads, m = table.exp_avg, v = table.exp_avg_sq;
-  for (const auto& e : table.entries()) {
-    if (!e.spec.trainable) continue;
-    const float lr_g = lr * e.spec.lr_mult;
-    const float wd = e.spec.weight_decay ? o.weight_decay : 0.0;
-    Kokkos::parallel_for(
-        "optim::adamw", Range(e.offset, e.offset + e.size), KOKKOS_LAMBDA(std::int64_t i) {
+  auto begin = begin_, end = end_;
+  auto flags = flags_;
+  auto lr_mult = lr_mult_;
+  Kokkos::parallel_for(
+      "optim::adamw", TeamPolicy(chunks_, Kokkos::AUTO), KOKKOS_LAMBDA(const TeamMember& tm) {
+        const int c = tm.league_rank();
+        if (!(flags(c) & kTrainable)) return;
+        // The group rate and decay exactly as the per-tensor update formed them.
+        const float lr_g = lr_d * lr_mult(c);
+        const float wd = (flags(c) & kDecay) ? wd_all : 0.0f;
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, begin(c), end(c)), [&](std::int64_t i) {
           const float gi = gs * g(i);
           m(i) = b1 * m(i) + (1.0f - b1) * gi;
           v(i) = b2 * v(i) + (1.0f - b2) * gi * gi;
           const float mh = m(i) / bc1, vh = v(i) / bc2;
           p(i) -= lr_g * (wd * p(i) + mh / (math::sqrt(vh) + eps));
         });
-  }
+      });
+}
+
+double grad_sq_sum(const TensorTable& table, const std::vector<char>* counted) {
+  return FlatOptimizer(table, counted).grad_sq_sum(table);
+}
+
+void adamw_step(const OptimizerCfg& o, TensorTable& table, int t, double lr, double clip_scale) {
+  FlatOptimizer(table).adamw_step(o, table, t, lr, clip_scale);
 }
 
 }  // namespace kmoe

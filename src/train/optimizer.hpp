@@ -1,6 +1,7 @@
 // AdamW with per-tensor groups and the learning-rate schedules of MODEL.md section 6.
 #pragma once
 
+#include <cstdint>
 #include <vector>
 
 #include "core/config.hpp"
@@ -11,12 +12,38 @@ namespace kmoe {
 // lr(s) for step s in 1..max_steps: linear warmup, then cosine | constant | wsd.
 double learning_rate(const OptimizerCfg& o, int max_steps, int step);
 
-// Sum of squared gradients over the table's tensors (those with counted[i] != 0 when given:
-// the ones this rank owns, so a sum over the grid counts each parameter once), in double.
-double grad_sq_sum(const TensorTable& table, const std::vector<char>* counted = nullptr);
+// The gradient norm and the AdamW update over the table's flat buffers: one launch each per
+// step, whatever the number of tensors. The buffers are cut into chunks of one tensor each
+// (at most kChunk elements on parallel backends; whole tensors on Serial), built once.
+class FlatOptimizer {
+ public:
+  static constexpr std::int64_t kChunk = std::int64_t(1) << 16;
 
-// One AdamW update with AdamW step t (1-based), schedule value lr and clip scale:
-//   g = clip_scale * grad; m, v moments; theta -= lr*lr_mult*(wd*theta + m^/(sqrt(v^)+eps)).
+  // counted: per tensor, whether its squares join the gradient norm (the tensors this rank
+  // owns, so a sum over the grid counts each parameter once); all tensors when null.
+  FlatOptimizer(const TensorTable& table, const std::vector<char>* counted = nullptr);
+
+  // Sum of squared gradients of the counted tensors, in double: each chunk's sum, then the
+  // chunks' in order (deterministic on every backend; on Serial the per-tensor sums in tensor
+  // order). One host synchronization, for the result.
+  double grad_sq_sum(const TensorTable& table) const;
+
+  // One AdamW update with AdamW step t (1-based), schedule value lr and clip scale:
+  //   g = clip_scale * grad; m, v moments; theta -= lr*lr_mult*(wd*theta + m^/(sqrt(v^)+eps)).
+  // Tensors that are not trainable are left alone.
+  void adamw_step(const OptimizerCfg& o, TensorTable& table, int t, double lr,
+                  double clip_scale) const;
+
+ private:
+  Kokkos::View<std::int64_t*, Layout, MemSpace> begin_, end_;  // (chunks) element ranges
+  View1D lr_mult_;                                             // (chunks) of the chunk's tensor
+  View1I flags_;              // (chunks) bit 0 counted, bit 1 trainable, bit 2 weight decay
+  mutable View1D partial_;    // (chunks + 1) chunk sums, then the total
+  int chunks_ = 0;
+};
+
+// One-off forms of the above (tests): a FlatOptimizer built for the call.
+double grad_sq_sum(const TensorTable& table, const std::vector<char>* counted = nullptr);
 void adamw_step(const OptimizerCfg& o, TensorTable& table, int t, double lr, double clip_scale);
 
 }  // namespace kmoe

@@ -8,6 +8,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "core/device_sync.hpp"
 #include "core/fault_injection.hpp"
 #include "core/memory.hpp"
 #include "core/stop_signal.hpp"
@@ -72,6 +73,7 @@ Trainer::Trainer(const Config& cfg, ProcessGrid& grid)
       std::make_unique<GradReducer>(table_, grid, cfg.parallel.bucket_mb, cfg.model.tie_embeddings);
   owned_.resize(table_.size());
   for (int i = 0; i < table_.size(); ++i) owned_[i] = owns(table_.entry(i).spec, grid);
+  optimizer_ = std::make_unique<FlatOptimizer>(table_, &owned_);
   host_tokens_.resize(std::size_t(t.global_batch) * t.seq_len);
 
   const std::string from = resume_file(cfg.checkpoint);
@@ -122,9 +124,10 @@ StepMetrics Trainer::train_step(int step) {
   const float grad_scale = static_cast<float>(1.0 / (n_micro * targets_per_micro));
   const auto t_step = std::chrono::steady_clock::now();
   const double comm_at_start = comm_wait_seconds();
-  PhaseTimer timer;
+  PhaseTimer timer(cfg_.output.phase_timing);
 
-  Kokkos::deep_copy(table_.grads, 0.0f);
+  Kokkos::deep_copy(ExecSpace(), table_.grads, 0.0f);
+  Kokkos::deep_copy(ExecSpace(), loss_sums_, 0.0);
   stats_.begin_step();
   const auto& dumps = cfg_.output.dump_step;
   const bool dump = std::find(dumps.begin(), dumps.end(), step) != dumps.end();
@@ -150,13 +153,11 @@ StepMetrics Trainer::train_step(int step) {
         pipe.recv(stage.input_buffer(), acts, grid_.pp_rank - 1);
         timer.stop(phases_.pipeline);
       }
-      const LossSums s = stage.forward(table_, host_tokens_.data(), b, grad_scale);
+      const LossSums s = stage.forward(table_, host_tokens_.data(), b, grad_scale, loss_sums_);
       if (!grid_.last_stage()) out = pipe.start_send(stage.output(), acts, grid_.pp_rank + 1);
       timer.stop(phases_.forward);
       if (dump) record_routes(stage, d, std::int64_t(j) * b * T);
-      sums[0] += s.ce;
-      sums[1] += s.z;
-      sums[2] += s.moe_aux;
+      sums[2] += s.moe_aux;  // CE and z sums: in loss_sums_ on the device
     } else {
       if (!grid_.last_stage()) {
         pipe.recv(stage.output_grad_buffer(), acts, grid_.pp_rank + 1);
@@ -176,6 +177,11 @@ StepMetrics Trainer::train_step(int step) {
   }
   for (auto& p : sends) pipe.complete(p);
   reducer_->finish();
+  if (grid_.last_stage()) {
+    auto h = read_to_host("loss sums", loss_sums_);
+    sums[0] = h(0);
+    sums[1] = h(1);
+  }
   // Loss terms and the layers' statistics: each rank holds its own micro-batches' share of the
   // layers on its stage; a sum over the world assembles the global batch.
   grid_.world.allreduce_sum(sums, 3);
@@ -194,7 +200,7 @@ StepMetrics Trainer::train_step(int step) {
   m.layer_stats = stats_.finish(n_micro);
   m.summaries = stats_.summaries(m.layer_stats);
   // Every parameter once: each rank sums the squares of what it owns.
-  double sq = grad_sq_sum(table_, &owned_);
+  double sq = optimizer_->grad_sq_sum(table_);
   grid_.world.allreduce_sum(&sq, 1);
   m.grad_norm = std::sqrt(sq);
   m.lr = learning_rate(cfg_.optimizer, t.max_steps, step);
@@ -205,7 +211,7 @@ StepMetrics Trainer::train_step(int step) {
   }
   const double clip = cfg_.optimizer.clip;
   const double clip_scale = clip > 0 ? std::min(1.0, clip / (m.grad_norm + 1e-6)) : 1.0;
-  adamw_step(cfg_.optimizer, table_, step, m.lr, clip_scale);
+  optimizer_->adamw_step(cfg_.optimizer, table_, step, m.lr, clip_scale);
   stages_[0]->after_optimizer_step(table_, stats_);
   timer.stop(phases_.optimizer);
 
@@ -251,7 +257,7 @@ void Trainer::record_routes(const Stage& stage, StepDump& d, std::int64_t first_
         d.routes.emplace_back(
             l, std::vector<std::int32_t>(std::size_t(d.global_batch) * d.seq_len * d.top_k, 0));
   for (const auto& [block, route] : stage.moe_routes()) {
-    auto h = Kokkos::create_mirror_view_and_copy(HostSpace(), route);
+    auto h = read_to_host("route dump", route);
     for (auto& r : d.routes)
       if (r.first == block)
         std::copy(h.data(), h.data() + h.size(), r.second.begin() + first_token * d.top_k);
@@ -357,12 +363,18 @@ void Trainer::save() {
 void Trainer::print_phases() const {
   if (grid_.is_root()) {
     const auto& p = phases_;
-    std::printf(
-        "time per phase (rank 0, s): data %.2f forward %.2f backward %.2f pipeline %.2f "
-        "reduce %.2f optimizer %.2f eval %.2f checkpoint %.2f; waiting on "
-        "communication in training steps %.2f\n",
-        p.data, p.forward, p.backward, p.pipeline, p.reduce, p.optimizer, p.eval, p.checkpoint,
-        p.comm_wait);
+    if (cfg_.output.phase_timing)
+      std::printf(
+          "time per phase (rank 0, s): data %.2f forward %.2f backward %.2f pipeline %.2f "
+          "reduce %.2f optimizer %.2f eval %.2f checkpoint %.2f; waiting on "
+          "communication in training steps %.2f\n",
+          p.data, p.forward, p.backward, p.pipeline, p.reduce, p.optimizer, p.eval, p.checkpoint,
+          p.comm_wait);
+    else
+      std::printf(
+          "time per phase (rank 0, s): eval %.2f checkpoint %.2f (the step's phases: "
+          "output.phase_timing = true); waiting on communication in training steps %.2f\n",
+          p.eval, p.checkpoint, p.comm_wait);
   }
 }
 

@@ -22,6 +22,7 @@
 #include "parallel/process_grid.hpp"
 #include "train/evaluate.hpp"
 #include "train/grad_reducer.hpp"
+#include "train/optimizer.hpp"
 
 namespace kmoe {
 
@@ -73,10 +74,12 @@ class Trainer {
   std::vector<PipeOp> schedule_;
   std::unique_ptr<GradReducer> reducer_;
   std::vector<char> owned_;  // per tensor: counted in the gradient norm here
+  std::unique_ptr<FlatOptimizer> optimizer_;
   std::unique_ptr<TokenDataset> train_data_, val_data_;
   std::unique_ptr<InstanceStream> stream_;
   std::unique_ptr<MetricsWriter> metrics_;  // rank 0 only
   std::vector<std::int32_t> host_tokens_;
+  View1D loss_sums_{"trainer::loss_sums", 2};  // the step's CE and z sums, on the device
   TrainState state_;
   bool resumed_ = false;
   PhaseTotals phases_;

@@ -6,7 +6,9 @@ framework goes to the same layer or one below it,
 
 (src/core, src/parallel, io, modules, src/train, drivers), the physics modules never include
 the model assembly (modules/model sits on top of them), and no two module folders include each
-other, directly or through others.
+other, directly or through others. Step code (src/parallel, modules, src/train) waits for the
+device only through core/device_sync.hpp (host_sync, read_to_host), where each wait is named
+and counted: no Kokkos::fence, execution-space fence or create_mirror_view_and_copy of its own.
 
     check_layering.py ROOT            check the tree at ROOT; exit 1 listing every violation
     check_layering.py ROOT --planted  check that planted wrong includes are caught (a copy of
@@ -27,6 +29,8 @@ RANK = {name: i for i, (_, name) in enumerate(LAYERS)}
 ROOTS = ["src", "."]
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"')
 SOURCES = (".hpp", ".cpp", ".h", ".cc")
+STEP_CODE = ("src/parallel", "modules", "src/train")
+HOST_WAIT = re.compile(r"Kokkos::fence\s*\(|\.fence\s*\(|create_mirror_view_and_copy\s*\(")
 
 
 def layer_of(rel):
@@ -113,7 +117,29 @@ def check(root):
             module_edges.setdefault(ma, set()).add(mb)
     for cycle in module_cycles(module_edges):
         problems.append("modules include each other: " + " -> ".join(cycle))
+    problems += host_waits(root)
     return problems
+
+
+def host_waits(root):
+    """Unnamed host waits in step code: fences and mirror copies outside core/device_sync."""
+    out = []
+    for folder in STEP_CODE:
+        for dirpath, _, files in os.walk(os.path.join(root, folder)):
+            for f in sorted(files):
+                if not f.endswith(SOURCES):
+                    continue
+                path = os.path.join(dirpath, f)
+                rel = os.path.relpath(path, root)
+                with open(path, encoding="utf-8") as fh:
+                    for n, text in enumerate(fh, 1):
+                        code = text.split("//")[0]
+                        m = HOST_WAIT.search(code)
+                        if m:
+                            out.append(f"{rel}:{n}: {m.group(0).strip()}...: step code waits "
+                                       f"for the device through core/device_sync.hpp "
+                                       f"(host_sync, read_to_host)")
+    return out
 
 
 def planted(root):
@@ -127,6 +153,11 @@ def planted(root):
          "may not depend on the model assembly"),
         ("modules/norm/rmsnorm.cpp", '#include "modules/attention/attention.hpp"',
          "modules include each other"),
+        ("modules/norm/rmsnorm.cpp", "static void wait() { Kokkos::fence(); }",
+         "through core/device_sync.hpp"),
+        ("src/train/optimizer.cpp",
+         "static void f(View1F v) { Kokkos::create_mirror_view_and_copy(HostSpace(), v); }",
+         "through core/device_sync.hpp"),
     ]
     ok = True
     with tempfile.TemporaryDirectory(prefix="kmoe-layer-") as tmp:
