@@ -2,13 +2,16 @@
 """What one training step asks of the device, counted by the Kokkos Tools library
 tests/tools/kokkos_counter (built as <build>/tests/tools/libkmoe_kokkos_counter.so): kernel
 launches, fences (explicit, and those Kokkos issues inside deep copies and reductions to host
-values), deep copies by direction, per step. Each deck runs on one rank (pp = ep = 1) as given,
+values), deep copies by direction, and kmoe's named host waits (core/device_sync.hpp: counted on
+every backend), per step. Each deck runs on one rank (pp = ep = 1) as given,
 then with twice the micro-batches per step and with twice the layers, so the table shows what
 grows with micro-batches and layers; `per micro` and `per layer` are those growths.
 
 Which events a build reports depends on Kokkos: Kokkos 4.x reports every fence on every
 backend; Kokkos 3.4 (Debian) reports no fences of its Serial backend and no host-to-host
-copies, so its fence column stays 0 there. Prints figures; asserts nothing.
+copies, so its fence column stays 0 there (kmoe_syncs is the column to read). Phase timing is
+off (the deck's output.phase_timing is overridden), as in a production run. Prints figures;
+asserts nothing.
 
 usage: bench/bench_syncs.py [--build build] [--steps 4] [--decks inputs/x.deck ...]
 """
@@ -21,7 +24,7 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DECKS = ["inputs/tiny_moe_engram.deck", "inputs/olmoe_shape.deck"]
-COLUMNS = ["kernels", "fences", "deep_copies", "copies_to_host", "copies_from_host"]
+COLUMNS = ["kernels", "fences", "deep_copies", "copies_to_host", "copies_from_host", "kmoe_syncs"]
 
 
 def deck_value(deck, section, key, default):
@@ -44,7 +47,8 @@ def count(build, deck, steps, extra, tmp):
            "--parallel.pp=1", "--parallel.dp=1", f"--train.max_steps={steps}",
            "--train.eval_every=0", "--data.val_paths=", f"--output.dir={tmp}/run",
            f"--checkpoint.dir={tmp}/ckpt", "--checkpoint.resume=none",
-           "--checkpoint.every=0", "--checkpoint.overwrite=true", *extra]
+           "--checkpoint.every=0", "--checkpoint.overwrite=true", "--output.phase_timing=false",
+           *extra]
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if p.returncode != 0:
         raise SystemExit(f"bench_syncs: {' '.join(cmd)} failed:\n{p.stdout[-1500:]}{p.stderr[-1500:]}")

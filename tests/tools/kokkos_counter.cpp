@@ -1,7 +1,8 @@
 // A Kokkos Tools library that counts, per kmoe training step, what the step asks of the device
 // and how often the host waits for it: kernel launches, fences (explicit ones and those Kokkos
-// issues inside deep_copy or a reduction to a host value) and deep copies by direction. A step
-// is the profile region "kmoe::step" that the trainer opens around each optimizer step.
+// issues inside deep_copy or a reduction to a host value), deep copies by direction, and the
+// host synchronizations kmoe names (core/device_sync.hpp: the event "kmoe::sync <what>"). A
+// step is the profile region "kmoe::step" that the trainer opens around each optimizer step.
 //
 // Loaded with KOKKOS_TOOLS_LIBS=<path> (Kokkos 4) or KOKKOS_PROFILE_LIBRARY=<path> (Kokkos 3).
 // At exit it writes one CSV row per step to $KMOE_KOKKOS_COUNTS (".<rank>" appended on ranks
@@ -29,7 +30,8 @@ struct ToolSettings {  // Kokkos_Tools_ToolSettings
 };
 
 struct Counts {
-  long kernels = 0, fences = 0, copies = 0, to_host = 0, from_host = 0, on_device = 0;
+  long kernels = 0, fences = 0, copies = 0, to_host = 0, from_host = 0, on_device = 0,
+       kmoe_syncs = 0;
   std::uint64_t bytes_to_host = 0;
 };
 
@@ -38,7 +40,8 @@ Counts g_current;
 int g_step_depth = 0;  // > 0 inside "kmoe::step"
 std::vector<bool> g_regions;
 std::uint64_t g_next_id = 1;
-// KMOE_KOKKOS_COUNTS_NAMES=1: the fences' names inside steps, most frequent first, at exit.
+// KMOE_KOKKOS_COUNTS_NAMES=1: the fences inside steps by name and the kernel launched before
+// each, most frequent first, on stderr at exit.
 bool g_names = false;
 std::map<std::string, long> g_fence_names;
 
@@ -47,7 +50,10 @@ bool host_space(const char* name) {
   return std::strstr(name, "Host") != nullptr;
 }
 
-void launched(std::uint64_t* id) {
+std::string g_last_kernel;  // names mode: the kernel launched last, which a fence follows
+
+void launched(const char* name, std::uint64_t* id) {
+  if (g_names) g_last_kernel = name;
   *id = g_next_id++;
   if (g_step_depth > 0) ++g_current.kernels;
 }
@@ -80,12 +86,12 @@ void kokkosp_finalize_library() {
   }
   std::fprintf(out,
                "step,kernels,fences,deep_copies,copies_to_host,copies_from_host,"
-               "copies_on_device,bytes_to_host\n");
+               "copies_on_device,bytes_to_host,kmoe_syncs\n");
   for (std::size_t s = 0; s < g_steps.size(); ++s) {
     const Counts& c = g_steps[s];
-    std::fprintf(out, "%zu,%ld,%ld,%ld,%ld,%ld,%ld,%llu\n", s + 1, c.kernels, c.fences,
+    std::fprintf(out, "%zu,%ld,%ld,%ld,%ld,%ld,%ld,%llu,%ld\n", s + 1, c.kernels, c.fences,
                  c.copies, c.to_host, c.from_host, c.on_device,
-                 static_cast<unsigned long long>(c.bytes_to_host));
+                 static_cast<unsigned long long>(c.bytes_to_host), c.kmoe_syncs);
   }
   if (out != stderr) std::fclose(out);
   if (g_names) {
@@ -96,18 +102,24 @@ void kokkosp_finalize_library() {
   }
 }
 
-void kokkosp_begin_parallel_for(const char*, std::uint32_t, std::uint64_t* id) { launched(id); }
+void kokkosp_begin_parallel_for(const char* name, std::uint32_t, std::uint64_t* id) {
+  launched(name, id);
+}
 void kokkosp_end_parallel_for(std::uint64_t) {}
-void kokkosp_begin_parallel_reduce(const char*, std::uint32_t, std::uint64_t* id) { launched(id); }
+void kokkosp_begin_parallel_reduce(const char* name, std::uint32_t, std::uint64_t* id) {
+  launched(name, id);
+}
 void kokkosp_end_parallel_reduce(std::uint64_t) {}
-void kokkosp_begin_parallel_scan(const char*, std::uint32_t, std::uint64_t* id) { launched(id); }
+void kokkosp_begin_parallel_scan(const char* name, std::uint32_t, std::uint64_t* id) {
+  launched(name, id);
+}
 void kokkosp_end_parallel_scan(std::uint64_t) {}
 
 void kokkosp_begin_fence(const char* name, std::uint32_t, std::uint64_t* id) {
   *id = g_next_id++;
   if (g_step_depth == 0) return;
   ++g_current.fences;
-  if (g_names) ++g_fence_names[name];
+  if (g_names) ++g_fence_names[std::string(name) + "  (after " + g_last_kernel + ")"];
 }
 void kokkosp_end_fence(std::uint64_t) {}
 
@@ -126,6 +138,12 @@ void kokkosp_begin_deep_copy(SpaceHandle dst, const char*, const void*, SpaceHan
   }
 }
 void kokkosp_end_deep_copy() {}
+
+void kokkosp_profile_event(const char* name) {
+  if (g_step_depth == 0 || std::strncmp(name, "kmoe::sync", 10) != 0) return;
+  ++g_current.kmoe_syncs;
+  if (g_names) ++g_fence_names[name];
+}
 
 void kokkosp_push_profile_region(const char* name) {
   const bool step = std::strcmp(name, "kmoe::step") == 0;

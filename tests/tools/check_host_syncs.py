@@ -1,0 +1,79 @@
+#!/usr/bin/python3
+"""Host synchronizations per training step (docs/ARCHITECTURE.md "Host synchronizations"), on
+one rank (pp = dp = ep = 1), counted by the Kokkos Tools counter (kokkos_counter.cpp): the
+waits kmoe names (core/device_sync.hpp, reported on every backend) and, where Kokkos reports
+them (Kokkos >= 4), every fence.
+
+- A dense model, and one with an Engram layer: the same number of waits per step with twice
+  the micro-batches and with twice the layers.
+- An MoE model: the waits grow by exactly 2 per MoE layer and micro-batch (its expert offsets,
+  which size the per-expert GEMMs on the host, and its auxiliary-loss sums) and by nothing else.
+Usage: check_host_syncs.py BIN_DIR WORK_DIR COUNTER_LIB
+"""
+import csv
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from kmoe_testlib import Harness, counting_documents  # noqa: E402
+
+h = Harness(sys.argv[1], sys.argv[2])
+lib = sys.argv[3]
+h.prepare_corpus(counting_documents(400))
+h.write("small.deck", """
+[model]
+vocab_size = 320
+d_model = 32
+n_layers = 2
+n_heads = 2
+ffn_hidden = 64
+[train]
+seq_len = 32
+global_batch = 4
+micro_batch = 2
+max_steps = 3
+[optimizer]
+lr = 1e-3
+[data]
+paths = data/train.bin
+[checkpoint]
+every = 0
+""")
+ENGRAM = ["--engram.layers=1", "--engram.heads=2", "--engram.embed_per_ngram=16"]
+MOE = ["--moe.experts=4", "--moe.top_k=2", "--moe.expert_hidden=32"]
+
+
+def per_step(name, *overrides):
+    """Median-free: the counts of steps 2 and 3 (step 1 also sizes buffers), which must agree."""
+    out = h.path(name + ".csv")
+    env = dict(h.env, KOKKOS_TOOLS_LIBS=lib, KOKKOS_PROFILE_LIBRARY=lib, KMOE_KOKKOS_COUNTS=out)
+    h.run(["kmoe-train", "-i", "small.deck", f"--output.dir={name}",
+           f"--checkpoint.dir={name}/ckpt", *overrides], env=env)
+    with open(out) as f:
+        rows = [{k: int(v) for k, v in r.items()} for r in csv.DictReader(f)]
+    s2, s3 = rows[1], rows[2]
+    h.check((s2["kmoe_syncs"], s2["fences"]) == (s3["kmoe_syncs"], s3["fences"]),
+            f"{name}: steps 2 and 3 wait alike ({s2['kmoe_syncs']} named, {s2['fences']} fences)")
+    return s2
+
+
+for label, extra in (("dense", []), ("engram", ENGRAM)):
+    base = per_step(label, *extra)
+    h.check(base["kmoe_syncs"] > 0, f"{label}: the step's waits are seen ({base['kmoe_syncs']})")
+    for variant, more in (("micro", ["--train.global_batch=8"]), ("layers", ["--model.n_layers=4"])):
+        r = per_step(f"{label}_{variant}", *extra, *more)
+        h.check(r["kmoe_syncs"] == base["kmoe_syncs"] and r["fences"] == base["fences"],
+                f"{label}, twice the {variant}: {base['kmoe_syncs']} -> {r['kmoe_syncs']} named "
+                f"waits, {base['fences']} -> {r['fences']} fences per step")
+
+# MoE: 2 per MoE layer per micro-batch on top of the dense step's waits.
+dense = per_step("moe_dense_ref", "--moe.experts=0")
+for name, micro, layers, more in (("moe", 2, 2, []), ("moe_micro", 4, 2, ["--train.global_batch=8"]),
+                                  ("moe_layers", 2, 4, ["--model.n_layers=4"])):
+    r = per_step(name, *MOE, *more)
+    d = dense if layers == 2 and micro == 2 else per_step(name + "_dense", *more)
+    want = d["kmoe_syncs"] + 2 * layers * micro
+    h.check(r["kmoe_syncs"] == want,
+            f"{name}: {r['kmoe_syncs']} named waits = dense {d['kmoe_syncs']} + 2 x {layers} "
+            f"MoE layers x {micro} micro-batches")
+h.finish()
