@@ -37,15 +37,6 @@ lr = 1e-3
 paths = a.bin
 )";
 
-std::string error_of(void (*f)()) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no kmoe::Error)";
-}
-
 TEST(NcclLink, LibraryVersion) {
   int version = 0;
   ASSERT_EQ(ncclGetVersion(&version), ncclSuccess);
@@ -93,6 +84,14 @@ TEST(NcclLink, CudaAwareMpiSetting) {
 }
 
 #if !defined(KOKKOS_ENABLE_CUDA)
+std::string error_of(void (*f)()) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "(no kmoe::Error)";
+}
 
 TEST(NcclLink, CpuKokkosRefusesNccl) {
   const std::string e = error_of([] {
