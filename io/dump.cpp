@@ -16,19 +16,20 @@ void write_step_dump(const Config& cfg, const ProcessGrid& grid, const TensorTab
   // A write failing on some ranks (a full output disk) ends every rank with one error.
   CollectiveWrite out(path, grid.world, cfg.parallel.watchdog_seconds);
   out.step([&](H5File& f) { f.set_attr("/", "step", std::int64_t(d.step)); });
-  for (const auto& [key, value] : {std::pair<const char*, double>{"loss", d.loss},
-                                   {"ce", d.ce},
-                                   {"aux", d.aux},
-                                   {"grad_norm", d.grad_norm},
-                                   {"lr", d.lr}})
-    out.step([&](H5File& f) { f.set_attr("/", key, value); });
+  // (Pairs, not structured bindings: a lambda capturing those needs C++20, which nvcc says.)
+  for (const auto& kv : {std::pair<const char*, double>{"loss", d.loss},
+                         {"ce", d.ce},
+                         {"aux", d.aux},
+                         {"grad_norm", d.grad_norm},
+                         {"lr", d.lr}})
+    out.step([&](H5File& f) { f.set_attr("/", kv.first, kv.second); });
   out.step([&](H5File& f) {
     f.write_i32("/batch/tokens", {d.global_batch, d.seq_len}, d.tokens.data(), writer);
   });
-  for (const auto& [block, route] : d.routes)
+  for (const auto& r : d.routes)
     out.step([&](H5File& f) {
-      f.write_i32("/route/" + std::to_string(block),
-                  {std::int64_t(d.global_batch) * d.seq_len, d.top_k}, route.data(), writer);
+      f.write_i32("/route/" + std::to_string(r.first),
+                  {std::int64_t(d.global_batch) * d.seq_len, d.top_k}, r.second.data(), writer);
     });
   for (const TensorSpec& g : global_catalog(table, grid)) {
     if (!g.trainable || !out.ok()) continue;  // buffers have no gradient
