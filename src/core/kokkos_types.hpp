@@ -43,7 +43,10 @@ using IVec = Kokkos::View<int*, Layout, MemSpace, Unmanaged>;
 using ConstIVec = Kokkos::View<const int*, Layout, MemSpace, Unmanaged>;
 
 using Range = Kokkos::RangePolicy<ExecSpace>;
-using Range2 = Kokkos::MDRangePolicy<ExecSpace, Kokkos::Rank<2>>;
+// 2-D ranges iterate right-major on every backend (the last index fastest, as the row-major
+// data lies): the default on GPUs is left-major, where a warp would read 32 different rows.
+using Range2 =
+    Kokkos::MDRangePolicy<ExecSpace, Kokkos::Rank<2, Kokkos::Iterate::Right, Kokkos::Iterate::Right>>;
 using TeamPolicy = Kokkos::TeamPolicy<ExecSpace>;
 using TeamMember = TeamPolicy::member_type;
 
