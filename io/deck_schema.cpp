@@ -328,7 +328,8 @@ Schema::Schema(Config& c) : options_("kmoe input deck") {
       "gradient all-reduce bucket size (MiB); buckets start during the last backward");
   key(c.parallel.backend, "backend", CommBackend::Mpi, "data plane of the axes: mpi | nccl");
   key(c.parallel.cuda_aware_mpi, "cuda_aware_mpi", CudaAwareMpi::Auto,
-      "MPI takes device pointers: auto (ask Open MPI) | true | false (stage through host)");
+      "MPI takes device pointers in every operation, nonblocking collectives included: "
+      "true | false or auto (stage through pinned host memory)");
 
   section("checkpoint", "HDF5 checkpoints");
   key(c.checkpoint.dir, "dir", "checkpoints", "checkpoint directory");

@@ -6,23 +6,12 @@
 #include <numeric>
 #include <utility>
 
+#include "core/device_sync.hpp"
 #include "core/error.hpp"
-
-// Open MPI declares its CUDA extension here (MPIX_CUDA_AWARE_SUPPORT, MPIX_Query_cuda_support);
-// other MPIs have no such header or no such macro, and "auto" then means staging.
-#if __has_include(<mpi-ext.h>)
-#include <mpi-ext.h>
-#endif
 
 namespace kmoe {
 
 namespace {
-
-#if defined(KOKKOS_ENABLE_CUDA)
-constexpr bool kKokkosCuda = true;
-#else
-constexpr bool kKokkosCuda = false;
-#endif
 
 using DeviceIn = Kokkos::View<const float*, Layout, MemSpace, Unmanaged>;
 using DeviceOut = Kokkos::View<float*, Layout, MemSpace, Unmanaged>;
@@ -33,6 +22,7 @@ using HostBuffer = StagedMpiComm::HostBuffer;
 void to_host(const HostBuffer& host, const float* device, std::int64_t n) {
   if (n <= 0) return;
   const auto first_n = std::make_pair(std::int64_t(0), n);
+  mark_host_sync("staged mpi");
   Kokkos::deep_copy(Kokkos::subview(host, first_n), DeviceIn(device, n));
 }
 
@@ -49,15 +39,11 @@ std::int64_t total(const std::vector<std::int64_t>& counts) {
 }  // namespace
 
 bool mpi_takes_device_pointers(CudaAwareMpi cuda_aware_mpi) {
-  if (cuda_aware_mpi == CudaAwareMpi::Yes) return true;
-  if (cuda_aware_mpi == CudaAwareMpi::No) return false;
-#if defined(MPIX_CUDA_AWARE_SUPPORT)
-  // The macro says Open MPI has the extension; the query answers for the library this run
-  // loaded (a build without CUDA support returns 0). Only CUDA device memory is covered by it.
-  return kKokkosCuda && MPIX_Query_cuda_support() == 1;
-#else
-  return false;
-#endif
+  // auto stages: kmoe's data plane runs nonblocking collectives (MPI_Iallreduce, the gradient
+  // buckets), which Open MPI documents as unsupported on CUDA memory even where it is CUDA-aware
+  // (MPIX_Query_cuda_support covers blocking collectives and point-to-point only). true is the
+  // user's word that the MPI takes device pointers in every operation kmoe uses.
+  return cuda_aware_mpi == CudaAwareMpi::Yes;
 }
 
 bool mpi_needs_staging(CudaAwareMpi cuda_aware_mpi) {

@@ -76,6 +76,8 @@ TEST(NcclLink, DeckAcceptsTheBackendKeys) {
 TEST(NcclLink, CudaAwareMpiSetting) {
   EXPECT_TRUE(mpi_takes_device_pointers(CudaAwareMpi::Yes));
   EXPECT_FALSE(mpi_takes_device_pointers(CudaAwareMpi::No));
+  // auto stages: nonblocking collectives on device memory are not what CUDA-aware MPIs promise.
+  EXPECT_FALSE(mpi_takes_device_pointers(CudaAwareMpi::Auto));
   constexpr bool host_memory = Kokkos::SpaceAccessibility<HostSpace, MemSpace>::accessible;
   if (host_memory) {
     EXPECT_FALSE(mpi_needs_staging(CudaAwareMpi::No));  // host memory never stages
