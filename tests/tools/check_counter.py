@@ -6,50 +6,27 @@ with the micro-batches of a step and the layers of the model. Which fences a bui
 depends on Kokkos (none on Kokkos 3.4 Serial), so fences are only required to be consistent.
 Usage: check_counter.py BIN_DIR WORK_DIR COUNTER_LIB
 """
-import csv
 import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kmoe_testlib import Harness, counting_documents  # noqa: E402
+from counting import SMALL_DECK, counted_run  # noqa: E402
 
 h = Harness(sys.argv[1], sys.argv[2])
 lib = sys.argv[3]
 h.prepare_corpus(counting_documents(400))
-h.write("small.deck", """
-[model]
-vocab_size = 320
-d_model = 32
-n_layers = 2
-n_heads = 2
-ffn_hidden = 64
+h.write("small.deck", SMALL_DECK + """
 [moe]
 experts = 4
 top_k = 2
 expert_hidden = 32
-[train]
-seq_len = 32
-global_batch = 4
-micro_batch = 2
-max_steps = 3
-[optimizer]
-lr = 1e-3
-[data]
-paths = data/train.bin
-[checkpoint]
-every = 0
 """)
 
 
 def counts(name, *overrides):
-    out = h.path(name + ".csv")
-    env = dict(h.env, KOKKOS_TOOLS_LIBS=lib, KOKKOS_PROFILE_LIBRARY=lib, KMOE_KOKKOS_COUNTS=out)
-    h.run(["kmoe-train", "-i", "small.deck", f"--output.dir={name}",
-           f"--checkpoint.dir={name}/ckpt", *overrides], env=env)
-    if not h.check(os.path.exists(out), f"{name}: the counter wrote {out}"):
-        return None
-    with open(out) as f:
-        return [{k: int(v) for k, v in row.items()} for row in csv.DictReader(f)]
+    return counted_run(h, lib, name, *overrides)
 
 
 base = counts("base")

@@ -10,47 +10,25 @@ them (Kokkos >= 4), every fence.
   which size the per-expert GEMMs on the host, and its auxiliary-loss sums) and by nothing else.
 Usage: check_host_syncs.py BIN_DIR WORK_DIR COUNTER_LIB
 """
-import csv
 import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kmoe_testlib import Harness, counting_documents  # noqa: E402
+from counting import SMALL_DECK, counted_run  # noqa: E402
 
 h = Harness(sys.argv[1], sys.argv[2])
 lib = sys.argv[3]
 h.prepare_corpus(counting_documents(400))
-h.write("small.deck", """
-[model]
-vocab_size = 320
-d_model = 32
-n_layers = 2
-n_heads = 2
-ffn_hidden = 64
-[train]
-seq_len = 32
-global_batch = 4
-micro_batch = 2
-max_steps = 3
-[optimizer]
-lr = 1e-3
-[data]
-paths = data/train.bin
-[checkpoint]
-every = 0
-""")
+h.write("small.deck", SMALL_DECK)
 ENGRAM = ["--engram.layers=1", "--engram.heads=2", "--engram.embed_per_ngram=16"]
 MOE = ["--moe.experts=4", "--moe.top_k=2", "--moe.expert_hidden=32"]
 
 
 def per_step(name, *overrides):
-    """Median-free: the counts of steps 2 and 3 (step 1 also sizes buffers), which must agree."""
-    out = h.path(name + ".csv")
-    env = dict(h.env, KOKKOS_TOOLS_LIBS=lib, KOKKOS_PROFILE_LIBRARY=lib, KMOE_KOKKOS_COUNTS=out)
-    h.run(["kmoe-train", "-i", "small.deck", f"--output.dir={name}",
-           f"--checkpoint.dir={name}/ckpt", *overrides], env=env)
-    with open(out) as f:
-        rows = [{k: int(v) for k, v in r.items()} for r in csv.DictReader(f)]
+    """The counts of step 2 (step 1 also sizes buffers); step 3's must agree."""
+    rows = counted_run(h, lib, name, *overrides)
     s2, s3 = rows[1], rows[2]
     h.check((s2["kmoe_syncs"], s2["fences"]) == (s3["kmoe_syncs"], s3["fences"]),
             f"{name}: steps 2 and 3 wait alike ({s2['kmoe_syncs']} named, {s2['fences']} fences)")
