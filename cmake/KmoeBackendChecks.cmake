@@ -7,7 +7,7 @@
 # - HIP: hipcc or a ROCm Clang as the C++ compiler.
 # - GEMMs: Kokkos Kernels must use cuBLAS (CUDA), rocBLAS (HIP) or a host BLAS (CPU backends) as
 #   a TPL; its native GEMM is far slower, so kmoe stops rather than falls back to it.
-# Sets KMOE_KOKKOS_BACKENDS (e.g. "CUDA;SERIAL") and KMOE_KOKKOS_VERSION.
+# Sets KMOE_KOKKOS_BACKENDS (e.g. "CUDA;SERIAL").
 
 function(_kmoe_find_config_header out header)
   set(dirs ${Kokkos_INCLUDE_DIRS} ${KokkosKernels_INCLUDE_DIRS})
@@ -20,7 +20,8 @@ function(_kmoe_find_config_header out header)
     endif()
   endforeach()
   list(FILTER dirs EXCLUDE REGEX "\\$<")
-  find_file(_kmoe_header_${header} ${header} HINTS ${dirs} PATH_SUFFIXES trilinos NO_CACHE)
+  unset(_kmoe_header_${header} CACHE)  # looked up afresh: Kokkos_ROOT may have changed
+  find_file(_kmoe_header_${header} ${header} HINTS ${dirs} PATH_SUFFIXES trilinos)
   if(NOT _kmoe_header_${header})
     message(FATAL_ERROR "kmoe: ${header} not found in the include directories of Kokkos "
                         "(${dirs}); pass -DKokkos_ROOT / -DKokkosKernels_ROOT of an install")
@@ -39,7 +40,6 @@ foreach(backend CUDA HIP SYCL OPENMP THREADS SERIAL)
     list(APPEND KMOE_KOKKOS_BACKENDS ${backend})
   endif()
 endforeach()
-set(KMOE_KOKKOS_VERSION "${Kokkos_VERSION}")
 set(_kmoe_tpls "")
 foreach(tpl CUBLAS ROCBLAS BLAS MKL)
   if("${_kmoe_kk_defs}" MATCHES "KOKKOSKERNELS_ENABLE_TPL_${tpl}( |;|$)")

@@ -131,9 +131,11 @@ ExecutionPlan plan_execution(int argc, char** argv) {
                         !kokkos_arg(argc, argv, "map-device-id-by").empty() ||
                         !env("KOKKOS_DEVICE_ID").empty();
     const int gpus = device_count();
-    if (chosen) {
-      plan.device_id = threads_of(kokkos_arg(argc, argv, "device-id"));
-      if (!env("KOKKOS_DEVICE_ID").empty()) plan.device_id = std::atoi(env("KOKKOS_DEVICE_ID").c_str());
+    if (chosen) {  // what Kokkos will take: the option (Kokkos 4 or 3 spelling), else the variable
+      std::string id = kokkos_arg(argc, argv, "device-id");
+      if (id.empty()) id = kokkos_arg(argc, argv, "device");
+      if (id.empty()) id = env("KOKKOS_DEVICE_ID");
+      plan.device_id = id.empty() ? -1 : std::atoi(id.c_str());  // -1: mapped by Kokkos
     } else if (gpus > 0) {
       plan.device_id = plan.local_rank % gpus;
       setenv("KOKKOS_DEVICE_ID", std::to_string(plan.device_id).c_str(), 1);
@@ -166,16 +168,12 @@ ExecutionPlan plan_execution(int argc, char** argv) {
 void apply_execution(ExecutionPlan& plan, const std::string& program) {
   using SetThreads = void (*)(int);
   using GetParallel = int (*)();
-  using GetConfig = char* (*)();
   const bool user_blas = !env("OPENBLAS_NUM_THREADS").empty() ||
                          !env("GOTO_NUM_THREADS").empty() || !env("BLIS_NUM_THREADS").empty() ||
                          !env("MKL_NUM_THREADS").empty();
   if (auto set = blas_symbol<SetThreads>("openblas_set_num_threads")) {
     const auto parallel = blas_symbol<GetParallel>("openblas_get_parallel");
-    const auto config = blas_symbol<GetConfig>("openblas_get_config");
     const int kind = parallel ? parallel() : -1;  // 0 sequential, 1 pthreads, 2 OpenMP
-    plan.blas = std::string("OpenBLAS") + (kind == 1 ? " (pthreads)" : kind == 2 ? " (OpenMP)" : "");
-    if (config) plan.blas += std::string(" ") + config();
     // OpenBLAS's own threads next to Kokkos' OpenMP threads: after each kernel the OpenMP
     // threads keep spinning for a while and take the cores from the BLAS threads (on the main
     // deck, one rank on 2 cores: 1,161 tokens/s with 2 BLAS threads, 2,132 with 1; 2,585 with
@@ -196,10 +194,8 @@ void apply_execution(ExecutionPlan& plan, const std::string& program) {
     }
     if (!user_blas) set(plan.blas_threads);
   } else if (auto set_blis = blas_symbol<SetThreads>("bli_thread_set_num_threads")) {
-    plan.blas = "BLIS";
     if (!user_blas) set_blis(plan.blas_threads);
   } else if (auto set_mkl = blas_symbol<SetThreads>("MKL_Set_Num_Threads")) {
-    plan.blas = "MKL";
     if (!user_blas) set_mkl(plan.blas_threads);
   }
   int world_rank = 0;

@@ -28,7 +28,6 @@ struct ExecutionPlan {
   int kokkos_threads = 1;              // 1 on Serial and GPU backends
   int blas_threads = 1;                // the host BLAS's threads per call
   int device_id = -1;                  // the GPU this rank drives; -1 on CPU backends
-  std::string blas;                    // the host BLAS found, and its threading
   std::vector<std::string> notes;      // oversubscription, GPU sharing, BLAS threading
 };
 

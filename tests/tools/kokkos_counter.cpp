@@ -40,8 +40,8 @@ Counts g_current;
 int g_step_depth = 0;  // > 0 inside "kmoe::step"
 std::vector<bool> g_regions;
 std::uint64_t g_next_id = 1;
-// KMOE_KOKKOS_COUNTS_NAMES=1: the fences inside steps by name and the kernel launched before
-// each, most frequent first, on stderr at exit.
+// KMOE_KOKKOS_COUNTS_NAMES=1: the fences inside steps by name with the kernel launched before
+// each, and kmoe's named waits, most frequent first, on stderr at exit.
 bool g_names = false;
 std::map<std::string, long> g_fence_names;
 
@@ -98,7 +98,7 @@ void kokkosp_finalize_library() {
     std::vector<std::pair<long, std::string>> by_count;
     for (const auto& [name, n] : g_fence_names) by_count.emplace_back(n, name);
     std::sort(by_count.rbegin(), by_count.rend());
-    for (const auto& [n, name] : by_count) std::fprintf(stderr, "fence %8ld %s\n", n, name.c_str());
+    for (const auto& [n, name] : by_count) std::fprintf(stderr, "%8ld %s\n", n, name.c_str());
   }
 }
 
