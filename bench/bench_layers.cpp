@@ -143,10 +143,21 @@ int main(int argc, char** argv) {
     t3.allocate();
     t3.initialize(2);
     MoeScratch mos(m, e, N);
-    MoeStats st;
     const double t_moe = time_it(reps, [&] {
-      st = moe.forward(t3, as_cmat(x), as_mat(y));
+      moe.forward(t3, as_cmat(x), as_mat(y));
       moe.backward(t3, as_cmat(x), as_cmat(dx), as_mat(y), mos, 1.0f);
+    });
+    const MoeStats st = moe.report();
+    // The same layer with grouped expert GEMMs (row counts read on the device).
+    MoeCfg eg = e;
+    eg.expert_gemm = ExpertGemm::Grouped;
+    TensorTable t3g;
+    MoeLayer moe_g(m, eg, "blocks.0.moe.", N, t3g, nullptr, nullptr, &stats);
+    t3g.allocate();
+    t3g.initialize(2);
+    const double t_grouped = time_it(reps, [&] {
+      moe_g.forward(t3g, as_cmat(x), as_mat(y));
+      moe_g.backward(t3g, as_cmat(x), as_cmat(dx), as_mat(y), mos, 1.0f);
     });
     const int Fe = e.expert_hidden;
     View2F rows("rows", N * e.top_k, D), h1("h1", N * e.top_k, Fe), h2("h2", N * e.top_k, Fe);
@@ -173,6 +184,8 @@ int main(int argc, char** argv) {
     });
     std::printf("  moe layer fwd+bwd (E 8, k 2, Fe %d)   %9.3f ms = %.2f us/token\n", Fe,
                 1e3 * t_moe, 1e6 * t_moe / N);
+    std::printf("  the same, grouped expert GEMMs        %9.3f ms = %.2f us/token\n",
+                1e3 * t_grouped, 1e6 * t_grouped / N);
     std::printf("  dense mlp fwd+bwd (F %d, equal active) %8.3f ms = %.2f us/token\n", F,
                 1e3 * t_dense, 1e6 * t_dense / N);
     std::printf("  moe time outside the expert GEMMs: %.0f%% (routing, permutation, combine)\n",

@@ -261,6 +261,10 @@ Schema::Schema(Config& c) : options_("kmoe input deck") {
   key(c.moe.shared_hidden, "shared_hidden", 0, "hidden width Fs of each shared expert");
   key(c.moe.bias_update_rate, "bias_update_rate", 0.0,
       "aux-loss-free balancing rate gamma (DeepSeek-V3); 0 = off");
+  key(c.moe.expert_gemm, "expert_gemm", ExpertGemm::Auto,
+      "expert GEMMs: grouped (one launch per product, row counts read on the device) | "
+      "per_expert (vendor BLAS per expert, row counts read on the host) | auto (grouped on "
+      "GPUs, per_expert on CPUs)");
 
   section("engram", "Engram conditional memory (MODEL.md section 4); no layers = none");
   key(c.engram.layers, "layers", std::vector<int>{},
@@ -293,6 +297,8 @@ Schema::Schema(Config& c) : options_("kmoe input deck") {
   key(c.train.eval_instances, "eval_instances", 0, "validation sequences per pass; 0 = all");
   key(c.train.check_memory, "check_memory", true,
       "before allocating, check that the node's memory (or the device's) holds its ranks");
+  key(c.train.precision, "precision", Precision::Fp32,
+      "fp32 GEMMs: fp32 | tf32 (TF32 tensor cores through cuBLAS on CUDA; no effect on CPUs)");
 
   section("optimizer", "AdamW and the learning-rate schedule");
   required(c.optimizer.lr, "lr", "peak learning rate");

@@ -70,7 +70,7 @@ void Block::forward(const TensorTable& table, const RopeTables& rope, ConstMat x
   if (reordered_) {
     attn_.forward(table, rope, x_in, attn_out, s.attn);
     rmsnorm_forward(as_cmat(attn_out), g_attn, eps_, x_in, h, rstd_attn);
-    ffn_forward(table, as_cmat(h), ffn_out);
+    ffn_forward(table, as_cmat(h), ffn_out, s);
     rmsnorm_forward(as_cmat(ffn_out), g_ffn, eps_, as_cmat(h), x_out, rstd_ffn);
   } else {
     Mat attn_in = buf(attn_in_, N), ffn_in = buf(ffn_in_, N);
@@ -78,14 +78,14 @@ void Block::forward(const TensorTable& table, const RopeTables& rope, ConstMat x
     attn_.forward(table, rope, as_cmat(attn_in), attn_out, s.attn);
     add(x_in, as_cmat(attn_out), h);
     rmsnorm_forward(as_cmat(h), g_ffn, eps_, ConstMat(), ffn_in, rstd_ffn);
-    ffn_forward(table, as_cmat(ffn_in), ffn_out);
+    ffn_forward(table, as_cmat(ffn_in), ffn_out, s);
     add(as_cmat(h), as_cmat(ffn_out), x_out);
   }
 }
 
-void Block::ffn_forward(const TensorTable& table, ConstMat in, Mat out) {
+void Block::ffn_forward(const TensorTable& table, ConstMat in, Mat out, BlockScratch& s) {
   if (moe_)
-    moe_->forward(table, in, out);
+    moe_->forward(table, in, out, s.moe_aux);
   else
     mlp_->forward(table, in, out);
 }

@@ -21,6 +21,9 @@ struct BlockScratch {
   std::unique_ptr<MoeScratch> moe;  // with MoE layers only
   View1F d_h, d_a, d_b;             // (N, D)
   View1F d_engram;                  // (N, D): gradient w.r.t. x + Engram(x)
+  // The micro-batch's MoE loss terms (lb_coef * LB + z_coef * RZ), summed on the device by the
+  // MoE blocks' forwards in block order; the stage zeroes it before the first.
+  View1D moe_aux{"block::moe_aux", 1};
   BlockScratch(const ModelCfg& m, const MoeCfg& e, int max_seqs, int seq_len);
 };
 
@@ -45,8 +48,7 @@ class Block {
   bool is_moe() const { return moe_ != nullptr; }
   // The lowest table index among the block's tensors (declared first: attn_norm.weight).
   int first_tensor() const { return attn_norm_; }
-  // The last forward's MoE auxiliary loss term (lb_coef * LB + z_coef * RZ; 0 when dense).
-  double aux_loss() const { return moe_ ? moe_->aux_loss() : 0.0; }
+  const MoeLayer* moe() const { return moe_.get(); }
   ConstIVec moe_routes() const { return moe_->selected(); }
 
   // Step hooks (Stage::finish_step, Stage::after_optimizer_step).
@@ -55,7 +57,7 @@ class Block {
 
  private:
   Mat buf(const View1F& v, int rows) const { return as_mat(v.data(), rows, D_); }
-  void ffn_forward(const TensorTable& table, ConstMat in, Mat out);
+  void ffn_forward(const TensorTable& table, ConstMat in, Mat out, BlockScratch& s);
   void ffn_backward(TensorTable& table, ConstMat in, ConstMat dy, Mat dx, BlockScratch& s,
                     float aux_scale);
 

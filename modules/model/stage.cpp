@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "core/device_sync.hpp"
 #include "core/error.hpp"
 
 namespace kmoe {
@@ -89,6 +90,8 @@ LossSums Stage::forward(const TensorTable& table, const std::int32_t* tokens, in
         "stage::compress_tokens", Range(0, N), KOKKOS_LAMBDA(int i) { out(i) = map(tok(i)); });
     engram_tok = ConstIVec(compressed_.data(), N);
   }
+  const bool moe = has_moe();
+  if (moe) Kokkos::deep_copy(ExecSpace(), scratch_.moe_aux, 0.0);
   for (std::size_t l = 0; l < blocks_.size(); ++l)
     blocks_[l]->forward(table, rope_, as_cmat(resid(l, N)), engram_tok, resid(l + 1, N), scratch_);
   LossSums sums;
@@ -96,8 +99,13 @@ LossSums Stage::forward(const TensorTable& table, const std::int32_t* tokens, in
     sums = head_->forward(table, as_cmat(resid(blocks_.size(), N)), tok, T_, grad_scale,
                           loss_sums);
   aux_scale_ = static_cast<float>(double(grad_scale) * nseq * (T_ - 1));
-  for (const auto& block : blocks_)
-    if (block->is_moe()) sums.moe_aux += block->aux_loss();
+  if (moe && loss_sums.extent(0) > 0) {  // stays on the device with the CE and z sums
+    auto aux = scratch_.moe_aux;
+    Kokkos::parallel_for(
+        "stage::moe_aux", Range(0, 1), KOKKOS_LAMBDA(int) { loss_sums(2) += aux(0); });
+  } else if (moe) {
+    sums.moe_aux = read_to_host("moe aux loss", scratch_.moe_aux)(0);
+  }
   return sums;
 }
 
@@ -107,6 +115,11 @@ void Stage::finish_step(StepStats& stats, const ProcessGrid& grid) const {
 
 void Stage::after_optimizer_step(TensorTable& table, const StepStats& stats) const {
   for (const auto& block : blocks_) block->after_optimizer_step(table, stats);
+}
+
+bool Stage::has_moe() const {
+  return std::any_of(blocks_.begin(), blocks_.end(),
+                     [](const auto& block) { return block->is_moe(); });
 }
 
 std::vector<std::pair<int, ConstIVec>> Stage::moe_routes() const {

@@ -56,8 +56,9 @@ class Stage {
   // hashes them, the head needs the targets). grad_scale > 0 prepares backward() for this
   // micro-batch's loss with weight grad_scale * targets in the step loss (CE gradients scaled by
   // grad_scale, MoE auxiliary losses by grad_scale * targets). The CE and z sums are those of
-  // the head (0 on a stage without it), or, given `loss_sums` (2 doubles on the device), added
-  // there instead (LmHead::forward); the MoE terms those of this stage's MoE blocks.
+  // the head (0 on a stage without it), and the MoE terms those of this stage's MoE blocks; or,
+  // given `loss_sums` (3 doubles on the device: CE, z, MoE terms), added there instead
+  // (LmHead::forward) and nothing is read to the host.
   LossSums forward(const TensorTable& table, const std::int32_t* tokens, int nseq,
                    float grad_scale, View1D loss_sums = View1D());
   // Accumulates parameter gradients of the last forward()'s micro-batch; returns d loss / d
@@ -66,6 +67,7 @@ class Stage {
   // gradient buckets of the step's last backward start on it).
   const float* backward(TensorTable& table, const std::function<void(int)>& ready = nullptr);
 
+  bool has_moe() const;
   // Each MoE block's routing of the last forward(): (block index, (N*k) expert ids).
   std::vector<std::pair<int, ConstIVec>> moe_routes() const;
 

@@ -103,9 +103,33 @@ MoeLayer::MoeLayer(const ModelCfg& m, const MoeCfg& e, const std::string& prefix
   }
   rows_out_ = View1F("moe::rows_out", slots * D_);
   aux_sums_ = View1D("moe::aux_sums", E_ + 1);
+  report_ = View1D("moe::report", E_ + 3);
+  aux_partial_ = View1D("moe::aux_partial", ((max_tokens + kAuxChunk - 1) / kAuxChunk) * (E_ + 1));
+  if (use_grouped_expert_gemm(e.expert_gemm)) {
+    grouped_ = std::make_unique<GroupedGemm>(El_);
+    if (P_ > 1) local_offsets_ = View1I("moe::local_offsets", El_ + 1);
+  }
 }
 
-MoeStats MoeLayer::forward(const TensorTable& table, ConstMat x, Mat y) {
+bool use_grouped_expert_gemm(ExpertGemm choice) {
+  if (choice == ExpertGemm::Auto)
+    return !Kokkos::SpaceAccessibility<HostSpace, MemSpace>::accessible;
+  return choice == ExpertGemm::Grouped;
+}
+
+MoeStats MoeLayer::report() const {
+  auto h = read_to_host("moe report", report_);
+  MoeStats st;
+  st.load.resize(E_);
+  for (int e = 0; e < E_; ++e) st.load[e] = static_cast<std::int64_t>(h(e));
+  st.dropped = static_cast<std::int64_t>(h(E_));
+  st.lb = h(E_ + 1);
+  st.rz = h(E_ + 2);
+  st.aux = cfg_.lb_coef * st.lb + cfg_.z_coef * st.rz;
+  return st;
+}
+
+void MoeLayer::forward(const TensorTable& table, ConstMat x, Mat y, View1D aux) {
   const int N = x.extent(0), E = E_, k = k_, D = D_, Fe = Fe_;
   N_ = N;
   const bool softmax = cfg_.score == RouterScore::Softmax, normalize = cfg_.normalize_topk;
@@ -154,23 +178,13 @@ MoeStats MoeLayer::forward(const TensorTable& table, ConstMat x, Mat y) {
   // first `cap` slots (token order) and drops the rest.
   const int slots = N * k;
   buckets_.build(ConstIVec(sel_.data(), slots));
-  auto counts_host = read_to_host("moe expert offsets", buckets_.offsets);
   const int cap = cfg_.capacity_factor > 0
                       ? static_cast<int>(std::ceil(cfg_.capacity_factor * double(N) * k / E))
                       : INT_MAX;
-  MoeStats stats;
-  stats.load.resize(E);
-  host_offsets_.assign(E + 1, 0);
-  for (int e = 0; e < E; ++e) {
-    const int c = counts_host(e + 1) - counts_host(e);
-    stats.load[e] = c;
-    stats.dropped += std::max(0, c - cap);
-    host_offsets_[e + 1] = host_offsets_[e] + std::min(c, cap);
-  }
   auto off = buckets_.offsets;
   auto ord = buckets_.order;
   auto roff = row_offsets_;
-  // The same kept-row offsets on the device, from the device counts (no upload).
+  // Kept-row offsets on the device, from the device counts.
   Kokkos::parallel_for(
       "moe::row_offsets", Range(0, 1), KOKKOS_LAMBDA(int) {
         roff(0) = 0;
@@ -179,6 +193,16 @@ MoeStats MoeLayer::forward(const TensorTable& table, ConstMat x, Mat y) {
           roff(e + 1) = roff(e) + (c < cap ? c : cap);
         }
       });
+  // Per-expert GEMMs and the ep dispatch size their work on the host: they read the offsets
+  // (one wait). Grouped GEMMs read them on the device; the row buffers then hold the bound N*k
+  // (every row when dropless), kernels skipping rows past the kept ones.
+  host_offsets_.clear();
+  rows_ = slots;
+  if (!grouped_ || dispatch_) {
+    auto h = read_to_host("moe expert offsets", roff);
+    host_offsets_.assign(h.data(), h.data() + E + 1);
+    rows_ = host_offsets_[E];
+  }
   auto slot_row = slot_row_, row_slot = row_slot_;
   Kokkos::parallel_for(
       "moe::assign_rows", Range(0, E), KOKKOS_LAMBDA(int e) {
@@ -192,29 +216,38 @@ MoeStats MoeLayer::forward(const TensorTable& table, ConstMat x, Mat y) {
           }
         }
       });
-  const int R = host_offsets_[E];
+  const int R = static_cast<int>(rows_);
   Mat rows_in = as_mat(rows_in_.data(), R, D);
   // Row copies: one team per row, its threads over the features (coalesced on GPUs, a plain
   // loop on CPUs).
   Kokkos::parallel_for(
       "moe::gather", row_policy(R), KOKKOS_LAMBDA(const TeamMember& tm) {
-        const int r = tm.league_rank(), t = row_slot(r) / k;
+        const int r = tm.league_rank();
+        if (r >= roff(E)) return;
+        const int t = row_slot(r) / k;
         Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, D),
                              [&](int d) { rows_in(r, d) = x(t, d); });
       });
 
-  // Experts: one contiguous row block and three GEMMs each, here or on their ep rank.
+  // Experts: one contiguous row block each, here or on their ep rank.
   if (!dispatch_) {
-    experts_forward(table, rows_in_.data(), host_offsets_, up1_.data(), up3_.data(), act_.data(),
-                    rows_out_.data());
+    if (grouped_) grouped_->plan(roff, R);
+    experts_forward(table, rows_in_.data(), host_offsets_, R, up1_.data(), up3_.data(),
+                    act_.data(), rows_out_.data());
   } else {
     dispatch_->plan(host_offsets_);
     const std::int64_t Rx = dispatch_->local_rows();
     ensure_size(ex_in_, Rx * D, "moe::ex_in");
     ensure_size(ex_out_, Rx * D, "moe::ex_out");
     for (View1F* v : {&ex_up1_, &ex_up3_, &ex_act_}) ensure_size(*v, Rx * Fe, "moe::ex_hidden");
+    if (grouped_) {
+      const std::vector<int>& lo = dispatch_->local_offsets();
+      Kokkos::deep_copy(ExecSpace(), local_offsets_,
+                        Kokkos::View<const int*, HostSpace, Unmanaged>(lo.data(), lo.size()));
+      grouped_->plan(local_offsets_, Rx);
+    }
     dispatch_->dispatch(rows_in_.data(), ex_in_.data());
-    experts_forward(table, ex_in_.data(), dispatch_->local_offsets(), ex_up1_.data(),
+    experts_forward(table, ex_in_.data(), dispatch_->local_offsets(), Rx, ex_up1_.data(),
                     ex_up3_.data(), ex_act_.data(), ex_out_.data());
     dispatch_->combine(ex_out_.data(), rows_out_.data());
   }
@@ -238,32 +271,66 @@ MoeStats MoeLayer::forward(const TensorTable& table, ConstMat x, Mat y) {
         }
       });
 
-  // LB = (E/k) sum_e (c_e / N) P_e with P_e = mean_t p_te; RZ = mean_t lse_t^2.
+  // LB = (E/k) sum_e (c_e / N) P_e with P_e = mean_t p_te; RZ = mean_t lse_t^2. Column sums in
+  // two fixed-order stages (chunks of tokens, then the chunks in order: the same sums on every
+  // backend), then the report, the statistics and the loss term, all on the device.
+  const int chunk = kAuxChunk, chunks = (N + chunk - 1) / chunk;
+  Kokkos::View<double**, Layout, MemSpace, Unmanaged> part(aux_partial_.data(), chunks, E + 1);
+  Kokkos::parallel_for(
+      "moe::aux_partial", Range2({0, 0}, {chunks, E + 1}), KOKKOS_LAMBDA(int c, int e) {
+        const int t1 = (c + 1) * chunk < N ? (c + 1) * chunk : N;
+        double acc = 0.0;
+        for (int t = c * chunk; t < t1; ++t)
+          acc += e < E ? double(p(t, e)) : double(lse(t)) * lse(t);
+        part(c, e) = acc;
+      });
   auto sums = aux_sums_;
   Kokkos::parallel_for(
       "moe::aux_sums", Range(0, E + 1), KOKKOS_LAMBDA(int e) {
         double acc = 0.0;
-        for (int t = 0; t < N; ++t) acc += e < E ? double(p(t, e)) : double(lse(t)) * lse(t);
+        for (int c = 0; c < chunks; ++c) acc += part(c, e);
         sums(e) = acc;
       });
-  auto hs = read_to_host("moe aux sums", sums);
-  for (int e = 0; e < E; ++e) stats.lb += double(stats.load[e]) / N * (hs(e) / N);
-  stats.lb *= double(E) / k;
-  stats.rz = hs(E) / N;
-  aux_loss_ = cfg_.lb_coef * stats.lb + cfg_.z_coef * stats.rz;
+  using DevD = Kokkos::View<double*, Layout, MemSpace, Unmanaged>;
+  DevD st_lb, st_rz, st_load, st_drop;
   if (stats_) {
-    stats_->host(cols_.lb)[0] += stats.lb;
-    stats_->host(cols_.rz)[0] += stats.rz;
-    double* load = stats_->host(cols_.load);
-    for (int e = 0; e < E; ++e) load[e] += stats.load[e];
-    if (cols_.drop >= 0) stats_->host(cols_.drop)[0] += stats.dropped;
+    st_lb = stats_->device(cols_.lb);
+    st_rz = stats_->device(cols_.rz);
+    st_load = stats_->device(cols_.load);
+    if (cols_.drop >= 0) st_drop = stats_->device(cols_.drop);
   }
-  return stats;
+  const bool has_stats = stats_ != nullptr, has_drop = st_drop.extent(0) > 0;
+  const bool has_aux = aux.extent(0) > 0;
+  const double lb_coef = cfg_.lb_coef, z_coef = cfg_.z_coef;
+  auto rep = report_;
+  Kokkos::parallel_for(
+      "moe::aux_finish", Range(0, 1), KOKKOS_LAMBDA(int) {
+        double lb = 0.0;
+        std::int64_t dropped = 0;
+        for (int e = 0; e < E; ++e) {
+          const int c = off(e + 1) - off(e);
+          rep(e) = c;
+          dropped += c > cap ? c - cap : 0;
+          lb += double(c) / N * (sums(e) / N);
+        }
+        lb *= double(E) / k;
+        const double rz = sums(E) / N;
+        rep(E) = double(dropped);
+        rep(E + 1) = lb;
+        rep(E + 2) = rz;
+        if (has_aux) aux(0) += lb_coef * lb + z_coef * rz;
+        if (has_stats) {
+          st_lb(0) += lb;
+          st_rz(0) += rz;
+          for (int e = 0; e < E; ++e) st_load(e) += off(e + 1) - off(e);
+          if (has_drop) st_drop(0) += double(dropped);
+        }
+      });
 }
 
 void MoeLayer::backward(TensorTable& table, ConstMat x, ConstMat dy, Mat dx, MoeScratch& s,
                         float aux_scale) {
-  const int N = N_, E = E_, k = k_, D = D_, R = host_offsets_[E];
+  const int N = N_, E = E_, k = k_, D = D_, R = static_cast<int>(rows_);
   const bool softmax = cfg_.score == RouterScore::Softmax, normalize = cfg_.normalize_topk;
 
   if (shared_)
@@ -283,8 +350,10 @@ void MoeLayer::backward(TensorTable& table, ConstMat x, ConstMat dy, Mat dx, Moe
       "moe::dropped_weight_grad", Range(0, N * k), KOKKOS_LAMBDA(int slot) {
         if (slot_row(slot) < 0) dwt(slot) = 0.0f;
       });
+  auto roff = row_offsets_;
   Kokkos::parallel_for(
       "moe::row_grads", Range(0, R), KOKKOS_LAMBDA(int r) {
+        if (r >= roff(E)) return;
         const int slot = row_slot(r), t = slot / k;
         const float wv = w(slot);
         float dot = 0.0f;
@@ -298,12 +367,12 @@ void MoeLayer::backward(TensorTable& table, ConstMat x, ConstMat dy, Mat dx, Moe
   // Experts backward (here or on their ep rank): d_rows then holds the input gradients.
   if (!dispatch_) {
     experts_backward(table, s.d_rows.data(), rows_in_.data(), up1_.data(), up3_.data(), act_.data(),
-                     host_offsets_, s);
+                     host_offsets_, R, s);
   } else {
     ensure_size(ex_grad_, std::int64_t(dispatch_->local_rows()) * D, "moe::ex_grad");
     dispatch_->dispatch(s.d_rows.data(), ex_grad_.data());
     experts_backward(table, ex_grad_.data(), ex_in_.data(), ex_up1_.data(), ex_up3_.data(),
-                     ex_act_.data(), dispatch_->local_offsets(), s);
+                     ex_act_.data(), dispatch_->local_offsets(), dispatch_->local_rows(), s);
     dispatch_->combine(ex_grad_.data(), s.d_rows.data());
   }
   Kokkos::parallel_for(
@@ -354,10 +423,17 @@ void MoeLayer::backward(TensorTable& table, ConstMat x, ConstMat dy, Mat dx, Moe
 }
 
 void MoeLayer::experts_forward(const TensorTable& table, const float* in_rows,
-                               const std::vector<int>& off, float* up1, float* up3, float* act,
-                               float* out) const {
+                               const std::vector<int>& off, std::int64_t rows, float* up1,
+                               float* up3, float* act, float* out) const {
   const int D = D_, Fe = Fe_;
   const std::int64_t wsz = std::int64_t(Fe) * D;
+  if (grouped_) {  // one launch per product over every local expert
+    grouped_->rows(Trans::T, 1.0f, in_rows, D, table.param(w1_), wsz, 0.0f, up1, Fe);
+    grouped_->rows(Trans::T, 1.0f, in_rows, D, table.param(w3_), wsz, 0.0f, up3, Fe);
+    swiglu_activate(up1, up3, Fe, as_mat(act, static_cast<int>(rows), Fe));
+    grouped_->rows(Trans::T, 1.0f, act, Fe, table.param(w2_), wsz, 0.0f, out, D);
+    return;
+  }
   for (int le = 0; le < El_; ++le) {
     const int r0 = off[le], n = off[le + 1] - r0;
     if (n == 0) continue;
@@ -375,10 +451,25 @@ void MoeLayer::experts_forward(const TensorTable& table, const float* in_rows,
 
 void MoeLayer::experts_backward(TensorTable& table, float* g_rows, const float* in_rows,
                                 const float* up1, const float* up3, const float* act,
-                                const std::vector<int>& off, MoeScratch& s) const {
+                                const std::vector<int>& off, std::int64_t rows,
+                                MoeScratch& s) const {
   // An expert without rows leaves its (zeroed) gradients untouched.
   const int D = D_, Fe = Fe_;
   const std::int64_t wsz = std::int64_t(Fe) * D;
+  if (grouped_) {  // every local expert's rows at once: the hidden gradients for all rows
+    for (View1F* v : {&s.d_act, &s.d_up1, &s.d_up3}) ensure_size(*v, rows * Fe, "moe::d_hidden");
+    float *da = s.d_act.data(), *du1 = s.d_up1.data(), *du3 = s.d_up3.data();
+    grouped_->rows(Trans::N, 1.0f, g_rows, D, table.param(w2_), wsz, 0.0f, da, Fe);
+    grouped_->weight_grads(1.0f, g_rows, D, act, Fe, table.grad(w2_), wsz);
+    swiglu_activate_backward(up1, up3, Fe, as_cmat(da, static_cast<int>(rows), Fe), du1, du3,
+                             Fe);
+    grouped_->weight_grads(1.0f, du1, Fe, in_rows, D, table.grad(w1_), wsz);
+    grouped_->weight_grads(1.0f, du3, Fe, in_rows, D, table.grad(w3_), wsz);
+    // The rows now hold the gradient w.r.t. the experts' inputs.
+    grouped_->rows(Trans::N, 1.0f, du1, Fe, table.param(w1_), wsz, 0.0f, g_rows, D);
+    grouped_->rows(Trans::N, 1.0f, du3, Fe, table.param(w3_), wsz, 1.0f, g_rows, D);
+    return;
+  }
   int most = 0;
   for (int le = 0; le < El_; ++le) most = std::max(most, off[le + 1] - off[le]);
   for (View1F* v : {&s.d_act, &s.d_up1, &s.d_up3})

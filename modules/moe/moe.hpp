@@ -17,6 +17,7 @@
 
 #include "core/bucket_sort.hpp"
 #include "core/config.hpp"
+#include "core/grouped_gemm.hpp"
 #include "core/kokkos_types.hpp"
 #include "core/step_stats.hpp"
 #include "core/tensor_table.hpp"
@@ -26,13 +27,18 @@
 
 namespace kmoe {
 
-// What one MoE layer reports for one micro-batch.
+// What one MoE layer reports for one micro-batch (MoeLayer::report).
 struct MoeStats {
   double lb = 0.0;                 // load-balancing loss LB
   double rz = 0.0;                 // router z-loss RZ
+  double aux = 0.0;                // lb_coef * LB + z_coef * RZ: the layer's term of the loss
   std::vector<std::int64_t> load;  // (E) assignments per expert, before any capacity drop
   std::int64_t dropped = 0;        // assignments beyond capacity
 };
+
+// The expert GEMMs a layer runs: moe.expert_gemm resolved for this build (auto: grouped where
+// the device's memory is not the host's).
+bool use_grouped_expert_gemm(ExpertGemm choice);
 
 // Backward temporaries shared by the MoE layers of a stage.
 struct MoeScratch {
@@ -73,10 +79,13 @@ class MoeLayer {
   // Declares (or finds) the columns of the MoE layer at `block`.
   static MoeStatColumns declare_stats(StepStats& stats, int block, const MoeCfg& e);
 
-  // x: (N, D) -> y: (N, D); saves what backward needs. Returns this micro-batch's report.
-  MoeStats forward(const TensorTable& table, ConstMat x, Mat y);
-  // lb_coef * LB + z_coef * RZ of the last forward: its term of the step loss.
-  double aux_loss() const { return aux_loss_; }
+  // x: (N, D) -> y: (N, D); saves what backward needs. The layer's statistics go to the step
+  // statistics' device accumulators, its term of the loss (lb_coef * LB + z_coef * RZ) is added
+  // to aux(0) when given: nothing is read back to the host (with moe.expert_gemm = per_expert
+  // or expert parallelism, the expert row counts are).
+  void forward(const TensorTable& table, ConstMat x, Mat y, View1D aux = View1D());
+  // The last forward's report, read from the device (a host wait: for tests and tools).
+  MoeStats report() const;
   // dy: (N, D) -> dx: (N, D) (assigned). aux_scale weights this micro-batch's LB and RZ terms in
   // the step loss (1 / micro-batches per step).
   void backward(TensorTable& table, ConstMat x, ConstMat dy, Mat dx, MoeScratch& s,
@@ -92,20 +101,20 @@ class MoeLayer {
   ConstIVec selected() const { return ConstIVec(sel_.data(), sel_.extent(0)); }
 
  private:
-  // The local experts' SwiGLUs on rows grouped per local expert (offsets: El+1 row bounds).
+  // The local experts' SwiGLUs on `rows` rows grouped per local expert: El+1 row bounds in
+  // `off` (host; per-expert GEMMs) or planned into grouped_ (device; grouped GEMMs).
   void experts_forward(const TensorTable& table, const float* in, const std::vector<int>& off,
-                       float* up1, float* up3, float* act, float* out) const;
+                       std::int64_t rows, float* up1, float* up3, float* act, float* out) const;
   // g: (rows, D) output gradients in, input gradients out; weight gradients accumulate.
   void experts_backward(TensorTable& table, float* g, const float* in, const float* up1,
                         const float* up3, const float* act, const std::vector<int>& off,
-                        MoeScratch& s) const;
+                        std::int64_t rows, MoeScratch& s) const;
   int D_, E_, k_, Fe_;
   int P_ = 1, El_, e0_ = 0;  // ep group size, experts per rank, first local expert
   MoeCfg cfg_;
   int router_, w1_, w3_, w2_, bias_ = -1;
   StepStats* stats_ = nullptr;
   MoeStatColumns cols_;
-  double aux_loss_ = 0.0;
   std::unique_ptr<SwigluMlp> shared_;
   KeyBuckets buckets_;
   // Saved for backward, sized for max_tokens.
@@ -116,9 +125,15 @@ class MoeLayer {
   View1I slot_row_;                // (N*k) row of the slot in the expert blocks, -1 if dropped
   View1I row_slot_;                // (N*k) slot of each expert row
   View1I row_offsets_;             // (E+1) first row of each expert's block
-  std::vector<int> host_offsets_;  // the same on the host: GEMM extents
+  std::vector<int> host_offsets_;  // the same on the host (per-expert GEMMs, ep > 1), else empty
+  std::int64_t rows_ = 0;          // rows the expert buffers hold: kept rows, or N*k unread
+  std::unique_ptr<GroupedGemm> grouped_;  // null: per-expert GEMMs
+  View1I local_offsets_;                  // (El+1) ep > 1 with grouped GEMMs: the expert side's
+  View1D report_;                         // (E+3): load per expert, dropped, LB, RZ
   View1F rows_in_, up1_, up3_, act_, rows_out_;  // (N*k, D|Fe): gathered inputs ... outputs
   View1D aux_sums_;                              // (E+1): sum_t p_te, then sum_t lse_t^2
+  static constexpr int kAuxChunk = 256;          // tokens per first-stage partial sum
+  View1D aux_partial_;                           // (chunks, E+1): the first stage
   int N_ = 0;
   // Expert parallelism (P > 1): the row traffic, and the expert side's buffers (the local
   // experts' rows from every rank), grown on demand.

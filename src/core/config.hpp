@@ -20,6 +20,8 @@ enum class PipeSchedule { OneFOneB, GPipe };      // parallel.schedule
 enum class EngramShardGroup { None, Ep, Stage };  // parallel.engram_shard
 enum class CommBackend { Mpi, Nccl };             // parallel.backend
 enum class CudaAwareMpi { Auto, Yes, No };        // parallel.cuda_aware_mpi
+enum class ExpertGemm { Auto, Grouped, PerExpert };  // moe.expert_gemm
+enum class Precision { Fp32, Tf32 };              // train.precision
 
 template <class E>
 struct Choice {
@@ -63,6 +65,16 @@ template <>
 struct Choices<CommBackend> {
   static constexpr Choice<CommBackend> all[] = {{CommBackend::Mpi, "mpi"},
                                                 {CommBackend::Nccl, "nccl"}};
+};
+template <>
+struct Choices<ExpertGemm> {
+  static constexpr Choice<ExpertGemm> all[] = {{ExpertGemm::Auto, "auto"},
+                                               {ExpertGemm::Grouped, "grouped"},
+                                               {ExpertGemm::PerExpert, "per_expert"}};
+};
+template <>
+struct Choices<Precision> {
+  static constexpr Choice<Precision> all[] = {{Precision::Fp32, "fp32"}, {Precision::Tf32, "tf32"}};
 };
 template <>
 struct Choices<CudaAwareMpi> {
@@ -135,6 +147,7 @@ struct MoeCfg {
   int shared_experts = 0;
   int shared_hidden = 0;
   double bias_update_rate = 0.0;  // aux-loss-free balancing (DeepSeek-V3); 0: off
+  ExpertGemm expert_gemm = ExpertGemm::Auto;
 
   bool enabled() const { return experts > 0; }
   bool is_moe_layer(int block) const {
@@ -175,6 +188,7 @@ struct TrainCfg {
   int eval_every = 0;        // 0: evaluate at the end only
   int eval_instances = 0;    // 0: all validation instances
   bool check_memory = true;  // refuse a run its node or device cannot hold
+  Precision precision = Precision::Fp32;  // fp32 GEMMs: exact, or TF32 tensor cores on GPUs
 };
 
 struct OptimizerCfg {

@@ -1,6 +1,10 @@
 #include "core/gemm.hpp"
 
 #include <KokkosBlas3_gemm.hpp>
+#include <KokkosKernels_config.h>
+#if defined(KOKKOS_ENABLE_CUDA) && defined(KOKKOSKERNELS_ENABLE_TPL_CUBLAS)
+#include <KokkosBlas_tpl_spec.hpp>  // the cuBLAS handle Kokkos Kernels' gemm uses
+#endif
 
 #include "core/error.hpp"
 
@@ -24,6 +28,31 @@ void gemm(Trans ta, Trans tb, float alpha, ConstMat A, ConstMat B, float beta, M
     return;
   }
   KokkosBlas::gemm(ta == Trans::N ? "N" : "T", tb == Trans::N ? "N" : "T", alpha, A, B, beta, C);
+}
+
+std::string set_gemm_precision(Precision p) {
+#if defined(KOKKOS_ENABLE_CUDA) && defined(KOKKOSKERNELS_ENABLE_TPL_CUBLAS)
+  auto& blas = KokkosBlas::Impl::CudaBlasSingleton::singleton();
+  const cublasStatus_t st = cublasSetMathMode(
+      blas.handle, p == Precision::Tf32 ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH);
+  KMOE_REQUIRE(st == CUBLAS_STATUS_SUCCESS,
+               "train.precision = " << choice_name(p) << ": cublasSetMathMode failed (" << int(st)
+                                    << ")");
+  return "";
+#elif defined(KOKKOS_ENABLE_CUDA)
+  return p == Precision::Tf32 ? "train.precision = tf32 has no effect: Kokkos Kernels was built "
+                                "without cuBLAS, GEMMs run in fp32"
+                              : "";
+#elif defined(KOKKOS_ENABLE_HIP)
+  KMOE_REQUIRE(p == Precision::Fp32,
+               "train.precision = tf32 is not available on HIP builds (no TF32 math mode is "
+               "set through rocBLAS); use fp32");
+  return "";
+#else
+  return p == Precision::Tf32 ? std::string("train.precision = tf32 has no effect on the ") +
+                                    ExecSpace::name() + " backend: GEMMs run in fp32"
+                              : "";
+#endif
 }
 
 }  // namespace kmoe

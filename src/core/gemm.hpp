@@ -2,6 +2,9 @@
 // (vendor BLAS underneath). Shapes are checked here: Kokkos Kernels checks only in debug builds.
 #pragma once
 
+#include <string>
+
+#include "core/config.hpp"
 #include "core/kokkos_types.hpp"
 
 namespace kmoe {
@@ -10,5 +13,11 @@ enum class Trans { N, T };
 
 // op(A): [m, k], op(B): [k, n], C: [m, n].
 void gemm(Trans ta, Trans tb, float alpha, ConstMat A, ConstMat B, float beta, Mat C);
+
+// train.precision for every later gemm(): fp32, or TF32 tensor cores (cuBLAS' TF32 math mode
+// on the handle Kokkos Kernels calls through). Returns a line for the start-up log when the
+// backend ignores the choice (CPUs; Kokkos Kernels without cuBLAS), else "". Throws on HIP,
+// which has no TF32 path here.
+std::string set_gemm_precision(Precision p);
 
 }  // namespace kmoe

@@ -10,6 +10,7 @@
 
 #include "core/device_sync.hpp"
 #include "core/fault_injection.hpp"
+#include "core/gemm.hpp"
 #include "core/memory.hpp"
 #include "core/stop_signal.hpp"
 #include "core/timer.hpp"
@@ -52,6 +53,9 @@ Trainer::Trainer(const Config& cfg, ProcessGrid& grid)
     val_data_ = std::make_unique<TokenDataset>(cfg.data.val_paths, cfg.data.dtype, t.seq_len,
                                                cfg.model.vocab_size, "data.val_paths");
   stream_ = std::make_unique<InstanceStream>(train_data_->num_instances(), t.seed);
+  const std::string precision_note = set_gemm_precision(t.precision);
+  if (grid_.is_root() && !precision_note.empty())
+    std::printf("note: %s\n", precision_note.c_str());
 
   // This rank's micro-batches per step and the pipeline schedule over them; one Stage instance
   // per micro-batch the schedule keeps in flight, all on the same parameters.
@@ -132,7 +136,7 @@ StepMetrics Trainer::train_step(int step) {
   const auto& dumps = cfg_.output.dump_step;
   const bool dump = std::find(dumps.begin(), dumps.end(), step) != dumps.end();
   StepDump d{step, 0, 0, 0, 0, 0, {}, t.global_batch, T, {}, cfg_.moe.top_k};
-  double sums[3] = {0.0, 0.0, 0.0};  // CE, z and MoE aux sums over this rank's micro-batches
+  double sums[3] = {0.0, 0.0, 0.0};  // CE, z and MoE sums over this rank's micro-batches
 
   // The rank's micro-batches i = 0..M-1 are the step's micro-batches j = me + i*R (RUNTIME.md
   // section 2), run in schedule order; micro-batch i runs on Stage instance i mod S.
@@ -153,11 +157,10 @@ StepMetrics Trainer::train_step(int step) {
         pipe.recv(stage.input_buffer(), acts, grid_.pp_rank - 1);
         timer.stop(phases_.pipeline);
       }
-      const LossSums s = stage.forward(table_, host_tokens_.data(), b, grad_scale, loss_sums_);
+      stage.forward(table_, host_tokens_.data(), b, grad_scale, loss_sums_);
       if (!grid_.last_stage()) out = pipe.start_send(stage.output(), acts, grid_.pp_rank + 1);
       timer.stop(phases_.forward);
       if (dump) record_routes(stage, d, std::int64_t(j) * b * T);
-      sums[2] += s.moe_aux;  // CE and z sums: in loss_sums_ on the device
     } else {
       if (!grid_.last_stage()) {
         pipe.recv(stage.output_grad_buffer(), acts, grid_.pp_rank + 1);
@@ -177,10 +180,9 @@ StepMetrics Trainer::train_step(int step) {
   }
   for (auto& p : sends) pipe.complete(p);
   reducer_->finish();
-  if (grid_.last_stage()) {
+  if (grid_.last_stage() || stages_[0]->has_moe()) {  // CE and z on the last stage, MoE on any
     auto h = read_to_host("loss sums", loss_sums_);
-    sums[0] = h(0);
-    sums[1] = h(1);
+    for (int i = 0; i < 3; ++i) sums[i] = h(i);
   }
   // Loss terms and the layers' statistics: each rank holds its own micro-batches' share of the
   // layers on its stage; a sum over the world assembles the global batch.

@@ -79,7 +79,7 @@ class Trainer {
   std::unique_ptr<InstanceStream> stream_;
   std::unique_ptr<MetricsWriter> metrics_;  // rank 0 only
   std::vector<std::int32_t> host_tokens_;
-  View1D loss_sums_{"trainer::loss_sums", 2};  // the step's CE and z sums, on the device
+  View1D loss_sums_{"trainer::loss_sums", 3};  // the step's CE, z and MoE sums, on the device
   TrainState state_;
   bool resumed_ = false;
   PhaseTotals phases_;

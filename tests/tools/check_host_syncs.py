@@ -6,8 +6,10 @@ them (Kokkos >= 4), every fence.
 
 - A dense model, and one with an Engram layer: the same number of waits per step with twice
   the micro-batches and with twice the layers.
-- An MoE model: the waits grow by exactly 2 per MoE layer and micro-batch (its expert offsets,
-  which size the per-expert GEMMs on the host, and its auxiliary-loss sums) and by nothing else.
+- An MoE model with grouped expert GEMMs (moe.expert_gemm = grouped, the GPU default): the
+  same number of waits per step with twice the micro-batches and with twice the MoE layers.
+- With per-expert GEMMs (the CPU default): exactly 1 more per MoE layer and micro-batch (the
+  expert row offsets that size the vendor GEMMs on the host) and nothing else.
 Usage: check_host_syncs.py BIN_DIR WORK_DIR COUNTER_LIB
 """
 import os
@@ -44,14 +46,19 @@ for label, extra in (("dense", []), ("engram", ENGRAM)):
                 f"{label}, twice the {variant}: {base['kmoe_syncs']} -> {r['kmoe_syncs']} named "
                 f"waits, {base['fences']} -> {r['fences']} fences per step")
 
-# MoE: 2 per MoE layer per micro-batch on top of the dense step's waits.
-dense = per_step("moe_dense_ref", "--moe.experts=0")
+# MoE, grouped: no growth; per expert: 1 per MoE layer per micro-batch on top of grouped.
 for name, micro, layers, more in (("moe", 2, 2, []), ("moe_micro", 4, 2, ["--train.global_batch=8"]),
                                   ("moe_layers", 2, 4, ["--model.n_layers=4"])):
-    r = per_step(name, *MOE, *more)
-    d = dense if layers == 2 and micro == 2 else per_step(name + "_dense", *more)
-    want = d["kmoe_syncs"] + 2 * layers * micro
+    g = per_step(name, *MOE, "--moe.expert_gemm=grouped", *more)
+    if name == "moe":
+        base = g
+    else:
+        h.check(g["kmoe_syncs"] == base["kmoe_syncs"] and g["fences"] == base["fences"],
+                f"{name}, grouped: {base['kmoe_syncs']} -> {g['kmoe_syncs']} named waits, "
+                f"{base['fences']} -> {g['fences']} fences per step")
+    r = per_step(name + "_per_expert", *MOE, "--moe.expert_gemm=per_expert", *more)
+    want = g["kmoe_syncs"] + layers * micro
     h.check(r["kmoe_syncs"] == want,
-            f"{name}: {r['kmoe_syncs']} named waits = dense {d['kmoe_syncs']} + 2 x {layers} "
-            f"MoE layers x {micro} micro-batches")
+            f"{name}, per expert: {r['kmoe_syncs']} named waits = grouped {g['kmoe_syncs']} + "
+            f"{layers} MoE layers x {micro} micro-batches")
 h.finish()

@@ -5,6 +5,7 @@
 
 #include "core/error.hpp"
 #include "core/gemm.hpp"
+#include "core/grouped_gemm.hpp"
 
 namespace kmoe {
 namespace {
@@ -72,6 +73,89 @@ TEST(Gemm, ZeroOuterExtentIsNoop) { check_gemm(Trans::N, Trans::T, 0, 4, 3, 1.0f
 TEST(Gemm, ShapeMismatchThrows) {
   View2F A("A", 3, 4), B("B", 5, 6), C("C", 3, 6);
   EXPECT_THROW(gemm(Trans::N, Trans::N, 1.0f, as_cmat(A), as_cmat(B), 0.0f, as_mat(C)), Error);
+}
+
+// Grouped GEMMs against per-group double-precision loops: group sizes 0, 1, a tile edge and a
+// few tiles (the row offsets only on the device), inner extents and widths off the tile sizes,
+// both weight orientations, beta 0 and 1; rows outside the groups and the weights of a group
+// without rows are untouched; a second run is bit-identical.
+TEST(GroupedGemm, RowsAndWeightGradientsMatchPerGroupProducts) {
+  const std::vector<int> sizes = {5, 0, 33, 1, 70};
+  const int G = static_cast<int>(sizes.size()), K = 40, n = 37, spare = 9;
+  std::vector<int> off(G + 1, 0);
+  for (int g = 0; g < G; ++g) off[g + 1] = off[g] + sizes[g];
+  const int rows = off[G], cap = rows + spare;  // the bound the launch covers
+  std::mt19937 gen(3);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  auto random = [&](std::size_t count) {
+    std::vector<float> v(count);
+    for (auto& x : v) x = u(gen);
+    return v;
+  };
+  auto upload = [](const std::vector<float>& h) {
+    View1F v("v", h.size());
+    Kokkos::deep_copy(v, Kokkos::View<const float*, HostSpace, Unmanaged>(h.data(), h.size()));
+    return v;
+  };
+  auto download = [](const View1F& v) {
+    auto h = Kokkos::create_mirror_view_and_copy(HostSpace(), v);
+    return std::vector<float>(h.data(), h.data() + h.size());
+  };
+  View1I d_off("off", G + 1);
+  Kokkos::deep_copy(d_off, Kokkos::View<const int*, HostSpace, Unmanaged>(off.data(), G + 1));
+  GroupedGemm gg(G);
+  gg.plan(ConstIVec(d_off.data(), G + 1), cap);
+
+  const auto A = random(std::size_t(cap) * K), W = random(std::size_t(G) * n * K);
+  const auto C0 = random(std::size_t(cap) * n);
+  for (Trans tw : {Trans::T, Trans::N})
+    for (float beta : {0.0f, 1.0f}) {
+      View1F dA = upload(A), dW = upload(W), dC = upload(C0);
+      gg.rows(tw, 0.5f, dA.data(), K, dW.data(), std::int64_t(n) * K, beta, dC.data(), n);
+      const auto got = download(dC);
+      for (int g = 0; g < G; ++g)
+        for (int r = off[g]; r < off[g + 1]; ++r)
+          for (int j = 0; j < n; ++j) {
+            double acc = 0.0;
+            for (int p = 0; p < K; ++p) {
+              const float w = tw == Trans::T ? W[(std::size_t(g) * n + j) * K + p]
+                                             : W[(std::size_t(g) * K + p) * n + j];
+              acc += double(A[std::size_t(r) * K + p]) * w;
+            }
+            const double want = 0.5 * acc + beta * C0[std::size_t(r) * n + j];
+            ASSERT_NEAR(got[std::size_t(r) * n + j], want, 1e-4) << g << " " << r << " " << j;
+          }
+      for (std::size_t i = std::size_t(rows) * n; i < got.size(); ++i)
+        ASSERT_EQ(got[i], C0[i]) << "row past the groups, element " << i;
+      View1F again = upload(C0);
+      gg.rows(tw, 0.5f, dA.data(), K, dW.data(), std::int64_t(n) * K, beta, again.data(), n);
+      EXPECT_EQ(download(again), got);
+    }
+
+  // G_g (m x n) += alpha A_g^T B_g, A rows x m, B rows x n.
+  const int m = K;
+  const auto B = random(std::size_t(cap) * n), G0 = random(std::size_t(G) * m * n);
+  View1F dA = upload(A), dB = upload(B), dG = upload(G0);
+  gg.weight_grads(2.0f, dA.data(), m, dB.data(), n, dG.data(), std::int64_t(m) * n);
+  const auto got = download(dG);
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < m; ++i)
+      for (int j = 0; j < n; ++j) {
+        double acc = 0.0;
+        for (int r = off[g]; r < off[g + 1]; ++r)
+          acc += double(A[std::size_t(r) * m + i]) * B[std::size_t(r) * n + j];
+        const std::size_t at = (std::size_t(g) * m + i) * n + j;
+        if (sizes[g] == 0)
+          ASSERT_EQ(got[at], G0[at]) << "group without rows, " << i << "," << j;
+        else
+          ASSERT_NEAR(got[at], G0[at] + 2.0 * acc, 1e-4) << g << " " << i << " " << j;
+      }
+}
+
+TEST(GroupedGemm, OffsetsOfTheWrongLengthThrow) {
+  GroupedGemm gg(3);
+  View1I off("off", 3);
+  EXPECT_THROW(gg.plan(ConstIVec(off.data(), 3), 10), Error);
 }
 
 }  // namespace

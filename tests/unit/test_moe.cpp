@@ -49,6 +49,12 @@ std::vector<float> to_host(const View2F& v) {
   return std::vector<float>(h.data(), h.data() + h.size());
 }
 
+// A forward and its report (read back from the device).
+MoeStats forward_report(MoeLayer& layer, const TensorTable& table, const View2F& x, View2F& y) {
+  layer.forward(table, as_cmat(x), as_mat(y));
+  return layer.report();
+}
+
 TEST(Moe, OneExpertTopOneIsTheDenseLayer) {
   const int N = 24, D = 16, F = 20;
   const ModelCfg m = model(D);
@@ -123,7 +129,7 @@ TEST(Moe, ExpertWithoutTokensGetsExactlyZeroGradientAndNoStaleRows) {
   route_to_first_two(table, D);
   Kokkos::deep_copy(table.grads, 1.0f);
   Kokkos::deep_copy(table.grads, 0.0f);  // the trainer zeroes gradients every step
-  const MoeStats st = layer.forward(table, as_cmat(x), as_mat(y));
+  const MoeStats st = forward_report(layer, table, x, y);
   EXPECT_EQ(st.load[2], 0);
   EXPECT_EQ(st.load[3], 0);
   EXPECT_EQ(st.load[0] + st.load[1], N);
@@ -164,7 +170,7 @@ TEST(Moe, CapacityDropsTheTailInTokenOrderDeterministically) {
   Kokkos::deep_copy(table_b.params, table.params);
   View2F x = random_input(N, D, 6), y_all("ya", N, D), y_cap("yc", N, D), y_cap2("yc2", N, D);
   a.forward(table, as_cmat(x), as_mat(y_all));
-  const MoeStats st = b.forward(table_b, as_cmat(x), as_mat(y_cap));
+  const MoeStats st = forward_report(b, table_b, x, y_cap);
   const int cap = 12;
   std::int64_t expected_drops = 0;
   for (int e = 0; e < E; ++e) expected_drops += std::max<std::int64_t>(0, st.load[e] - cap);
@@ -186,7 +192,7 @@ TEST(Moe, CapacityDropsTheTailInTokenOrderDeterministically) {
     for (int d = 0; d < D; ++d) differs = differs || ya[t * D + d] != yc[t * D + d];
     EXPECT_EQ(differs, lost[t]) << "token " << t;
   }
-  const MoeStats st2 = b.forward(table_b, as_cmat(x), as_mat(y_cap2));
+  const MoeStats st2 = forward_report(b, table_b, x, y_cap2);
   EXPECT_EQ(st2.dropped, st.dropped);
   EXPECT_EQ(to_host(y_cap), to_host(y_cap2));
 }
@@ -209,13 +215,13 @@ TEST(Moe, RouterBiasMovesTowardBalance) {
   auto imbalance = [&](const MoeStats& st) {
     return double(*std::max_element(st.load.begin(), st.load.end())) / (double(N) / E);
   };
-  const MoeStats first = layer.forward(table, as_cmat(x), as_mat(y));
+  const MoeStats first = forward_report(layer, table, x, y);
   EXPECT_EQ(first.load[2] + first.load[3], 0);
   MoeStats st = first;
   for (int step = 0; step < 60; ++step) {
     update_router_bias(table, layer.bias_index(),
                        std::vector<double>(st.load.begin(), st.load.end()), e.bias_update_rate);
-    st = layer.forward(table, as_cmat(x), as_mat(y));
+    st = forward_report(layer, table, x, y);
   }
   EXPECT_GT(st.load[2] + st.load[3], 0);
   EXPECT_LT(imbalance(st), imbalance(first));
@@ -240,9 +246,9 @@ TEST(Moe, StatisticsAndTheRouterBiasHook) {
   View2F x1 = random_input(N, D, 6), x2 = random_input(N, D, 7), y("y", N, D);
   layer.forward(table, as_cmat(x1), as_mat(y));  // e.g. an evaluation forward: forgotten
   stats.begin_step();
-  const MoeStats a = layer.forward(table, as_cmat(x1), as_mat(y));
-  const MoeStats b = layer.forward(table, as_cmat(x2), as_mat(y));
-  EXPECT_EQ(layer.aux_loss(), e.lb_coef * b.lb + e.z_coef * b.rz);
+  const MoeStats a = forward_report(layer, table, x1, y);
+  const MoeStats b = forward_report(layer, table, x2, y);
+  EXPECT_EQ(b.aux, e.lb_coef * b.lb + e.z_coef * b.rz);
   std::vector<double> counts(E);
   double most = 0.0, total = 0.0;
   for (int x = 0; x < E; ++x) {
@@ -251,6 +257,7 @@ TEST(Moe, StatisticsAndTheRouterBiasHook) {
     total += counts[x];
   }
   ASSERT_GT(a.dropped + b.dropped, 0) << "the capacity must bite for the drop column to count";
+  stats.gather_device();  // the layer adds on the device
   const auto f = stats.finish(2);
   EXPECT_EQ(f[0].second, (a.lb + b.lb) / 2);
   EXPECT_EQ(f[1].second, (a.rz + b.rz) / 2);
@@ -272,6 +279,68 @@ TEST(Moe, StatisticsAndTheRouterBiasHook) {
     moved = moved || got(i) != 0.0f;
   }
   EXPECT_TRUE(moved);
+}
+
+// The grouped expert GEMMs (moe.expert_gemm = grouped, row counts only on the device) against
+// the per-expert vendor GEMMs: the same routing and statistics exactly, outputs and every
+// gradient to fp32 rounding; dropless with a shared expert, and with a capacity that drops.
+// Two grouped runs are bit-identical.
+TEST(Moe, GroupedExpertGemmsMatchPerExpertGemms) {
+  const int N = 48, D = 16, Fe = 20, E = 8, k = 2;
+  const ModelCfg m = model(D);
+  for (double capacity : {0.0, 0.6}) {
+    MoeCfg e = moe(E, k, Fe);
+    e.lb_coef = 0.1;
+    e.z_coef = 0.01;
+    e.capacity_factor = capacity;
+    e.shared_experts = capacity == 0.0 ? 1 : 0;
+    e.shared_hidden = 12;
+    struct Run {
+      std::vector<float> y, dx, grads;
+      MoeStats st;
+    };
+    auto run = [&](ExpertGemm gemms) {
+      MoeCfg c = e;
+      c.expert_gemm = gemms;
+      TensorTable table;
+      MoeLayer layer(m, c, "moe.", N, table);
+      table.allocate();
+      table.initialize(11);
+      View2F x = random_input(N, D, 6), y("y", N, D), dy = random_input(N, D, 7), dx("dx", N, D);
+      MoeScratch s(m, c, N);
+      Run r;
+      r.st = forward_report(layer, table, x, y);
+      layer.backward(table, as_cmat(x), as_cmat(dy), as_mat(dx), s, 0.5f);
+      r.y = to_host(y);
+      r.dx = to_host(dx);
+      auto g = Kokkos::create_mirror_view_and_copy(HostSpace(), table.grads);
+      r.grads.assign(g.data(), g.data() + g.size());
+      return r;
+    };
+    auto max_rel = [](const std::vector<float>& a, const std::vector<float>& b) {
+      double num = 0.0, den = 0.0;
+      for (std::size_t i = 0; i < a.size(); ++i) {
+        num = std::max(num, std::fabs(double(a[i]) - b[i]));
+        den = std::max(den, std::fabs(double(b[i])));
+      }
+      return num / std::max(den, 1e-30);
+    };
+    const Run per = run(ExpertGemm::PerExpert), grouped = run(ExpertGemm::Grouped);
+    EXPECT_EQ(grouped.st.load, per.st.load) << capacity;
+    EXPECT_EQ(grouped.st.dropped, per.st.dropped) << capacity;
+    EXPECT_EQ(grouped.st.lb, per.st.lb) << capacity;
+    EXPECT_EQ(grouped.st.rz, per.st.rz) << capacity;
+    if (capacity > 0) {
+      EXPECT_GT(per.st.dropped, 0) << "the capacity must bite";
+    }
+    EXPECT_LE(max_rel(grouped.y, per.y), 1e-5) << capacity;
+    EXPECT_LE(max_rel(grouped.dx, per.dx), 1e-5) << capacity;
+    EXPECT_LE(max_rel(grouped.grads, per.grads), 1e-5) << capacity;
+    const Run again = run(ExpertGemm::Grouped);
+    EXPECT_EQ(again.y, grouped.y);
+    EXPECT_EQ(again.dx, grouped.dx);
+    EXPECT_EQ(again.grads, grouped.grads);
+  }
 }
 
 }  // namespace

@@ -196,9 +196,10 @@ std::vector<float> random_vec(std::int64_t n, unsigned seed, float scale, float 
   return v;
 }
 
-TEST(ExpertParallel, MatchesAllExpertsOnOneRank) {
-  // Each rank routes its own tokens; ep = 4 ranks hold 2 of the 8 experts each. Experts 6 and 7
-  // are never chosen (their router rows push the logits down), so rank 3 receives no rows.
+// Each rank routes its own tokens; ep = 4 ranks hold 2 of the 8 experts each. Experts 6 and 7
+// are never chosen (their router rows push the logits down), so rank 3 receives no rows. The
+// sharded layer runs its experts' GEMMs as `gemms` says; the one-rank layer per expert.
+void expert_parallel_matches_one_rank(ExpertGemm gemms) {
   Communicator ep(MPI_COMM_WORLD, "ep");
   const int me = ep.rank(), N = 24, D = 16;
   ModelCfg m = tiny_model();
@@ -210,7 +211,9 @@ TEST(ExpertParallel, MatchesAllExpertsOnOneRank) {
   e.z_coef = 0.01;
   TensorTable full, part;
   MoeLayer one(m, e, "moe.", N, full);
-  MoeLayer sharded(m, e, "moe.", N, part, &ep);
+  MoeCfg e_sharded = e;
+  e_sharded.expert_gemm = gemms;
+  MoeLayer sharded(m, e_sharded, "moe.", N, part, &ep);
   full.allocate();
   part.allocate();
   full.initialize(5);
@@ -229,8 +232,9 @@ TEST(ExpertParallel, MatchesAllExpertsOnOneRank) {
   fill(x.data(), random_vec(N * D, 11 + me, 0.5f, 1.0f));  // positive: experts 6, 7 lose
   fill(dy.data(), random_vec(N * D, 31 + me, 0.1f));
   MoeScratch s1(m, e, N), s2(m, e, N);
-  const MoeStats a = one.forward(full, as_cmat(x.data(), N, D), as_mat(y1.data(), N, D));
-  const MoeStats b = sharded.forward(part, as_cmat(x.data(), N, D), as_mat(y2.data(), N, D));
+  one.forward(full, as_cmat(x.data(), N, D), as_mat(y1.data(), N, D));
+  sharded.forward(part, as_cmat(x.data(), N, D), as_mat(y2.data(), N, D));
+  const MoeStats a = one.report(), b = sharded.report();
   EXPECT_EQ(a.load, b.load);
   EXPECT_EQ(a.load[6] + a.load[7], 0);
   EXPECT_DOUBLE_EQ(a.lb, b.lb);
@@ -253,6 +257,14 @@ TEST(ExpertParallel, MatchesAllExpertsOnOneRank) {
     EXPECT_LE(max_rel(host(part.grad(part.find(name)), p.size), slice), 1e-5) << name;
     EXPECT_EQ(p.spec.row_begin, std::string(name) == "moe.router" ? 0 : 2 * me) << name;
   }
+}
+
+TEST(ExpertParallel, MatchesAllExpertsOnOneRank) {
+  expert_parallel_matches_one_rank(ExpertGemm::PerExpert);
+}
+
+TEST(ExpertParallel, GroupedExpertGemmsMatchAllExpertsOnOneRank) {
+  expert_parallel_matches_one_rank(ExpertGemm::Grouped);
 }
 
 TEST(EngramSharding, MatchesTheReplicatedTable) {
