@@ -14,6 +14,8 @@ off (the deck's output.phase_timing is overridden), as in a production run. Prin
 asserts nothing.
 
 usage: bench/bench_syncs.py [--build build] [--steps 4] [--decks inputs/x.deck ...]
+                            [--set section.key=value ...]
+e.g. --set moe.expert_gemm=grouped counts the GPU default's MoE path on a CPU build.
 """
 import argparse
 import csv
@@ -61,21 +63,25 @@ def main():
     ap.add_argument("--build", default=os.path.join(ROOT, "build"))
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--decks", nargs="+", default=DECKS)
+    ap.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
+                    help="deck overrides for every run")
     a = ap.parse_args()
+    sets = [f"--{kv}" for kv in a.set]
     data = os.path.join(ROOT, "data", "fortunes")
     if not os.path.exists(os.path.join(data, "train.bin")):
         subprocess.run([os.path.join(a.build, "drivers", "kmoe-prep"), "--fortunes", "--out-dir",
                         data], check=True, cwd=ROOT, capture_output=True)
-    print(f"bench_syncs: per step, median of steps 2..{a.steps}, one rank")
+    print(f"bench_syncs: per step, median of steps 2..{a.steps}, one rank"
+          + (f", {' '.join(a.set)}" if a.set else ""))
     print(f"{'deck':<28} {'variant':<18} " + " ".join(f"{c:>16}" for c in COLUMNS))
     with tempfile.TemporaryDirectory(prefix="kmoe_syncs") as tmp:
         for deck in a.decks:
             G = deck_value(deck, "train", "global_batch", 1)
             b = deck_value(deck, "train", "micro_batch", 1)
             L = deck_value(deck, "model", "n_layers", 1)
-            base = count(a.build, deck, a.steps, [], tmp)
-            micro = count(a.build, deck, a.steps, [f"--train.global_batch={2 * G}"], tmp)
-            layers = count(a.build, deck, a.steps, [f"--model.n_layers={2 * L}"], tmp)
+            base = count(a.build, deck, a.steps, sets, tmp)
+            micro = count(a.build, deck, a.steps, [*sets, f"--train.global_batch={2 * G}"], tmp)
+            layers = count(a.build, deck, a.steps, [*sets, f"--model.n_layers={2 * L}"], tmp)
             m = G // b
             name = os.path.basename(deck)
             for label, r in ((f"{m} micro, {L} layers", base), (f"{2 * m} micro", micro),

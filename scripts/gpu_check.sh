@@ -178,6 +178,20 @@ print(f"bench: {tps:,.0f} tokens/s, {flops / 1e12:.1f} TFLOP/s (model), {mfu}; "
       f"host memory high-water {mem:.0f} MiB")
 PY
   grep "time per phase" "$out/bench_train.log" | sed 's/^/bench: /' | tee -a "$out/summary.txt"
+  # The same model with TF32 GEMMs, and with per-expert vendor GEMMs instead of grouped ones.
+  for variant in train.precision=tf32 moe.expert_gemm=per_expert; do
+    if (cd "$bench" && timeout 120 "$kmoe" kmoe-train -i bench.deck --output.dir="run_$variant" \
+          --checkpoint.dir="run_$variant/ckpt" --train.max_steps=4 "--$variant" \
+          ${GPU_CHECK_BENCH_ARGS:-} > "$out/bench_$variant.log" 2>&1); then
+      python3 - "$bench/run_$variant/metrics.csv" "$variant" <<'PY' | tee -a "$out/summary.txt"
+import csv, statistics, sys
+rows = [r for r in csv.DictReader(open(sys.argv[1]))][2:]
+print(f"bench, {sys.argv[2]}: {statistics.median(float(r['tokens_per_s']) for r in rows):,.0f} tokens/s")
+PY
+    else
+      log "bench, $variant: kmoe-train failed: $(tail -2 "$out/bench_$variant.log" | tr '\n' ' ')"
+    fi
+  done
   counter=$bundle/lib/libkmoe_kokkos_counter.so
   if (cd "$bench" && KOKKOS_TOOLS_LIBS=$counter KOKKOS_PROFILE_LIBRARY=$counter \
         KMOE_KOKKOS_COUNTS=$bench/counts.csv timeout 120 "$kmoe" kmoe-train -i bench.deck \

@@ -80,6 +80,8 @@ constexpr std::int64_t kChunk = INT_MAX / 2;  // MPI counts are int: larger buff
 
 Communicator::Communicator(MPI_Comm parent, std::string name, double watchdog_seconds)
     : name_(std::move(name)), watchdog_s_(watchdog_seconds) {
+  const char* rendezvous = std::getenv("KMOE_P2P_RENDEZVOUS");
+  rendezvous_ = rendezvous && std::string(rendezvous) == "1";
   mpi_check(MPI_Comm_dup(parent, &comm_), "MPI_Comm_dup");
   mpi_check(MPI_Comm_dup(parent, &notice_), "MPI_Comm_dup");
   MPI_Comm_rank(comm_, &rank_);
@@ -112,6 +114,7 @@ Communicator::Communicator(Communicator&& o) noexcept
       size_(o.size_),
       name_(std::move(o.name_)),
       watchdog_s_(o.watchdog_s_),
+      rendezvous_(o.rendezvous_),
       world_ranks_(std::move(o.world_ranks_)),
       seq_(o.seq_) {}
 
@@ -122,6 +125,7 @@ Communicator& Communicator::operator=(Communicator&& o) noexcept {
   std::swap(size_, o.size_);
   std::swap(name_, o.name_);
   std::swap(watchdog_s_, o.watchdog_s_);
+  std::swap(rendezvous_, o.rendezvous_);
   std::swap(world_ranks_, o.world_ranks_);
   std::swap(seq_, o.seq_);
   return *this;
@@ -335,12 +339,16 @@ void Communicator::all_to_all(const std::int64_t* send, std::int64_t* recv, int 
 }
 
 namespace {
+// synchronous: a send completes only once its receive has started (MPI_Issend).
 void post(std::vector<MPI_Request>& reqs, bool is_send, const float* data, std::int64_t n, int peer,
-          MPI_Comm comm) {
+          MPI_Comm comm, bool synchronous = false) {
   for (std::int64_t off = 0; off < n; off += kChunk) {
     reqs.emplace_back();
     const int count = static_cast<int>(std::min(kChunk, n - off));
-    if (is_send)
+    if (is_send && synchronous)
+      mpi_check(MPI_Issend(data + off, count, MPI_FLOAT, peer, kDataTag, comm, &reqs.back()),
+                "MPI_Issend");
+    else if (is_send)
       mpi_check(MPI_Isend(data + off, count, MPI_FLOAT, peer, kDataTag, comm, &reqs.back()),
                 "MPI_Isend");
     else
@@ -371,10 +379,25 @@ void Communicator::all_to_all_v(const float* send, const std::vector<std::int64_
 }
 
 Pending Communicator::start_send(const float* data, std::int64_t n, int peer) const {
+  if (rendezvous_) {  // blocks until matched, as on an in-order stream
+    send_recv(data, n, peer, nullptr, 0, -1);
+    return nullptr;
+  }
   host_sync("mpi send");
   auto p = begin("send", false, peer);
   post(p->reqs, true, data, n, peer, comm_);
   return Pending(std::move(p));
+}
+
+Pending Communicator::start_send_recv(const float* send, std::int64_t n_send, int to,
+                                      float* recv, std::int64_t n_recv, int from) const {
+  if (rendezvous_) {  // both posted together, as one NCCL group
+    send_recv(send, n_send, to, recv, n_recv, from);
+    return nullptr;
+  }
+  Pending p = start_send(send, n_send, to);
+  this->recv(recv, n_recv, from);
+  return p;
 }
 
 void Communicator::recv(float* data, std::int64_t n, int peer) const {
@@ -388,7 +411,7 @@ void Communicator::send_recv(const float* send, std::int64_t n_send, int to, flo
   const char* op = to >= 0 && from >= 0 ? "send_recv" : (to >= 0 ? "send" : "recv");
   auto p = begin(op, false, from >= 0 ? from : to);
   if (from >= 0) post(p->reqs, false, recv, n_recv, from, comm_);
-  if (to >= 0) post(p->reqs, true, send, n_send, to, comm_);
+  if (to >= 0) post(p->reqs, true, send, n_send, to, comm_, rendezvous_);
   run(std::move(p));
 }
 

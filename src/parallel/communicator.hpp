@@ -56,6 +56,15 @@ class DataComm {
   // Nonblocking: a sum in place over the members (a gradient bucket), a send of n floats.
   virtual Pending start_allreduce_sum(float* data, std::int64_t n) const = 0;
   virtual Pending start_send(const float* data, std::int64_t n, int peer) const = 0;
+  // A send started together with a receive that returns complete (the pipeline's send and the
+  // receive that follows it): on NCCL one group, so neither waits for the other; on MPI the
+  // send is nonblocking anyway. The send completes with complete() on the result.
+  virtual Pending start_send_recv(const float* send, std::int64_t n_send, int to, float* recv,
+                                  std::int64_t n_recv, int from) const {
+    Pending p = start_send(send, n_send, to);
+    this->recv(recv, n_recv, from);
+    return p;
+  }
   virtual void complete(Pending& p) const = 0;
   // Blocking: variable all-to-all (counts in floats, blocks in member order) and a receive.
   virtual void all_to_all_v(const float* send, const std::vector<std::int64_t>& send_counts,
@@ -110,7 +119,15 @@ class Communicator : public DataComm {
   // floats to `peer`; complete() waits for it.
   Pending start_allreduce_sum(float* data, std::int64_t n) const override;
   Pending start_send(const float* data, std::int64_t n, int peer) const override;
+  Pending start_send_recv(const float* send, std::int64_t n_send, int to, float* recv,
+                          std::int64_t n_recv, int from) const override;
   void complete(Pending& p) const override;
+
+  // Test-only: with KMOE_P2P_RENDEZVOUS=1 in the environment a send completes only when its
+  // receive is posted and blocks until then (MPI_Issend, waited at once), one operation at a
+  // time in issue order: how NCCL's transfers behave on one in-order stream. A transfer order
+  // that would deadlock there deadlocks here too, where the watchdog names it.
+  bool rendezvous() const { return rendezvous_; }
 
   // A blocking receive of n floats from member `peer` (sends: start_send + complete).
   void recv(float* data, std::int64_t n, int peer) const override;
@@ -145,6 +162,7 @@ class Communicator : public DataComm {
   int rank_ = 0, size_ = 1;
   std::string name_;
   double watchdog_s_ = 0.0;
+  bool rendezvous_ = false;
   std::vector<int> world_ranks_{0};
   mutable std::int64_t seq_ = 0;  // collectives started on this communicator
 };

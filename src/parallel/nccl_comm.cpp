@@ -37,11 +37,11 @@ cudaStream_t kokkos_stream() {
 #endif
 }
 
-// What rank 0 of the axis broadcasts: the unique ids of the channels, or why it has none (so
-// that a failure there is an error on every member rather than a hang in the broadcast).
+// What rank 0 of the axis broadcasts: the unique id, or why it has none (so that a failure
+// there is an error on every member rather than a hang in the broadcast).
 struct Bootstrap {
   int rc = ncclSuccess;
-  ncclUniqueId id[3];
+  ncclUniqueId id;
 };
 
 }  // namespace
@@ -64,7 +64,7 @@ void NcclComm::nccl_check(int rc, const char* call) const {
   const ncclResult_t r = static_cast<ncclResult_t>(rc);
   // ncclGetLastError (NCCL 2.13) adds the detail NCCL logged, e.g. which peer it lost.
 #if NCCL_VERSION_CODE >= NCCL_VERSION(2, 13, 0)
-  const char* detail = ncclGetLastError(ch_[kMain].comm);
+  const char* detail = ncclGetLastError(comm_);
 #else
   const char* detail = nullptr;
 #endif
@@ -80,7 +80,7 @@ void NcclComm::cuda_check(int rc, const char* call) const {
                  << cudaGetErrorName(e) << ": " << cudaGetErrorString(e));
 }
 
-NcclComm::NcclComm(const Communicator& axis, bool p2p_streams)
+NcclComm::NcclComm(const Communicator& axis)
     : name_(axis.name()),
       watchdog_s_(axis.watchdog_seconds()),
       rank_(axis.rank()),
@@ -94,26 +94,15 @@ NcclComm::NcclComm(const Communicator& axis, bool p2p_streams)
   KMOE_REQUIRE(axis.valid(), "NcclComm over the " << name_ << " axis, which has no members here");
   for (int r = 0; r < size_; ++r) world_ranks_.push_back(axis.world_rank(r));
   try {
-    const int n = p2p_streams && size_ > 1 ? kChannels : 1;
     Bootstrap boot{};
-    if (rank_ == 0)
-      for (int c = 0; c < n && boot.rc == ncclSuccess; ++c) boot.rc = ncclGetUniqueId(&boot.id[c]);
+    if (rank_ == 0) boot.rc = ncclGetUniqueId(&boot.id);
     mpi_check(MPI_Bcast(&boot, static_cast<int>(sizeof boot), MPI_BYTE, 0, axis.comm()),
               "MPI_Bcast(ncclUniqueId)");
     nccl_check(boot.rc, "ncclGetUniqueId (on the axis's rank 0)");
-    ch_[kMain].stream = kokkos_stream();
-    for (int c = 1; c < n; ++c) {
-      cudaStream_t s = nullptr;
-      cuda_check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
-      ch_[c].stream = s;
-      ch_[c].own_stream = true;
-    }
-    // The members initialize the channels in the same order, each init being collective.
-    for (int c = 0; c < n; ++c) {
-      ncclComm_t comm = nullptr;
-      nccl_check(ncclCommInitRank(&comm, size_, boot.id[c], rank_), "ncclCommInitRank");
-      ch_[c].comm = comm;
-    }
+    stream_ = kokkos_stream();
+    ncclComm_t comm = nullptr;
+    nccl_check(ncclCommInitRank(&comm, size_, boot.id, rank_), "ncclCommInitRank");
+    comm_ = comm;
   } catch (...) {
     release();
     throw;
@@ -126,55 +115,35 @@ void NcclComm::release() noexcept {
   int finalized = 0;
   MPI_Finalized(&finalized);
   const bool teardown = finalized || !Kokkos::is_initialized();
-  for (Channel& ch : ch_) {
-    if (ch.comm && !teardown) ncclCommDestroy(ch.comm);
-    if (ch.own_stream && ch.stream && !teardown) cudaStreamDestroy(ch.stream);
-    ch = Channel();
-  }
+  if (comm_ && !teardown) ncclCommDestroy(comm_);
+  comm_ = nullptr;
 }
 
 NcclComm::~NcclComm() { release(); }
 
 void NcclComm::abort_all() const {
-  for (Channel& ch : ch_)
-    if (ch.comm) {
-      ncclCommAbort(ch.comm);  // its result is of no use: the job stops either way
-      ch.comm = nullptr;
-    }
+  if (comm_) {
+    ncclCommAbort(comm_);  // its result is of no use: the job stops either way
+    comm_ = nullptr;
+  }
 }
 
-const NcclComm::Channel& NcclComm::p2p(int peer, bool sending, const char* op) const {
+void NcclComm::check_peer(int peer, const char* op) const {
   KMOE_REQUIRE(peer >= 0 && peer < size_ && peer != rank_,
                op << " on the " << name_ << " axis (parallel.backend = nccl): peer " << peer
                   << " is not another member of the axis's " << size_);
-  if (!ch_[kUp].comm) return ch_[kMain];
-  // Data moving to higher members (our sends up, their receives from below) on one channel,
-  // the reverse direction on the other: both peers of a transfer pick the same one.
-  const bool upward = sending ? peer > rank_ : peer < rank_;
-  return ch_[upward ? kUp : kDown];
 }
 
-void NcclComm::follow_kokkos(const Channel& ch) const {
-  if (ch.stream == ch_[kMain].stream) return;
-  cudaEvent_t ready = nullptr;
-  cuda_check(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), "cudaEventCreateWithFlags");
-  const cudaError_t rec = cudaEventRecord(ready, ch_[kMain].stream);
-  const cudaError_t wait = rec == cudaSuccess ? cudaStreamWaitEvent(ch.stream, ready, 0) : rec;
-  cudaEventDestroy(ready);  // released once the wait has been satisfied
-  cuda_check(rec, "cudaEventRecord");
-  cuda_check(wait, "cudaStreamWaitEvent");
-}
-
-Pending NcclComm::record(const Channel& ch, const char* op, int peer, bool collective) const {
+Pending NcclComm::record(const char* op, int peer, bool collective) const {
   auto p = std::make_unique<NcclOp>();
   p->op = op;
   p->peer = peer;
   p->collective = collective;
   p->mark = collective ? ++seq_ : 0;
-  p->comm = ch.comm;
+  p->comm = comm_;
   cuda_check(cudaEventCreateWithFlags(&p->event, cudaEventDisableTiming),
              "cudaEventCreateWithFlags");
-  cuda_check(cudaEventRecord(p->event, ch.stream), "cudaEventRecord");
+  cuda_check(cudaEventRecord(p->event, stream_), "cudaEventRecord");
   return Pending(std::move(p));
 }
 
@@ -235,38 +204,61 @@ void NcclComm::watchdog_abort(const NcclOp& p, double waited) const {
 
 Pending NcclComm::start_allreduce_sum(float* data, std::int64_t n) const {
   if (size_ == 1 || n == 0) return nullptr;
-  const Channel& ch = ch_[kMain];
-  nccl_check(ncclAllReduce(data, data, static_cast<std::size_t>(n), ncclFloat, ncclSum, ch.comm,
-                           ch.stream),
+  nccl_check(ncclAllReduce(data, data, static_cast<std::size_t>(n), ncclFloat, ncclSum, comm_,
+                           stream_),
              "ncclAllReduce");
-  return record(ch, "allreduce_sum(float)", -1, true);
+  return record("allreduce_sum(float)", -1, true);
 }
 
 Pending NcclComm::start_send(const float* data, std::int64_t n, int peer) const {
-  const Channel& ch = p2p(peer, true, "send");
+  check_peer(peer, "send");
   if (n == 0) return nullptr;  // both peers know n: nothing to match
-  follow_kokkos(ch);
-  nccl_check(ncclSend(data, static_cast<std::size_t>(n), ncclFloat, peer, ch.comm, ch.stream),
+  nccl_check(ncclSend(data, static_cast<std::size_t>(n), ncclFloat, peer, comm_, stream_),
              "ncclSend");
-  return record(ch, "send", peer, false);
+  return record("send", peer, false);
+}
+
+Pending NcclComm::start_send_recv(const float* send, std::int64_t n_send, int to, float* recv,
+                                  std::int64_t n_recv, int from) const {
+  check_peer(to, "send_recv");
+  check_peer(from, "send_recv");
+  // One group: NCCL progresses both transfers together, so a send whose peer first sends to
+  // us cannot block our receive.
+  nccl_check(ncclGroupStart(), "ncclGroupStart");
+  ncclResult_t rc = ncclSuccess;
+  const char* failed = "";
+  if (n_send > 0) {
+    rc = ncclSend(send, static_cast<std::size_t>(n_send), ncclFloat, to, comm_, stream_);
+    failed = "ncclSend";
+  }
+  if (rc == ncclSuccess && n_recv > 0) {
+    rc = ncclRecv(recv, static_cast<std::size_t>(n_recv), ncclFloat, from, comm_, stream_);
+    failed = "ncclRecv";
+  }
+  const ncclResult_t end = ncclGroupEnd();  // closed even after a failure
+  nccl_check(rc, failed);
+  nccl_check(end, "ncclGroupEnd");
+  // The receive is complete once the group is: later kernels on the stream see the data, and
+  // the host waits here (as in recv) under the watchdog.
+  Pending p = record("send_recv", from, false);
+  complete(p);
+  return nullptr;
 }
 
 void NcclComm::recv(float* data, std::int64_t n, int peer) const {
-  const Channel& ch = p2p(peer, false, "recv");
+  check_peer(peer, "recv");
   if (n == 0) return;
-  // The buffer's earlier readers on the Kokkos stream finish before NCCL overwrites it; once
-  // complete() returns, later kernels see the data (the host waited for the event).
-  follow_kokkos(ch);
-  nccl_check(ncclRecv(data, static_cast<std::size_t>(n), ncclFloat, peer, ch.comm, ch.stream),
+  // Stream order: the buffer's earlier readers finish before NCCL overwrites it, and later
+  // kernels see the data; the host waits for it under the watchdog.
+  nccl_check(ncclRecv(data, static_cast<std::size_t>(n), ncclFloat, peer, comm_, stream_),
              "ncclRecv");
-  Pending p = record(ch, "recv", peer, false);
+  Pending p = record("recv", peer, false);
   complete(p);
 }
 
 void NcclComm::all_to_all_v(const float* send, const std::vector<std::int64_t>& send_counts,
                             float* recv, const std::vector<std::int64_t>& recv_counts) const {
   check_all_to_all_counts(name_, size_, rank_, send_counts, recv_counts);
-  const Channel& ch = ch_[kMain];
   std::int64_t soff = 0, roff = 0;
   // Every transfer of the exchange in one group, so NCCL runs them concurrently (posted one
   // by one they would serialize and could deadlock); the block to self is a device copy.
@@ -280,14 +272,14 @@ void NcclComm::all_to_all_v(const float* send, const std::vector<std::int64_t>& 
     if (p == rank_) {
       if (ns > 0)
         self_rc = cudaMemcpyAsync(recv + roff, send + soff, sizeof(float) * ns,
-                                  cudaMemcpyDeviceToDevice, ch.stream);
+                                  cudaMemcpyDeviceToDevice, stream_);
     } else {
       if (rc == ncclSuccess && ns > 0) {
-        rc = ncclSend(send + soff, ns, ncclFloat, p, ch.comm, ch.stream);
+        rc = ncclSend(send + soff, ns, ncclFloat, p, comm_, stream_);
         failed = "ncclSend";
       }
       if (rc == ncclSuccess && nr > 0) {
-        rc = ncclRecv(recv + roff, nr, ncclFloat, p, ch.comm, ch.stream);
+        rc = ncclRecv(recv + roff, nr, ncclFloat, p, comm_, stream_);
         failed = "ncclRecv";
       }
     }
@@ -299,7 +291,7 @@ void NcclComm::all_to_all_v(const float* send, const std::vector<std::int64_t>& 
   nccl_check(rc, failed);
   nccl_check(end, "ncclGroupEnd");
   cuda_check(self_rc, "cudaMemcpyAsync(all_to_all_v, to self)");
-  Pending p = record(ch, "all_to_all_v", -1, true);
+  Pending p = record("all_to_all_v", -1, true);
   complete(p);
 }
 

@@ -4,10 +4,16 @@
 // MPI broadcasts it) and names it in errors. NCCL is CUDA-only: a CPU or HIP Kokkos build
 // refuses it (kmoe::Error) and uses parallel.backend = mpi.
 //
-// Operations are stream-ordered. Collectives run on the Kokkos execution space's CUDA stream,
-// after the kernels that produced their buffers; a started operation records a CUDA event, and
-// complete() polls it under the axis's watchdog (parallel.watchdog_seconds): a rank stuck too
-// long names the operation, the axis and its world ranks, aborts NCCL and then the job.
+// Operations are stream-ordered: every operation of every axis runs on the one CUDA stream of
+// the Kokkos execution space, after the kernels that produced its buffers, in the order the
+// rank issues them. NCCL documents that operations of several communicators in flight at once
+// on different streams can deadlock; on one stream they cannot overlap, and every rank of a
+// stage issues the same sequence (the step's program), so the members of each operation reach
+// it in the same order. Transfers that depend on each other go as one NCCL group
+// (start_send_recv: the pipeline's send with the receive that follows it). A started operation
+// records a CUDA event, and complete() polls it under the axis's watchdog
+// (parallel.watchdog_seconds): a rank stuck too long names the operation, the axis and its
+// world ranks, aborts NCCL and then the job.
 #pragma once
 
 #include <cstdint>
@@ -26,14 +32,8 @@ namespace kmoe {
 class NcclComm : public DataComm {
  public:
   // Collective over `axis` (every member calls it, in the same order as every other axis's
-  // construction). p2p_streams: point-to-point transfers run on two more NCCL communicators,
-  // each with its own stream: one carries sends to higher members (and their receives), the
-  // other sends to lower members. A pipeline's forward sends and backward receives then never
-  // queue behind each other, so an exchange that MPI completes (a rank sends downstream, then
-  // waits for the upstream gradient, while its neighbour does the reverse) cannot deadlock in
-  // NCCL's in-order streams. Without it transfers share the Kokkos stream with collectives and
-  // must be posted in matching order on both peers. The axis must be valid.
-  explicit NcclComm(const Communicator& axis, bool p2p_streams = false);
+  // construction). The axis must be valid.
+  explicit NcclComm(const Communicator& axis);
   ~NcclComm() override;
   NcclComm(const NcclComm&) = delete;
   NcclComm& operator=(const NcclComm&) = delete;
@@ -44,30 +44,22 @@ class NcclComm : public DataComm {
 
   Pending start_allreduce_sum(float* data, std::int64_t n) const override;
   Pending start_send(const float* data, std::int64_t n, int peer) const override;
+  Pending start_send_recv(const float* send, std::int64_t n_send, int to, float* recv,
+                          std::int64_t n_recv, int from) const override;
   void complete(Pending& p) const override;
   void all_to_all_v(const float* send, const std::vector<std::int64_t>& send_counts, float* recv,
                     const std::vector<std::int64_t>& recv_counts) const override;
   void recv(float* data, std::int64_t n, int peer) const override;
 
  private:
-  // An NCCL communicator and the stream its operations are enqueued on.
-  struct Channel {
-    ncclComm* comm = nullptr;
-    CUstream_st* stream = nullptr;
-    bool own_stream = false;  // created here (p2p), not Kokkos's
-  };
   struct NcclOp;
-  enum { kMain = 0, kUp = 1, kDown = 2, kChannels = 3 };
 
-  // The channel of a transfer with `peer`, checked to be another member.
-  const Channel& p2p(int peer, bool sending, const char* op) const;
-  // Makes ch's stream wait for the work already on the Kokkos stream (the buffer's producers
-  // and earlier readers); a no-op on the Kokkos stream itself.
-  void follow_kokkos(const Channel& ch) const;
-  // Records the completion event of the operation just enqueued on ch.
-  Pending record(const Channel& ch, const char* op, int peer, bool collective) const;
+  // Checks that `peer` is another member (op names the transfer in the error).
+  void check_peer(int peer, const char* op) const;
+  // Records the completion event of the operation just enqueued.
+  Pending record(const char* op, int peer, bool collective) const;
   [[noreturn]] void watchdog_abort(const NcclOp& p, double waited) const;
-  // ncclCommAbort on every channel (after an asynchronous NCCL error or the watchdog).
+  // ncclCommAbort (after an asynchronous NCCL error or the watchdog).
   void abort_all() const;
   void nccl_check(int rc, const char* call) const;
   void cuda_check(int rc, const char* call) const;
@@ -77,7 +69,8 @@ class NcclComm : public DataComm {
   double watchdog_s_ = 0.0;
   int rank_ = 0, size_ = 1;
   std::vector<int> world_ranks_;
-  mutable Channel ch_[kChannels];
+  mutable ncclComm* comm_ = nullptr;
+  CUstream_st* stream_ = nullptr;  // the Kokkos execution space's
   mutable std::int64_t seq_ = 0;  // collectives started, for the watchdog's message
 };
 

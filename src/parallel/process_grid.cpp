@@ -57,9 +57,8 @@ void ProcessGrid::build_data_plane(const ParallelCfg& cfg) {
   if (tie.valid()) axes.push_back(&tie);
   if (cfg.backend == CommBackend::Nccl) {
 #ifdef KMOE_HAVE_NCCL
-    // Only the pipeline sends point to point: it gets the per-direction streams.
     for (const Communicator* axis : axes)
-      data_.emplace_back(axis, std::make_unique<NcclComm>(*axis, axis == &pipe));
+      data_.emplace_back(axis, std::make_unique<NcclComm>(*axis));
     return;
 #else
     KMOE_FAIL(

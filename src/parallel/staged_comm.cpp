@@ -97,6 +97,18 @@ Pending StagedMpiComm::start_send(const float* data, std::int64_t n, int peer) c
   return Pending(std::move(op));
 }
 
+Pending StagedMpiComm::start_send_recv(const float* send, std::int64_t n_send, int to,
+                                       float* recv, std::int64_t n_recv, int from) const {
+  auto op = std::make_unique<StagedOp>();
+  op->host = take(n_send);
+  to_host(op->host, send, n_send);
+  HostBuffer host_recv = take(n_recv);
+  op->inner = axis_.start_send_recv(op->host.data(), n_send, to, host_recv.data(), n_recv, from);
+  to_device(recv, host_recv, n_recv);
+  give_back(std::move(host_recv));
+  return Pending(std::move(op));
+}
+
 void StagedMpiComm::complete(Pending& pending) const {
   if (!pending) return;
   StagedOp& op = static_cast<StagedOp&>(*pending);

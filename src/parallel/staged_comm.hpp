@@ -37,6 +37,8 @@ class StagedMpiComm : public DataComm {
 
   Pending start_allreduce_sum(float* data, std::int64_t n) const override;
   Pending start_send(const float* data, std::int64_t n, int peer) const override;
+  Pending start_send_recv(const float* send, std::int64_t n_send, int to, float* recv,
+                          std::int64_t n_recv, int from) const override;
   void complete(Pending& p) const override;
   void all_to_all_v(const float* send, const std::vector<std::int64_t>& send_counts, float* recv,
                     const std::vector<std::int64_t>& recv_counts) const override;

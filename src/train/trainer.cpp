@@ -143,27 +143,49 @@ StepMetrics Trainer::train_step(int step) {
   const int S = static_cast<int>(stages_.size());
   std::vector<Pending> sends(S);  // an instance's outgoing transfer, done before its reuse
   const DataComm& pipe = grid_.data_plane(grid_.pipe);
+  // Pipeline transfers in one agreed order (RUNTIME.md section 2): an op's send is held until
+  // the start of the rank's next op, and goes out with that op's receive as one operation, or
+  // alone when it has none. In 1F1B's steady state each rank then exchanges with a neighbour
+  // in one step (send forward + receive backward, and the reverse on the neighbour), so
+  // transfers that complete only when matched (NCCL on one stream) cannot wait on each other.
+  struct Held {
+    const float* data = nullptr;
+    int peer = -1, instance = -1;
+  } held;
+  auto send_held = [&] {
+    if (!held.data) return;
+    sends[held.instance] = pipe.start_send(held.data, acts, held.peer);
+    held = Held();
+  };
+  auto receive = [&](float* into, int from) {
+    if (!held.data) return pipe.recv(into, acts, from);
+    sends[held.instance] = pipe.start_send_recv(held.data, acts, held.peer, into, acts, from);
+    held = Held();
+  };
   timer.start();
   for (std::size_t k = 0; k < schedule_.size(); ++k) {
     const PipeOp op = schedule_[k];
-    Stage& stage = *stages_[op.micro % S];
-    Pending& out = sends[op.micro % S];
+    const int instance = op.micro % S;
+    Stage& stage = *stages_[instance];
+    Pending& out = sends[instance];
+    const bool receives = op.forward ? !grid_.first_stage() : !grid_.last_stage();
+    if (!receives) send_held();
     if (op.forward) {
       const int j = me + op.micro * R;
-      pipe.complete(out);
       load_positions(state_.next_position + std::int64_t(j) * b, b);
       timer.stop(phases_.data);
-      if (!grid_.first_stage()) {
-        pipe.recv(stage.input_buffer(), acts, grid_.pp_rank - 1);
+      if (receives) {
+        receive(stage.input_buffer(), grid_.pp_rank - 1);
         timer.stop(phases_.pipeline);
       }
+      pipe.complete(out);  // the instance's last send: its output buffer is rewritten next
       stage.forward(table_, host_tokens_.data(), b, grad_scale, loss_sums_);
-      if (!grid_.last_stage()) out = pipe.start_send(stage.output(), acts, grid_.pp_rank + 1);
+      if (!grid_.last_stage()) held = Held{stage.output(), grid_.pp_rank + 1, instance};
       timer.stop(phases_.forward);
       if (dump) record_routes(stage, d, std::int64_t(j) * b * T);
     } else {
-      if (!grid_.last_stage()) {
-        pipe.recv(stage.output_grad_buffer(), acts, grid_.pp_rank + 1);
+      if (receives) {
+        receive(stage.output_grad_buffer(), grid_.pp_rank + 1);
         timer.stop(phases_.pipeline);
       }
       // The step's last backward finalizes the gradients: buckets start as they complete.
@@ -173,11 +195,12 @@ StepMetrics Trainer::train_step(int step) {
                        : std::function<void(int)>());
       if (!grid_.first_stage()) {
         pipe.complete(out);  // a middle stage's activation send of this instance (long received)
-        out = pipe.start_send(dx, acts, grid_.pp_rank - 1);
+        held = Held{dx, grid_.pp_rank - 1, instance};
       }
       timer.stop(phases_.backward);
     }
   }
+  send_held();
   for (auto& p : sends) pipe.complete(p);
   reducer_->finish();
   if (grid_.last_stage() || stages_[0]->has_moe()) {  // CE and z on the last stage, MoE on any

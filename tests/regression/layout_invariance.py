@@ -7,7 +7,8 @@ updates, no capacity) trains 20 steps on 1 rank and on every layout below; each 
   2. steps 1-3: every loss within 1e-5,
   3. all 20 steps (and the final validation loss) within 5e-3,
   4. the same layout twice: bit-identical losses.
-Also: Engram sharding (ep, stage), GPipe, tied embeddings across stages, the watchdog on a rank
+Also: Engram sharding (ep, stage), GPipe, pipeline transfers that complete only when matched
+(as NCCL's on one stream), tied embeddings across stages, the watchdog on a rank
 that stops taking part (a test-only hook), and clear errors for bad grids before any
 allocation.
 Usage: layout_invariance.py BIN_DIR WORK_DIR MPIEXEC
@@ -78,6 +79,16 @@ train("shard_stage", 2, 2, 2, "--parallel.engram_shard=stage", "--parallel.pp_la
 compare("shard_stage", "l111")
 train("l222_again", 2, 2, 2)
 h.check(h.losses("l222_again") == h.losses("l222"), "(2,2,2) twice: bit-identical losses")
+# Transfers that complete only when their receive is posted, one at a time in issue order
+# (NCCL's on one stream; over MPI a test-only switch): every pipeline schedule still completes
+# (the watchdog would name a deadlock) with the same losses.
+RDV = dict(h.env, KMOE_P2P_RENDEZVOUS="1")
+for name, grid, extra, base in (("rdv_l411", (4, 1, 1), [], "l411"),
+                                ("rdv_l222", (2, 2, 2), [], "l222"),
+                                ("rdv_gpipe", (2, 2, 2), ["--parallel.schedule=gpipe"], "gpipe")):
+    train(name, *grid, *extra, "--parallel.watchdog_seconds=60", env=RDV)
+    h.check(h.losses(name) == h.losses(base),
+            f"{name}: rendezvous transfers, losses bit-identical to {base}")
 # Router-bias updates and capacity drops are discontinuous: same-layout checks only.
 SWITCHY = ["--moe.bias_update_rate=0.01", "--moe.capacity_factor=1.0", "--train.max_steps=6",
            "--train.eval_every=0"]

@@ -98,7 +98,7 @@ std::string error_of(void (*f)()) {
 TEST(NcclLink, CpuKokkosRefusesNccl) {
   const std::string e = error_of([] {
     Communicator world(MPI_COMM_WORLD, "world", 10.0);
-    NcclComm nccl(world, true);
+    NcclComm nccl(world);
   });
   EXPECT_NE(e.find("parallel.backend = nccl needs Kokkos built with CUDA"), std::string::npos) << e;
   EXPECT_NE(e.find(ExecSpace::name()), std::string::npos) << e;
@@ -128,7 +128,7 @@ void fill_ramp(View1F v, float step) {
 
 TEST(NcclLink, OneRankAllToAllThroughNccl) {
   Communicator self(MPI_COMM_SELF, "self", 60.0);
-  NcclComm nccl(self, false);
+  NcclComm nccl(self);
   EXPECT_STREQ(nccl.backend(), "nccl");
   EXPECT_EQ(nccl.size(), 1);
   View1F send("send", 5), recv("recv", 5);
