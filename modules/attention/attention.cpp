@@ -51,15 +51,6 @@ Attention::Attention(const ModelCfg& m, const std::string& prefix, int max_seqs,
 
 namespace {
 
-// Per (sequence, kv head g): the group's G = H/Hkv query heads are consecutive in the head
-// layout, so they form one (G*T, dh) matrix against the kv head's (T, dh).
-// f(qh, kh): the group's first query head and its kv head, as indices into the head layouts.
-template <class F>
-void for_each_group(int nseq, int H, int Hkv, F&& f) {
-  for (int s = 0; s < nseq; ++s)
-    for (int g = 0; g < Hkv; ++g) f(s * H + g * (H / Hkv), s * Hkv + g);
-}
-
 // Between the head layout (nseq, H, T, dh) and concatenated heads (N, H*dh).
 void move_heads(float* heads_data, Mat merged, int T, int H, int dh, bool to_heads) {
   const int N = merged.extent(0);
@@ -133,10 +124,12 @@ void Attention::forward(const TensorTable& table, const RopeTables& rope, ConstM
 
   const float scale = 1.0f / std::sqrt(static_cast<float>(dh));
   const std::int64_t TT = std::int64_t(T) * T, Tdh = std::int64_t(T) * dh;
-  for_each_group(nseq, H, Hkv, [&](int qh, int kh) {  // scores (G*T, T) = q k^T / sqrt(dh)
-    gemm(Trans::N, Trans::T, scale, as_cmat(q_.data() + qh * Tdh, G * T, dh),
-         as_cmat(k_.data() + kh * Tdh, T, dh), 0.0f, as_mat(probs_.data() + qh * TT, G * T, T));
-  });
+  // The G query heads of a kv head are adjacent in the head layout (nseq, H, T, dh), so each
+  // (sequence, kv head) is one (G*T, dh) matrix against the kv head's (T, dh): a strided batch.
+  const int groups = nseq * Hkv;
+  // Per (sequence, kv head), strided: scores (G*T, T) = q k^T / sqrt(dh).
+  gemm_strided_batched(Trans::N, Trans::T, scale, {q_.data(), G * T, dh, G * Tdh},
+                       {k_.data(), T, dh, Tdh}, 0.0f, probs_.data(), G * T, T, G * TT, groups);
 
   // Causal softmax, one row per work item; the exp loop is branch-free (exp_poly) and
   // vectorizes, the max and the sum run in column order (fixed, deterministic).
@@ -156,10 +149,8 @@ void Attention::forward(const TensorTable& table, const RopeTables& rope, ConstM
       });
 
   float* heads = scratch.d_heads.data();  // (nseq, H, T, dh) head outputs
-  for_each_group(nseq, H, Hkv, [&](int qh, int kh) {
-    gemm(Trans::N, Trans::N, 1.0f, as_cmat(probs_.data() + qh * TT, G * T, T),
-         as_cmat(v_.data() + kh * Tdh, T, dh), 0.0f, as_mat(heads + qh * Tdh, G * T, dh));
-  });
+  gemm_strided_batched(Trans::N, Trans::N, 1.0f, {probs_.data(), G * T, T, G * TT},
+                       {v_.data(), T, dh, Tdh}, 0.0f, heads, G * T, dh, G * Tdh, groups);
   Mat merged = as_mat(merged_.data(), N, qd);
   move_heads(heads, merged, T, H, dh, /*to_heads=*/false);
   gemm(Trans::N, Trans::T, 1.0f, as_cmat(merged), as_cmat(table.param(wo_), D_, qd), 0.0f, out);
@@ -172,6 +163,9 @@ void Attention::backward(TensorTable& table, const RopeTables& rope, ConstMat a,
   const bool qk_norm = qk_norm_;
   const float scale = 1.0f / std::sqrt(static_cast<float>(dh));
   const std::int64_t TT = std::int64_t(T) * T, Tdh = std::int64_t(T) * dh;
+  // The G query heads of a kv head are adjacent in the head layout (nseq, H, T, dh), so each
+  // (sequence, kv head) is one (G*T, dh) matrix against the kv head's (T, dh): a strided batch.
+  const int groups = nseq * Hkv;
 
   // Output projection: dWo += dout^T merged; d_merged = dout Wo.
   gemm(Trans::T, Trans::N, 1.0f, dout, as_cmat(merged_.data(), N, qd), 1.0f,
@@ -183,13 +177,11 @@ void Attention::backward(TensorTable& table, const RopeTables& rope, ConstMat a,
 
   // dP = dO v^T; dv = P^T dO (summed over the group's heads by the GEMM itself).
   float* d_probs = scratch.d_probs.data();
-  for_each_group(nseq, H, Hkv, [&](int qh, int kh) {
-    gemm(Trans::N, Trans::T, 1.0f, as_cmat(d_heads + qh * Tdh, G * T, dh),
-         as_cmat(v_.data() + kh * Tdh, T, dh), 0.0f, as_mat(d_probs + qh * TT, G * T, T));
-    gemm(Trans::T, Trans::N, 1.0f, as_cmat(probs_.data() + qh * TT, G * T, T),
-         as_cmat(d_heads + qh * Tdh, G * T, dh), 0.0f,
-         as_mat(scratch.d_v.data() + kh * Tdh, T, dh));
-  });
+  gemm_strided_batched(Trans::N, Trans::T, 1.0f, {d_heads, G * T, dh, G * Tdh},
+                       {v_.data(), T, dh, Tdh}, 0.0f, d_probs, G * T, T, G * TT, groups);
+  gemm_strided_batched(Trans::T, Trans::N, 1.0f, {probs_.data(), G * T, T, G * TT},
+                       {d_heads, G * T, dh, G * Tdh}, 0.0f, scratch.d_v.data(), T, dh, Tdh,
+                       groups);
 
   // Softmax backward in place: dS = P * (dP - sum_j P dP) * scale.
   auto p = as_cmat(probs_.data(), nseq * H * T, T);
@@ -206,13 +198,11 @@ void Attention::backward(TensorTable& table, const RopeTables& rope, ConstMat a,
       });
 
   // dq = dS k (overwrites dO in d_heads, no longer needed); dk = dS^T q.
-  for_each_group(nseq, H, Hkv, [&](int qh, int kh) {
-    gemm(Trans::N, Trans::N, 1.0f, as_cmat(d_probs + qh * TT, G * T, T),
-         as_cmat(k_.data() + kh * Tdh, T, dh), 0.0f, as_mat(d_heads + qh * Tdh, G * T, dh));
-    gemm(Trans::T, Trans::N, 1.0f, as_cmat(d_probs + qh * TT, G * T, T),
-         as_cmat(q_.data() + qh * Tdh, G * T, dh), 0.0f,
-         as_mat(scratch.d_k.data() + kh * Tdh, T, dh));
-  });
+  gemm_strided_batched(Trans::N, Trans::N, 1.0f, {d_probs, G * T, T, G * TT},
+                       {k_.data(), T, dh, Tdh}, 0.0f, d_heads, G * T, dh, G * Tdh, groups);
+  gemm_strided_batched(Trans::T, Trans::N, 1.0f, {d_probs, G * T, T, G * TT},
+                       {q_.data(), G * T, dh, G * Tdh}, 0.0f, scratch.d_k.data(), T, dh, Tdh,
+                       groups);
 
   // Back to (N, W) rows: inverse RoPE on dq, dk (gradients w.r.t. the normalized q, k), dv.
   Mat d_qkv = as_mat(scratch.d_qkv.data(), N, W);

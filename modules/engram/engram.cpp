@@ -2,6 +2,7 @@
 
 #include <cmath>
 
+#include "core/column_sums.hpp"
 #include "core/device_sync.hpp"
 #include "core/error.hpp"
 #include "core/gemm.hpp"
@@ -11,16 +12,12 @@ namespace kmoe {
 
 namespace {
 
-// Column sums in row order: dst[d] += sum_t src[t, d].
+// Column sums in a fixed order: dst[d] += sum_t src[t, d].
 void add_column_sums(ConstMat src, float* dst_data) {
   const int N = src.extent(0), D = src.extent(1);
-  Vec dst(dst_data, D);
-  Kokkos::parallel_for(
-      "engram::column_sums", Range(0, D), KOKKOS_LAMBDA(int d) {
-        float acc = 0.0f;
-        for (int t = 0; t < N; ++t) acc += src(t, d);
-        dst(d) += acc;
-      });
+  column_sums(
+      "engram::column_sums", N, D, KOKKOS_LAMBDA(int t, int d) { return src(t, d); },
+      Vec(dst_data, D));
 }
 
 // Bias add: y[t, d] += b[d].
@@ -187,15 +184,14 @@ void EngramLayer::backward(TensorTable& table, ConstMat x, ConstMat dout, Mat dx
         const float z = c(r, d), sg = 1.0f / (1.0f + math::exp(-z));
         dc(r, d) = dout(r, d) * sg * (1.0f + z * (1.0f - sg));
       });
-  auto dwc = as_mat(table.grad(conv_), D, ker);
-  Kokkos::parallel_for(
-      "engram::conv_weight_grad", Range2({0, 0}, {D, ker}), KOKKOS_LAMBDA(int d, int i) {
-        const int back = (ker - 1 - i) * Nn;
-        float acc = 0.0f;
-        for (int r = 0; r < N; ++r)
-          if (r % T - back >= 0) acc += dc(r, d) * u(r - back, d);
-        dwc(d, i) += acc;
-      });
+  // Columns (d, i) of the (D, ker) weight gradient, rows in a fixed order.
+  column_sums(
+      "engram::conv_weight_grad", N, D * ker,
+      KOKKOS_LAMBDA(int r, int c) {
+        const int d = c / ker, back = (ker - 1 - c % ker) * Nn;
+        return r % T - back >= 0 ? dc(r, d) * u(r - back, d) : 0.0f;
+      },
+      Vec(table.grad(conv_), D * ker));
   Kokkos::parallel_for(
       "engram::conv_input_grad", Range2({0, 0}, {N, D}), KOKKOS_LAMBDA(int r, int d) {
         const int t = r % T;

@@ -4,16 +4,18 @@
 
 namespace kmoe {
 
-// One work item per row with a contiguous inner loop: it vectorizes on CPUs (exp_poly is
-// branch-free) and is one thread per row on GPUs.
+// One team per row, its threads over the features: coalesced on GPUs; on CPUs a one-thread
+// team's contiguous inner loop, which vectorizes (exp_poly is branch-free).
 void swiglu_activate(const float* a_data, const float* b_data, int ld, Mat act) {
   const int N = act.extent(0), F = act.extent(1);
   Kokkos::parallel_for(
-      "swiglu::activate", Range(0, N), KOKKOS_LAMBDA(int r) {
+      "swiglu::activate", row_policy(N), KOKKOS_LAMBDA(const TeamMember& tm) {
+        const int r = tm.league_rank();
         const float* a = a_data + std::int64_t(r) * ld;
         const float* b = b_data + std::int64_t(r) * ld;
         float* y = &act(r, 0);
-        for (int f = 0; f < F; ++f) y[f] = math::silu(a[f]) * b[f];
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, F),
+                             [&](int f) { y[f] = math::silu(a[f]) * b[f]; });
       });
 }
 
@@ -21,17 +23,18 @@ void swiglu_activate_backward(const float* a_data, const float* b_data, int ld, 
                               float* da_data, float* db_data, int ld_out) {
   const int N = d_act.extent(0), F = d_act.extent(1);
   Kokkos::parallel_for(
-      "swiglu::activate_backward", Range(0, N), KOKKOS_LAMBDA(int r) {
+      "swiglu::activate_backward", row_policy(N), KOKKOS_LAMBDA(const TeamMember& tm) {
+        const int r = tm.league_rank();
         const float* a = a_data + std::int64_t(r) * ld;
         const float* b = b_data + std::int64_t(r) * ld;
         const float* dy = &d_act(r, 0);
         float* da = da_data + std::int64_t(r) * ld_out;
         float* db = db_data + std::int64_t(r) * ld_out;
-        for (int f = 0; f < F; ++f) {
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, F), [&](int f) {
           const float sg = math::sigmoid(a[f]);
           da[f] = dy[f] * b[f] * sg * (1.0f + a[f] * (1.0f - sg));  // silu' = s (1 + a (1 - s))
           db[f] = dy[f] * a[f] * sg;
-        }
+        });
       });
 }
 

@@ -94,7 +94,16 @@ MoeLayer::MoeLayer(const ModelCfg& m, const MoeCfg& e, const std::string& prefix
   slot_row_ = View1I("moe::slot_row", slots);
   row_slot_ = View1I("moe::row_slot", slots);
   row_offsets_ = View1I("moe::row_offsets", E_ + 1);
-  if (P_ > 1) dispatch_ = std::make_unique<ExpertDispatch>(*ep, ep_data ? *ep_data : *ep, E_, D_);
+  if (P_ > 1) {
+    dispatch_ = std::make_unique<ExpertDispatch>(*ep, ep_data ? *ep_data : *ep, E_, D_);
+    // The expert side's rows depend on the routing of every ep rank: sized here for twice a
+    // balanced share, grown in a step only beyond that.
+    const std::int64_t rows = 2 * slots;
+    ex_in_ = View1F("moe::ex_in", rows * D_);
+    ex_out_ = View1F("moe::ex_out", rows * D_);
+    ex_grad_ = View1F("moe::ex_grad", rows * D_);
+    for (View1F* v : {&ex_up1_, &ex_up3_, &ex_act_}) *v = View1F("moe::ex_hidden", rows * Fe_);
+  }
   rows_in_ = View1F("moe::rows_in", slots * D_);
   if (P_ == 1) {  // with expert parallelism the expert side uses the ex_* buffers instead
     up1_ = View1F("moe::up1", slots * Fe_);
@@ -204,16 +213,20 @@ void MoeLayer::forward(const TensorTable& table, ConstMat x, Mat y, View1D aux) 
     rows_ = host_offsets_[E];
   }
   auto slot_row = slot_row_, row_slot = row_slot_;
+  // One thread per grouped slot; its expert from the offsets (the last e with off(e) <= a).
   Kokkos::parallel_for(
-      "moe::assign_rows", Range(0, E), KOKKOS_LAMBDA(int e) {
-        for (int a = off(e); a < off(e + 1); ++a) {
-          const int rank = a - off(e), slot = ord(a);
-          if (rank < cap) {
-            slot_row(slot) = roff(e) + rank;
-            row_slot(roff(e) + rank) = slot;
-          } else {
-            slot_row(slot) = -1;
-          }
+      "moe::assign_rows", Range(0, slots), KOKKOS_LAMBDA(int a) {
+        int lo = 0, hi = E;  // off(lo) <= a < off(hi)
+        while (hi - lo > 1) {
+          const int mid = (lo + hi) / 2;
+          if (off(mid) <= a) lo = mid; else hi = mid;
+        }
+        const int e = lo, rank = a - off(e), slot = ord(a);
+        if (rank < cap) {
+          slot_row(slot) = roff(e) + rank;
+          row_slot(roff(e) + rank) = slot;
+        } else {
+          slot_row(slot) = -1;
         }
       });
   const int R = static_cast<int>(rows_);
@@ -352,16 +365,20 @@ void MoeLayer::backward(TensorTable& table, ConstMat x, ConstMat dy, Mat dx, Moe
       });
   auto roff = row_offsets_;
   Kokkos::parallel_for(
-      "moe::row_grads", Range(0, R), KOKKOS_LAMBDA(int r) {
+      "moe::row_grads", row_policy(R), KOKKOS_LAMBDA(const TeamMember& tm) {
+        const int r = tm.league_rank();
         if (r >= roff(E)) return;
         const int slot = row_slot(r), t = slot / k;
         const float wv = w(slot);
         float dot = 0.0f;
-        for (int d = 0; d < D; ++d) {
-          d_rows(r, d) = wv * dy(t, d);
-          dot += dy(t, d) * out(r, d);
-        }
-        dwt(slot) = dot;
+        Kokkos::parallel_reduce(
+            Kokkos::TeamThreadRange(tm, D),
+            [&](int d, float& acc) {
+              d_rows(r, d) = wv * dy(t, d);
+              acc += dy(t, d) * out(r, d);
+            },
+            dot);
+        Kokkos::single(Kokkos::PerTeam(tm), [&]() { dwt(slot) = dot; });
       });
 
   // Experts backward (here or on their ep rank): d_rows then holds the input gradients.

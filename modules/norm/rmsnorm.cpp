@@ -1,5 +1,7 @@
 #include "modules/norm/rmsnorm.hpp"
 
+#include "core/column_sums.hpp"
+
 namespace kmoe {
 
 void rmsnorm_forward(ConstMat x, ConstVec g, float eps, ConstMat residual, Mat y, Vec rstd) {
@@ -22,22 +24,13 @@ void rmsnorm_forward(ConstMat x, ConstVec g, float eps, ConstMat residual, Mat y
 
 void rmsnorm_weight_grad(const float* x_data, int x_stride, const float* dy_data, int dy_stride,
                          ConstVec rstd, int rows, int width, Vec dg) {
-  // One work item per block of kChunk columns walks the rows in order (a fixed summation order)
-  // reading contiguous row segments, instead of one column at a time down a strided column.
-  constexpr int kChunk = 16;
-  const int chunks = (width + kChunk - 1) / kChunk;
-  Kokkos::parallel_for(
-      "rmsnorm::weight_grad", Range(0, chunks), KOKKOS_LAMBDA(int c) {
-        const int d0 = c * kChunk, n = width - d0 < kChunk ? width - d0 : kChunk;
-        float acc[kChunk] = {};
-        for (int r = 0; r < rows; ++r) {
-          const float* x = x_data + static_cast<std::int64_t>(r) * x_stride + d0;
-          const float* dy = dy_data + static_cast<std::int64_t>(r) * dy_stride + d0;
-          const float s = rstd(r);
-          for (int k = 0; k < n; ++k) acc[k] += dy[k] * x[k] * s;
-        }
-        for (int k = 0; k < n; ++k) dg(d0 + k) += acc[k];
-      });
+  column_sums(
+      "rmsnorm::weight_grad", rows, width,
+      KOKKOS_LAMBDA(int r, int d) {
+        return dy_data[static_cast<std::int64_t>(r) * dy_stride + d] *
+               x_data[static_cast<std::int64_t>(r) * x_stride + d] * rstd(r);
+      },
+      dg);
 }
 
 void rmsnorm_backward(ConstMat x, ConstVec g, ConstVec rstd, ConstMat dy, ConstMat dx_base, Mat dx,

@@ -30,6 +30,37 @@ void gemm(Trans ta, Trans tb, float alpha, ConstMat A, ConstMat B, float beta, M
   KokkosBlas::gemm(ta == Trans::N ? "N" : "T", tb == Trans::N ? "N" : "T", alpha, A, B, beta, C);
 }
 
+void gemm_strided_batched(Trans ta, Trans tb, float alpha, Strided A, Strided B, float beta,
+                          float* C, int c_rows, int c_cols, std::int64_t c_stride, int batch) {
+  if (batch == 0) return;
+#if defined(KOKKOS_ENABLE_CUDA) && defined(KOKKOSKERNELS_ENABLE_TPL_CUBLAS)
+  const int ka = ta == Trans::N ? A.cols : A.rows, kb = tb == Trans::N ? B.rows : B.cols;
+  const int m = ta == Trans::N ? A.rows : A.cols, n = tb == Trans::N ? B.cols : B.rows;
+  KMOE_REQUIRE(ka == kb && m == c_rows && n == c_cols,
+               "gemm_strided_batched: shape mismatch: op(A) " << m << "x" << ka << ", op(B) " << kb
+                                                              << "x" << n << ", C " << c_rows
+                                                              << "x" << c_cols);
+  if (m > 0 && n > 0 && ka > 0) {
+    // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: B's part comes first.
+    auto& blas = KokkosBlas::Impl::CudaBlasSingleton::singleton();
+    cublasStatus_t st = cublasSetStream(blas.handle, ExecSpace().cuda_stream());
+    if (st == CUBLAS_STATUS_SUCCESS)
+      st = cublasSgemmStridedBatched(
+          blas.handle, tb == Trans::N ? CUBLAS_OP_N : CUBLAS_OP_T,
+          ta == Trans::N ? CUBLAS_OP_N : CUBLAS_OP_T, n, m, ka, &alpha, B.data, B.cols, B.stride,
+          A.data, A.cols, A.stride, &beta, C, c_cols, c_stride, batch);
+    cublasSetStream(blas.handle, nullptr);
+    KMOE_REQUIRE(st == CUBLAS_STATUS_SUCCESS,
+                 "cublasSgemmStridedBatched failed (" << int(st) << ")");
+    return;
+  }
+#endif
+  for (int b = 0; b < batch; ++b)
+    gemm(ta, tb, alpha, as_cmat(A.data + b * A.stride, A.rows, A.cols),
+         as_cmat(B.data + b * B.stride, B.rows, B.cols), beta,
+         as_mat(C + b * c_stride, c_rows, c_cols));
+}
+
 std::string set_gemm_precision(Precision p) {
 #if defined(KOKKOS_ENABLE_CUDA) && defined(KOKKOSKERNELS_ENABLE_TPL_CUBLAS)
   auto& blas = KokkosBlas::Impl::CudaBlasSingleton::singleton();

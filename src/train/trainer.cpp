@@ -78,7 +78,8 @@ Trainer::Trainer(const Config& cfg, ProcessGrid& grid)
   owned_.resize(table_.size());
   for (int i = 0; i < table_.size(); ++i) owned_[i] = owns(table_.entry(i).spec, grid);
   optimizer_ = std::make_unique<FlatOptimizer>(table_, &owned_);
-  host_tokens_.resize(std::size_t(t.global_batch) * t.seq_len);
+  host_tokens_ = decltype(host_tokens_)(Kokkos::view_alloc("trainer::host_tokens"),
+                                       std::size_t(t.global_batch) * t.seq_len);
 
   const std::string from = resume_file(cfg.checkpoint);
   prepare_run_directories(cfg, !from.empty(), lock_->requeued_own(), grid.world);
@@ -110,11 +111,11 @@ Trainer::Trainer(const Config& cfg, ProcessGrid& grid)
   });
 }
 
-void Trainer::load_positions(std::int64_t first, int count) {
+void Trainer::load_positions(std::int64_t first, int count, int at) {
   const int T = cfg_.train.seq_len;
   for (int i = 0; i < count; ++i)
     train_data_->read_instance(stream_->instance_at(first + i),
-                               host_tokens_.data() + std::size_t(i) * T);
+                               host_tokens_.data() + std::size_t(at + i) * T);
 }
 
 StepMetrics Trainer::train_step(int step) {
@@ -172,14 +173,16 @@ StepMetrics Trainer::train_step(int step) {
     if (!receives) send_held();
     if (op.forward) {
       const int j = me + op.micro * R;
-      load_positions(state_.next_position + std::int64_t(j) * b, b);
+      // The micro-batch's own region: an earlier upload may still be reading another.
+      std::int32_t* tokens = host_tokens_.data() + std::size_t(op.micro) * b * T;
+      load_positions(state_.next_position + std::int64_t(j) * b, b, op.micro * b);
       timer.stop(phases_.data);
       if (receives) {
         receive(stage.input_buffer(), grid_.pp_rank - 1);
         timer.stop(phases_.pipeline);
       }
       pipe.complete(out);  // the instance's last send: its output buffer is rewritten next
-      stage.forward(table_, host_tokens_.data(), b, grad_scale, loss_sums_);
+      stage.forward(table_, tokens, b, grad_scale, loss_sums_);
       if (!grid_.last_stage()) held = Held{stage.output(), grid_.pp_rank + 1, instance};
       timer.stop(phases_.forward);
       if (dump) record_routes(stage, d, std::int64_t(j) * b * T);
@@ -269,7 +272,7 @@ void Trainer::write_dump(StepDump& d, const StepMetrics& m) {
   d.lr = m.lr;
   for (auto& route : d.routes) grid_.world.allreduce_sum(route.second.data(), route.second.size());
   load_positions(state_.next_position, cfg_.train.global_batch);
-  d.tokens.assign(host_tokens_.begin(), host_tokens_.end());
+  d.tokens.assign(host_tokens_.data(), host_tokens_.data() + host_tokens_.extent(0));
   write_step_dump(cfg_, grid_, table_, d);
 }
 

@@ -59,8 +59,9 @@ class Trainer {
   // Copies the MoE routes of the micro-batch `stage` last ran forward (its first token at
   // `first_token` of the global batch) into a step dump.
   void record_routes(const Stage& stage, StepDump& d, std::int64_t first_token) const;
-  // Token ids of stream positions [first, first + count) into host_tokens_.
-  void load_positions(std::int64_t first, int count);
+  // Token ids of stream positions [first, first + count) into host_tokens_ from sequence
+  // `at` on.
+  void load_positions(std::int64_t first, int count, int at = 0);
 
   const Config& cfg_;
   ProcessGrid& grid_;
@@ -78,7 +79,9 @@ class Trainer {
   std::unique_ptr<TokenDataset> train_data_, val_data_;
   std::unique_ptr<InstanceStream> stream_;
   std::unique_ptr<MetricsWriter> metrics_;  // rank 0 only
-  std::vector<std::int32_t> host_tokens_;
+  // The step's token ids, one region per micro-batch (page-locked on GPU builds): each upload
+  // runs asynchronously while the host fills the next region.
+  Kokkos::View<std::int32_t*, Layout, PinnedSpace> host_tokens_;
   View1D loss_sums_{"trainer::loss_sums", 3};  // the step's CE, z and MoE sums, on the device
   TrainState state_;
   bool resumed_ = false;

@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "core/error.hpp"
+#include "core/column_sums.hpp"
 #include "core/gemm.hpp"
 #include "core/grouped_gemm.hpp"
 
@@ -156,6 +157,65 @@ TEST(GroupedGemm, OffsetsOfTheWrongLengthThrow) {
   GroupedGemm gg(3);
   View1I off("off", 3);
   EXPECT_THROW(gg.plan(ConstIVec(off.data(), 3), 10), Error);
+}
+
+// A strided batch against one gemm() per product (on CUDA builds: cublasSgemmStridedBatched).
+TEST(Gemm, StridedBatchMatchesOneProductEach) {
+  const int batch = 3, m = 6, n = 5, k = 7;
+  for (Trans ta : {Trans::N, Trans::T})
+    for (Trans tb : {Trans::N, Trans::T}) {
+      const int ar = ta == Trans::N ? m : k, ac = ta == Trans::N ? k : m;
+      const int br = tb == Trans::N ? k : n, bc = tb == Trans::N ? n : k;
+      const std::int64_t sa = ar * ac + 3, sb = br * bc + 1, sc = m * n + 2;  // gaps between
+      std::mt19937 gen(7);
+      std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+      auto filled = [&](std::int64_t count) {
+        View1F v("v", count);
+        auto h = Kokkos::create_mirror_view(v);
+        for (std::int64_t i = 0; i < count; ++i) h(i) = u(gen);
+        Kokkos::deep_copy(v, h);
+        return v;
+      };
+      View1F A = filled(sa * batch), B = filled(sb * batch), C = filled(sc * batch);
+      View1F want("want", C.extent(0));
+      Kokkos::deep_copy(want, C);
+      for (int b = 0; b < batch; ++b)
+        gemm(ta, tb, 0.5f, as_cmat(A.data() + b * sa, ar, ac), as_cmat(B.data() + b * sb, br, bc),
+             0.25f, as_mat(want.data() + b * sc, m, n));
+      gemm_strided_batched(ta, tb, 0.5f, {A.data(), ar, ac, sa}, {B.data(), br, bc, sb}, 0.25f,
+                           C.data(), m, n, sc, batch);
+      auto got = Kokkos::create_mirror_view_and_copy(HostSpace(), C);
+      auto ref = Kokkos::create_mirror_view_and_copy(HostSpace(), want);
+      for (std::size_t i = 0; i < got.extent(0); ++i) ASSERT_NEAR(got(i), ref(i), 1e-5) << i;
+    }
+}
+
+// out(c) += sum_r 2 x(r, c), outside a TEST body (nvcc refuses device lambdas in its private
+// member function).
+void twice_column_sums(ConstVec xv, int rows, int cols, Vec out) {
+  column_sums(
+      "test::column_sums", rows, cols, KOKKOS_LAMBDA(int r, int c) { return 2.0f * xv(r * cols + c); },
+      out);
+}
+
+// Two-stage column sums against a double-precision loop, rows past one row block and columns
+// past one chunk; the sums add to what out holds.
+TEST(ColumnSums, MatchTheRowLoopAndAddToTheOutput) {
+  const int rows = 3 * kRowBlock + 17, cols = 37;
+  View1F x("x", std::int64_t(rows) * cols), out("out", cols);
+  auto hx = Kokkos::create_mirror_view(x);
+  std::mt19937 gen(5);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  for (std::size_t i = 0; i < hx.extent(0); ++i) hx(i) = u(gen);
+  Kokkos::deep_copy(x, hx);
+  Kokkos::deep_copy(out, 1.0f);
+  twice_column_sums(ConstVec(x.data(), x.extent(0)), rows, cols, Vec(out.data(), cols));
+  auto h = Kokkos::create_mirror_view_and_copy(HostSpace(), out);
+  for (int c = 0; c < cols; ++c) {
+    double want = 1.0;
+    for (int r = 0; r < rows; ++r) want += 2.0 * hx(r * cols + c);
+    ASSERT_NEAR(h(c), want, 1e-4) << c;
+  }
 }
 
 }  // namespace
