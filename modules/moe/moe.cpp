@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <climits>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 
 #include "core/buffers.hpp"
 #include "core/device_sync.hpp"
@@ -10,6 +12,16 @@
 #include "core/gemm.hpp"
 
 namespace kmoe {
+namespace {
+
+// A float's bits as an unsigned integer in the float's order (not NaN).
+KOKKOS_INLINE_FUNCTION std::uint32_t ordered_bits(float f) {
+  std::uint32_t u = 0;
+  memcpy(&u, &f, sizeof u);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+}  // namespace
 
 MoeScratch::MoeScratch(const ModelCfg& m, const MoeCfg& e, std::int64_t max_tokens)
     : d_rows("moe::d_rows", max_tokens * e.top_k * m.d_model),
@@ -152,35 +164,52 @@ void MoeLayer::forward(const TensorTable& table, ConstMat x, Mat y, View1D aux) 
   auto sel = sel_;
   auto w = weights_;
   const float* bias = bias_ >= 0 ? table.param(bias_) : nullptr;  // selection only
+  // One team per token, its threads over the experts. Each of the k picks is a max over
+  // (score, -expert) packed into one integer: exact and order-free, so the lower expert wins a
+  // tie on every backend.
   Kokkos::parallel_for(
-      "moe::route", Range(0, N), KOKKOS_LAMBDA(int t) {
-        float mx = z(t, 0);
-        for (int e = 1; e < E; ++e) mx = z(t, e) > mx ? z(t, e) : mx;
-        float sum = 0.0f;
-        for (int e = 0; e < E; ++e) sum += math::exp(z(t, e) - mx);
+      "moe::route", row_policy(N), KOKKOS_LAMBDA(const TeamMember& tm) {
+        const int t = tm.league_rank();
+        float mx = 0.0f, sum = 0.0f;
+        Kokkos::parallel_reduce(
+            Kokkos::TeamThreadRange(tm, E),
+            [&](int e, float& m) { m = z(t, e) > m ? z(t, e) : m; }, Kokkos::Max<float>(mx));
+        Kokkos::parallel_reduce(
+            Kokkos::TeamThreadRange(tm, E),
+            [&](int e, float& s) { s += math::exp(z(t, e) - mx); }, sum);
         const float l = mx + math::log(sum);
-        lse(t) = l;
-        for (int e = 0; e < E; ++e)
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, E), [&](int e) {
           p(t, e) = softmax ? math::exp(z(t, e) - l) : 1.0f / (1.0f + math::exp(-z(t, e)));
+        });
+        Kokkos::single(Kokkos::PerTeam(tm), [&]() { lse(t) = l; });
+        tm.team_barrier();  // p and the picks so far, seen by every thread
         float wsum = 0.0f;
         for (int j = 0; j < k; ++j) {
-          int best = -1;
-          float best_score = 0.0f;
-          for (int e = 0; e < E; ++e) {
-            bool taken = false;
-            for (int i = 0; i < j; ++i) taken = taken || sel(t * k + i) == e;
-            const float score = p(t, e) + (bias ? bias[e] : 0.0f);
-            if (!taken && (best < 0 || score > best_score)) {
-              best = e;
-              best_score = score;
-            }
-          }
-          sel(t * k + j) = best;
-          w(t * k + j) = p(t, best);
-          wsum += p(t, best);
+          std::uint64_t best = 0;
+          Kokkos::parallel_reduce(
+              Kokkos::TeamThreadRange(tm, E),
+              [&](int e, std::uint64_t& b) {
+                bool taken = false;
+                for (int i = 0; i < j; ++i) taken = taken || sel(t * k + i) == e;
+                if (taken) return;
+                const float score = p(t, e) + (bias ? bias[e] : 0.0f);
+                const std::uint64_t key = (std::uint64_t(ordered_bits(score)) << 32) |
+                                          std::uint64_t(0xFFFFFFFFu - std::uint32_t(e));
+                b = key > b ? key : b;
+              },
+              Kokkos::Max<std::uint64_t>(best));
+          const int pick = static_cast<int>(0xFFFFFFFFu - std::uint32_t(best & 0xFFFFFFFFu));
+          Kokkos::single(Kokkos::PerTeam(tm), [&]() {
+            sel(t * k + j) = pick;
+            w(t * k + j) = p(t, pick);
+          });
+          wsum += p(t, pick);
+          tm.team_barrier();
         }
         if (normalize)
-          for (int j = 0; j < k; ++j) w(t * k + j) /= wsum;
+          Kokkos::single(Kokkos::PerTeam(tm), [&]() {
+            for (int j = 0; j < k; ++j) w(t * k + j) /= wsum;
+          });
       });
 
   // Dispatch: slots grouped per expert in token order; with a capacity, each expert keeps its
@@ -414,26 +443,36 @@ void MoeLayer::backward(TensorTable& table, ConstMat x, ConstMat dy, Mat dx, Moe
   const float lb_scale = aux_scale * cfg_.lb_coef * float(E) / k / (float(N) * N);
   const float rz_scale = aux_scale * cfg_.z_coef * 2.0f / N;
   Kokkos::parallel_for(
-      "moe::router_backward", Range(0, N), KOKKOS_LAMBDA(int t) {
-        for (int e = 0; e < E; ++e) dz(t, e) = lb_scale * float(off(e + 1) - off(e));
-        if (normalize) {
-          float sum = 0.0f, ws = 0.0f;
-          for (int j = 0; j < k; ++j) {
-            sum += p(t, sel(t * k + j));
-            ws += dwt(t * k + j) * w(t * k + j);
+      "moe::router_backward", row_policy(N), KOKKOS_LAMBDA(const TeamMember& tm) {
+        const int t = tm.league_rank();
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, E), [&](int e) {
+          dz(t, e) = lb_scale * float(off(e + 1) - off(e));
+        });
+        tm.team_barrier();
+        Kokkos::single(Kokkos::PerTeam(tm), [&]() {  // the k weights, in slot order
+          if (normalize) {
+            float sum = 0.0f, ws = 0.0f;
+            for (int j = 0; j < k; ++j) {
+              sum += p(t, sel(t * k + j));
+              ws += dwt(t * k + j) * w(t * k + j);
+            }
+            for (int j = 0; j < k; ++j) dz(t, sel(t * k + j)) += (dwt(t * k + j) - ws) / sum;
+          } else {
+            for (int j = 0; j < k; ++j) dz(t, sel(t * k + j)) += dwt(t * k + j);
           }
-          for (int j = 0; j < k; ++j) dz(t, sel(t * k + j)) += (dwt(t * k + j) - ws) / sum;
-        } else {
-          for (int j = 0; j < k; ++j) dz(t, sel(t * k + j)) += dwt(t * k + j);
-        }
-        if (softmax) {
-          float dot = 0.0f;
-          for (int e = 0; e < E; ++e) dot += p(t, e) * dz(t, e);
-          for (int e = 0; e < E; ++e) dz(t, e) = p(t, e) * (dz(t, e) - dot);
-        } else {
-          for (int e = 0; e < E; ++e) dz(t, e) *= p(t, e) * (1.0f - p(t, e));
-        }
-        for (int e = 0; e < E; ++e) dz(t, e) += rz_scale * lse(t) * math::exp(z(t, e) - lse(t));
+        });
+        tm.team_barrier();
+        float dot = 0.0f;
+        if (softmax)
+          Kokkos::parallel_reduce(
+              Kokkos::TeamThreadRange(tm, E),
+              [&](int e, float& acc) { acc += p(t, e) * dz(t, e); }, dot);
+        tm.team_barrier();  // every thread has read dz before any rewrites it
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, E), [&](int e) {
+          float g = softmax ? p(t, e) * (dz(t, e) - dot) : dz(t, e) * (p(t, e) * (1.0f - p(t, e)));
+          g += rz_scale * lse(t) * math::exp(z(t, e) - lse(t));
+          dz(t, e) = g;
+        });
       });
   gemm(Trans::T, Trans::N, 1.0f, as_cmat(dz), x, 1.0f, as_mat(table.grad(router_), E, D));
   gemm(Trans::N, Trans::N, 1.0f, as_cmat(dz), as_cmat(table.param(router_), E, D), 1.0f, dx);
