@@ -131,21 +131,26 @@ void Attention::forward(const TensorTable& table, const RopeTables& rope, ConstM
   gemm_strided_batched(Trans::N, Trans::T, scale, {q_.data(), G * T, dh, G * Tdh},
                        {k_.data(), T, dh, Tdh}, 0.0f, probs_.data(), G * T, T, G * TT, groups);
 
-  // Causal softmax, one row per work item; the exp loop is branch-free (exp_poly) and
-  // vectorizes, the max and the sum run in column order (fixed, deterministic).
+  // Causal softmax, one team per row, its threads over the keys (on CPUs a one-thread team:
+  // the exp loop is branch-free, exp_poly, and vectorizes; the max and the sum run in column
+  // order).
   auto p = as_mat(probs_.data(), nseq * H * T, T);
   Kokkos::parallel_for(
-      "attn::causal_softmax", Range(0, nseq * H * T), KOKKOS_LAMBDA(int r) {
-        const int t = r % T;
+      "attn::causal_softmax", row_policy(nseq * H * T), KOKKOS_LAMBDA(const TeamMember& tm) {
+        const int r = tm.league_rank(), t = r % T;
         float* row = &p(r, 0);
-        float mx = row[0];
-        for (int j = 1; j <= t; ++j) mx = row[j] > mx ? row[j] : mx;
-        for (int j = 0; j <= t; ++j) row[j] = math::exp_poly(row[j] - mx);
-        float sum = 0.0f;
-        for (int j = 0; j <= t; ++j) sum += row[j];
+        float mx = 0.0f, sum = 0.0f;
+        Kokkos::parallel_reduce(
+            Kokkos::TeamThreadRange(tm, t + 1),
+            [&](int j, float& m) { m = row[j] > m ? row[j] : m; }, Kokkos::Max<float>(mx));
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, t + 1),
+                             [&](int j) { row[j] = math::exp_poly(row[j] - mx); });
+        tm.team_barrier();
+        Kokkos::parallel_reduce(
+            Kokkos::TeamThreadRange(tm, t + 1), [&](int j, float& s) { s += row[j]; }, sum);
         const float inv = 1.0f / sum;
-        for (int j = 0; j <= t; ++j) row[j] *= inv;
-        for (int j = t + 1; j < T; ++j) row[j] = 0.0f;
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, T),
+                             [&](int j) { row[j] = j <= t ? row[j] * inv : 0.0f; });
       });
 
   float* heads = scratch.d_heads.data();  // (nseq, H, T, dh) head outputs
@@ -187,14 +192,17 @@ void Attention::backward(TensorTable& table, const RopeTables& rope, ConstMat a,
   auto p = as_cmat(probs_.data(), nseq * H * T, T);
   auto dp = as_mat(d_probs, nseq * H * T, T);
   Kokkos::parallel_for(
-      "attn::softmax_backward", Range(0, nseq * H * T), KOKKOS_LAMBDA(int r) {
-        const int t = r % T;
+      "attn::softmax_backward", row_policy(nseq * H * T), KOKKOS_LAMBDA(const TeamMember& tm) {
+        const int r = tm.league_rank(), t = r % T;
         const float* pr = &p(r, 0);
         float* g = &dp(r, 0);
         float dot = 0.0f;
-        for (int j = 0; j <= t; ++j) dot += pr[j] * g[j];
-        for (int j = 0; j <= t; ++j) g[j] = pr[j] * (g[j] - dot) * scale;
-        for (int j = t + 1; j < T; ++j) g[j] = 0.0f;
+        Kokkos::parallel_reduce(
+            Kokkos::TeamThreadRange(tm, t + 1), [&](int j, float& s) { s += pr[j] * g[j]; }, dot);
+        tm.team_barrier();  // every read of g before the first write
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, T), [&](int j) {
+          g[j] = j <= t ? pr[j] * (g[j] - dot) * scale : 0.0f;
+        });
       });
 
   // dq = dS k (overwrites dO in d_heads, no longer needed); dk = dS^T q.
