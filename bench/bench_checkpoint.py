@@ -16,6 +16,8 @@ import re
 import statistics
 import subprocess
 
+from benchlib import ensure_fortunes
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -26,10 +28,7 @@ def main():
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--layouts", nargs="+", default=["1,1,1", "1,1,2", "2,1,2", "2,2,2"])
     a = ap.parse_args()
-    data = os.path.join(ROOT, "data", "fortunes")
-    if not os.path.exists(os.path.join(data, "train.bin")):
-        subprocess.run([os.path.join(a.build, "drivers", "kmoe-prep"), "--fortunes", "--out-dir",
-                        data], check=True, cwd=ROOT, capture_output=True)
+    ensure_fortunes(a.build)  # the decks read data/fortunes
     print(f"bench_checkpoint: {a.deck}, {os.cpu_count()} cores")
     print(f"{'pp,dp,ep':>9} {'ranks':>5} {'MiB':>7} {'save s':>8} {'save MiB/s':>10} "
           f"{'load s':>8} {'load MiB/s':>10}")

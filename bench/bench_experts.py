@@ -15,6 +15,8 @@ import statistics
 import subprocess
 import tempfile
 
+from benchlib import ensure_fortunes
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -26,10 +28,7 @@ def main():
     ap.add_argument("--skip", type=int, default=4)
     ap.add_argument("--experts", type=int, nargs="+", default=[8, 32, 128])
     a = ap.parse_args()
-    data = os.path.join(ROOT, "data", "fortunes")
-    if not os.path.exists(os.path.join(data, "train.bin")):
-        subprocess.run([os.path.join(a.build, "drivers", "kmoe-prep"), "--fortunes", "--out-dir",
-                        data], check=True, cwd=ROOT, capture_output=True)
+    ensure_fortunes(a.build)  # the decks read data/fortunes
     print(f"bench_experts: {a.deck}, top-4, expert hidden 128, ep 2, {a.steps} steps "
           f"(first {a.skip} left out), one BLAS thread per rank")
     print(f"{'experts':>7} {'tokens/s':>9} {'vs first':>8} {'MiB/rank':>8}")

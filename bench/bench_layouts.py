@@ -18,6 +18,8 @@ import os
 import subprocess
 import sys
 
+from benchlib import ensure_fortunes
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT = ["1,1,1", "1,2,1", "1,1,2", "2,1,1", "2,2,2"]
 
@@ -32,10 +34,7 @@ def main():
     ap.add_argument("--global-batch", type=int, default=16, help="the deck's train.global_batch")
     ap.add_argument("--extra", nargs="*", default=[], help="more deck overrides")
     a = ap.parse_args()
-    data = os.path.join(ROOT, "data", "fortunes")
-    if not os.path.exists(os.path.join(data, "train.bin")):
-        subprocess.run([os.path.join(a.build, "drivers", "kmoe-prep"), "--fortunes", "--out-dir",
-                        data], check=True, cwd=ROOT, capture_output=True)
+    ensure_fortunes(a.build)  # the decks read data/fortunes
     print(f"bench_layouts: {a.deck}, {a.steps} steps (first {a.skip} left out), "
           f"{os.cpu_count()} cores, one BLAS thread per rank")
     print(f"{'pp,dp,ep':>9} {'ranks':>5} {'b':>3} {'tokens/s':>9} {'tok/s/rank':>10} {'MiB/rank':>8} "

@@ -24,6 +24,8 @@ import statistics
 import subprocess
 import tempfile
 
+from benchlib import ensure_fortunes
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DECKS = ["inputs/tiny_moe_engram.deck", "inputs/olmoe_shape.deck"]
 COLUMNS = ["kernels", "fences", "deep_copies", "copies_to_host", "copies_from_host", "kmoe_syncs"]
@@ -67,10 +69,7 @@ def main():
                     help="deck overrides for every run")
     a = ap.parse_args()
     sets = [f"--{kv}" for kv in a.set]
-    data = os.path.join(ROOT, "data", "fortunes")
-    if not os.path.exists(os.path.join(data, "train.bin")):
-        subprocess.run([os.path.join(a.build, "drivers", "kmoe-prep"), "--fortunes", "--out-dir",
-                        data], check=True, cwd=ROOT, capture_output=True)
+    ensure_fortunes(a.build)  # the decks read data/fortunes
     print(f"bench_syncs: per step, median of steps 2..{a.steps}, one rank"
           + (f", {' '.join(a.set)}" if a.set else ""))
     print(f"{'deck':<28} {'variant':<18} " + " ".join(f"{c:>16}" for c in COLUMNS))

@@ -19,6 +19,18 @@ set -uo pipefail
 STEPS=8
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 
+deck_tail() {  # the sections both decks share
+  cat <<'DECK'
+[data]
+paths = data/train.bin
+dtype = uint16
+[checkpoint]
+every = 0
+[output]
+log_every = 1
+DECK
+}
+
 check_deck() {  # the main job's model on one rank, shortened
   cat <<'DECK'
 [model]
@@ -44,14 +56,8 @@ seed = 0
 [optimizer]
 lr = 3e-3
 warmup_steps = 4
-[data]
-paths = data/train.bin
-dtype = uint16
-[checkpoint]
-every = 0
-[output]
-log_every = 1
 DECK
+  deck_tail
 }
 
 bench_deck() {  # a deeper, wider MoE for throughput: 16 blocks, 64 experts, top-8
@@ -74,14 +80,8 @@ max_steps = 6
 [optimizer]
 lr = 1e-3
 warmup_steps = 2
-[data]
-paths = data/train.bin
-dtype = uint16
-[checkpoint]
-every = 0
-[output]
-log_every = 1
 DECK
+  deck_tail
 }
 
 if [ "${1:-}" = "--prepare" ]; then

@@ -123,11 +123,11 @@ class Communicator : public DataComm {
                           std::int64_t n_recv, int from) const override;
   void complete(Pending& p) const override;
 
-  // Test-only: with KMOE_P2P_RENDEZVOUS=1 in the environment a send completes only when its
-  // receive is posted and blocks until then (MPI_Issend, waited at once), one operation at a
-  // time in issue order: how NCCL's transfers behave on one in-order stream. A transfer order
-  // that would deadlock there deadlocks here too, where the watchdog names it.
-  bool rendezvous() const { return rendezvous_; }
+  // Test-only: with KMOE_P2P_RENDEZVOUS=1 in the environment a point-to-point send completes
+  // only when its receive is posted and blocks until then (MPI_Issend, waited at once), one
+  // transfer at a time in issue order: how NCCL's transfers behave on one in-order stream. A
+  // transfer order that would deadlock there deadlocks here too, where the watchdog names it.
+  // Collectives stay nonblocking.
 
   // A blocking receive of n floats from member `peer` (sends: start_send + complete).
   void recv(float* data, std::int64_t n, int peer) const override;
