@@ -1,9 +1,11 @@
 // Times each layer of the dense model, forward and backward, on one micro-batch of the tiny
-// config (or --d_model/--seq_len/... overrides), and prints time and GFLOP/s per op.
+// config (or --d_model/--seq_len/... overrides), and prints time and GFLOP/s per op; the MoE
+// layer takes --experts, --top_k and --expert_hidden.
 #include <chrono>
 #include <cstdio>
 #include <functional>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -47,6 +49,10 @@ int main(int argc, char** argv) {
   m.n_kv_heads = 4;
   m.ffn_hidden = 768;
   int b = 8, T = 256, reps = 5;
+  MoeCfg e;  // the MoE section's layer: 8 experts, top-2, Fe = F/2 unless overridden
+  e.experts = 8;
+  e.top_k = 2;
+  e.expert_hidden = 0;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i];
     const int v = std::stoi(argv[i + 1]);
@@ -62,7 +68,16 @@ int main(int argc, char** argv) {
       b = v;
     else if (k == "--reps")
       reps = v;
+    else if (k == "--experts")
+      e.experts = v;
+    else if (k == "--top_k")
+      e.top_k = v;
+    else if (k == "--expert_hidden")
+      e.expert_hidden = v;
+    else
+      throw std::invalid_argument("bench_layers: unknown option " + k);
   }
+  if (e.expert_hidden == 0) e.expert_hidden = m.ffn_hidden / 2;
   const int N = b * T, D = m.d_model, F = m.ffn_hidden, V = m.vocab_size;
   TensorTable table;
   RopeTables rope(T, m.head_dim(), m.rope_theta);
@@ -130,13 +145,9 @@ int main(int argc, char** argv) {
   report("head backward", time_it(reps, [&] { head.backward(table, as_cmat(x), as_mat(y)); }),
          2 * head_f);
   {
-    // MoE layer (8 experts, top-2, Fe = F/2) against the dense MLP of equal active
-    // parameters, and the share of MoE time outside the expert GEMMs (routing, permutation,
-    // combine): the MoE's nine GEMMs per expert, on the measured row counts, are timed alone.
-    MoeCfg e;
-    e.experts = 8;
-    e.top_k = 2;
-    e.expert_hidden = F / 2;
+    // MoE layer (--experts, --top_k, --expert_hidden) against the dense MLP, and the share of
+    // MoE time outside the expert GEMMs (routing, permutation, combine): the MoE's nine GEMMs
+    // per expert, on the measured row counts, are timed alone.
     TensorTable t3;
     StepStats stats;  // the statistics a training run records
     MoeLayer moe(m, e, "blocks.0.moe.", N, t3, nullptr, nullptr, &stats);
@@ -182,11 +193,11 @@ int main(int argc, char** argv) {
       mlp.forward(table, as_cmat(x), as_mat(y));
       mlp.backward(table, as_cmat(x), as_cmat(dx), as_mat(y), ms);
     });
-    std::printf("  moe layer fwd+bwd (E 8, k 2, Fe %d)   %9.3f ms = %.2f us/token\n", Fe,
-                1e3 * t_moe, 1e6 * t_moe / N);
+    std::printf("  moe layer fwd+bwd (E %d, k %d, Fe %d) %9.3f ms = %.2f us/token\n", e.experts,
+                e.top_k, Fe, 1e3 * t_moe, 1e6 * t_moe / N);
     std::printf("  the same, grouped expert GEMMs        %9.3f ms = %.2f us/token\n",
                 1e3 * t_grouped, 1e6 * t_grouped / N);
-    std::printf("  dense mlp fwd+bwd (F %d, equal active) %8.3f ms = %.2f us/token\n", F,
+    std::printf("  dense mlp fwd+bwd (F %d)              %9.3f ms = %.2f us/token\n", F,
                 1e3 * t_dense, 1e6 * t_dense / N);
     std::printf("  moe time outside the expert GEMMs: %.0f%% (routing, permutation, combine)\n",
                 100.0 * std::max(0.0, 1.0 - t_gemm / t_moe));

@@ -74,10 +74,22 @@ double FlatOptimizer::grad_sq_sum(const TensorTable& table) const {
       "optim::grad_sq_chunks", TeamPolicy(C, Kokkos::AUTO), KOKKOS_LAMBDA(const TeamMember& tm) {
         const int c = tm.league_rank();
         double sum = 0.0;
+        // Blocks of 8 consecutive elements, each summed as a fixed pairwise tree: the
+        // dependent chain of additions is one per block, not one per element.
+        const std::int64_t b0 = begin(c), b1 = end(c), nb = (b1 - b0 + 7) / 8;
         if (flags(c) & kCounted)
           Kokkos::parallel_reduce(
-              Kokkos::TeamThreadRange(tm, begin(c), end(c)),
-              [&](std::int64_t i, double& acc) { acc += double(g(i)) * g(i); }, sum);
+              Kokkos::TeamThreadRange(tm, std::int64_t(0), nb),
+              [&](std::int64_t j, double& acc) {
+                double q[8];
+                const std::int64_t i0 = b0 + 8 * j;
+                for (int l = 0; l < 8; ++l) {
+                  const double x = i0 + l < b1 ? double(g(i0 + l)) : 0.0;
+                  q[l] = x * x;
+                }
+                acc += ((q[0] + q[1]) + (q[2] + q[3])) + ((q[4] + q[5]) + (q[6] + q[7]));
+              },
+              sum);
         Kokkos::single(Kokkos::PerTeam(tm), [&]() { partial(c) = sum; });
       });
   Kokkos::parallel_for(
