@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "core/gemm.hpp"
 #include "drivers/driver_main.hpp"
 #include "io/checkpoint.hpp"
 #include "io/deck.hpp"
@@ -43,6 +44,9 @@ int main(int argc, char** argv) {
     KMOE_REQUIRE(!cfg.data.val_paths.empty(),
                  deck << ": data.val_paths is empty: nothing to evaluate");
     kmoe::ProcessGrid grid(cfg.parallel, cfg.model.n_layers, MPI_COMM_WORLD);
+    const kmoe::GemmPrecisionScope precision(cfg.train.precision);  // as the run evaluated
+    if (grid.is_root() && !precision.note().empty())
+      std::printf("note: %s\n", precision.note().c_str());
     kmoe::TokenDataset val(cfg.data.val_paths, cfg.data.dtype, cfg.train.seq_len,
                            cfg.model.vocab_size, "data.val_paths");
     kmoe::TensorTable table;

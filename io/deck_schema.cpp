@@ -298,7 +298,9 @@ Schema::Schema(Config& c) : options_("kmoe input deck") {
   key(c.train.check_memory, "check_memory", true,
       "before allocating, check that the node's memory (or the device's) holds its ranks");
   key(c.train.precision, "precision", Precision::Fp32,
-      "fp32 GEMMs: fp32 | tf32 (TF32 tensor cores through cuBLAS on CUDA; no effect on CPUs)");
+      "GEMM inputs (MODEL.md section 8): fp32 | tf32 (TF32 tensor cores through cuBLAS; GPUs "
+      "only) | bf16 (inputs rounded to bf16, fp32 sums, fp32 weights and optimizer; on CPUs "
+      "emulated with the same numbers); the router stays fp32");
 
   section("optimizer", "AdamW and the learning-rate schedule");
   required(c.optimizer.lr, "lr", "peak learning rate");
@@ -351,7 +353,8 @@ Schema::Schema(Config& c) : options_("kmoe input deck") {
   section("output", "logging, metrics and dumps");
   key(c.output.dir, "dir", "run", "directory of metrics.csv, the resolved deck and dumps");
   key(c.output.log_every, "log_every", 1, "steps between log lines");
-  key(c.output.peak_flops, "peak_flops", 0.0, "peak FLOP/s per rank for MFU; 0 = no MFU");
+  key(c.output.peak_flops, "peak_flops", 0.0, "peak FLOP/s per rank for MFU, the device's dense peak for train.precision "
+      "(H100/H200 SXM: fp32 67e12, tf32 494e12, bf16 989e12); 0 = no MFU");
   key(c.output.phase_timing, "phase_timing", false,
       "time the step's phases (data, forward, backward, ...): the host waits for the device "
       "at every phase boundary");

@@ -5,9 +5,9 @@
 #   2. single-rank training steps against the same steps precomputed on a CPU build: the loss
 #      of each step within a relative 2e-3 (fp32 on both; the GPU sums in other orders, and
 #      a near-tie in MoE routing may go the other way), the first step's within 1e-4;
-#   3. a short benchmark: tokens/s, MFU against the GPU's dense bf16 and tf32 peaks, time per
-#      phase, and kernel launches, fences and named host waits per step (the bundle's Kokkos
-#      Tools counter).
+#   3. a short benchmark: tokens/s and MFU in fp32, tf32 and bf16 (each against the GPU's dense
+#      peak for that precision, as output.peak_flops), time per phase, and kernel launches,
+#      fences and named host waits per step (the bundle's Kokkos Tools counter).
 #
 #   gpu_check.sh --prepare CPU_BUILD BUNDLE   (here) adds BUNDLE/check: the decks, a token file
 #                                             and the CPU build's losses for step 2
@@ -154,42 +154,48 @@ else
 fi
 
 # 3. Benchmark: throughput and phases, then the counter's per-step figures.
+# Dense peaks per precision (output.peak_flops is the peak of the run's train.precision).
 case "$gpu" in
-  *H200*|*H100*) bf16=989e12 tf32=494e12 ;;
-  *A100*) bf16=312e12 tf32=156e12 ;;
-  *L40S*) bf16=362e12 tf32=183e12 ;;
-  *) bf16=0 tf32=0 ;;
+  *H200*|*H100*) bf16=989e12 tf32=494e12 fp32=67e12 ;;
+  *A100*) bf16=312e12 tf32=156e12 fp32=19.5e12 ;;
+  *L40S*) bf16=362e12 tf32=183e12 fp32=91.6e12 ;;
+  *) bf16=0 tf32=0 fp32=0 ;;
 esac
 bench=$out/bench && rm -rf "$bench" && mkdir -p "$bench" && cp -r "$work/data" "$bench/" &&
   cp "$work/bench.deck" "$bench/"
 if (cd "$bench" && timeout 240 "$kmoe" kmoe-train -i bench.deck --output.dir=run \
-      --checkpoint.dir=run/ckpt --output.phase_timing=true ${GPU_CHECK_BENCH_ARGS:-} \
-      > "$out/bench_train.log" 2>&1); then
-  python3 - "$bench/run/metrics.csv" "$bf16" "$tf32" <<'PY' | tee -a "$out/summary.txt"
+      --checkpoint.dir=run/ckpt --output.phase_timing=true --output.peak_flops=$fp32 \
+      ${GPU_CHECK_BENCH_ARGS:-} > "$out/bench_train.log" 2>&1); then
+  python3 - "$bench/run/metrics.csv" "$bf16" "$tf32" "$fp32" <<'PY' | tee -a "$out/summary.txt"
 import csv, statistics, sys
 rows = [r for r in csv.DictReader(open(sys.argv[1]))][2:]  # past warm-up
 tps = statistics.median(float(r["tokens_per_s"]) for r in rows)
 flops = statistics.median(float(r["model_flops_per_s"]) for r in rows)
 mem = max(float(r["mem_hwm_mib"]) for r in rows)
-bf16, tf32 = float(sys.argv[2]), float(sys.argv[3])
-mfu = (f"MFU {flops / bf16:.1%} of the bf16 peak, {flops / tf32:.1%} of the tf32 peak"
-       if bf16 > 0 else "MFU: peak unknown for this GPU")
-print(f"bench: {tps:,.0f} tokens/s, {flops / 1e12:.1f} TFLOP/s (model), {mfu}; "
+bf16, tf32, fp32 = (float(v) for v in sys.argv[2:5])
+mfu = (f"MFU {flops / fp32:.1%} of the fp32 peak ({flops / tf32:.1%} of tf32's, "
+       f"{flops / bf16:.1%} of bf16's)" if fp32 > 0 else "MFU: peak unknown for this GPU")
+print(f"bench, fp32: {tps:,.0f} tokens/s, {flops / 1e12:.1f} TFLOP/s (model), {mfu}; "
       f"host memory high-water {mem:.0f} MiB")
 PY
   grep "time per phase" "$out/bench_train.log" | sed 's/^/bench: /' | tee -a "$out/summary.txt"
-  # The same model with TF32 GEMMs, and with per-expert vendor GEMMs instead of grouped ones.
-  for variant in train.precision=tf32 moe.expert_gemm=per_expert; do
-    if (cd "$bench" && timeout 120 "$kmoe" kmoe-train -i bench.deck --output.dir="run_$variant" \
-          --checkpoint.dir="run_$variant/ckpt" --train.max_steps=4 "--$variant" \
-          ${GPU_CHECK_BENCH_ARGS:-} > "$out/bench_$variant.log" 2>&1); then
-      python3 - "$bench/run_$variant/metrics.csv" "$variant" <<'PY' | tee -a "$out/summary.txt"
+  # TF32 and bf16 GEMMs (MFU against their own peaks), and fp32 with per-expert vendor GEMMs
+  # instead of grouped ones.
+  for variant in train.precision=tf32:$tf32 train.precision=bf16:$bf16 \
+                 moe.expert_gemm=per_expert:$fp32; do
+    set_key=${variant%%:*} peak=${variant##*:}
+    if (cd "$bench" && timeout 120 "$kmoe" kmoe-train -i bench.deck --output.dir="run_$set_key" \
+          --checkpoint.dir="run_$set_key/ckpt" --train.max_steps=4 "--$set_key" \
+          --output.peak_flops=$peak ${GPU_CHECK_BENCH_ARGS:-} > "$out/bench_$set_key.log" 2>&1); then
+      python3 - "$bench/run_$set_key/metrics.csv" "$set_key" <<'PY' | tee -a "$out/summary.txt"
 import csv, statistics, sys
 rows = [r for r in csv.DictReader(open(sys.argv[1]))][2:]
-print(f"bench, {sys.argv[2]}: {statistics.median(float(r['tokens_per_s']) for r in rows):,.0f} tokens/s")
+tps = statistics.median(float(r["tokens_per_s"]) for r in rows)
+mfu = statistics.median(float(r["mfu"] or 0) for r in rows)
+print(f"bench, {sys.argv[2]}: {tps:,.0f} tokens/s, MFU {mfu:.1%} of its precision's peak")
 PY
     else
-      log "bench, $variant: kmoe-train failed: $(tail -2 "$out/bench_$variant.log" | tr '\n' ' ')"
+      log "bench, $set_key: kmoe-train failed: $(tail -2 "$out/bench_$set_key.log" | tr '\n' ' ')"
     fi
   done
   counter=$bundle/lib/libkmoe_kokkos_counter.so

@@ -158,7 +158,8 @@ void MoeLayer::forward(const TensorTable& table, ConstMat x, Mat y, View1D aux) 
   // Router logits (N, E), then per token: logsumexp, scores, top-k of the scores (strictly
   // greater wins, so ties go to the lower expert index), and the k weights.
   Mat z = as_mat(logits_.data(), N, E);
-  gemm(Trans::N, Trans::T, 1.0f, x, as_cmat(table.param(router_), E, D), 0.0f, z);
+  gemm(Trans::N, Trans::T, 1.0f, x, as_cmat(table.param(router_), E, D), 0.0f, z,
+       GemmInputs::Fp32);  // the router stays fp32 in every precision (MODEL.md section 8)
   auto p = as_mat(probs_.data(), N, E);
   auto lse = lse_;
   auto sel = sel_;
@@ -474,8 +475,10 @@ void MoeLayer::backward(TensorTable& table, ConstMat x, ConstMat dy, Mat dx, Moe
           dz(t, e) = g;
         });
       });
-  gemm(Trans::T, Trans::N, 1.0f, as_cmat(dz), x, 1.0f, as_mat(table.grad(router_), E, D));
-  gemm(Trans::N, Trans::N, 1.0f, as_cmat(dz), as_cmat(table.param(router_), E, D), 1.0f, dx);
+  gemm(Trans::T, Trans::N, 1.0f, as_cmat(dz), x, 1.0f, as_mat(table.grad(router_), E, D),
+       GemmInputs::Fp32);
+  gemm(Trans::N, Trans::N, 1.0f, as_cmat(dz), as_cmat(table.param(router_), E, D), 1.0f, dx,
+       GemmInputs::Fp32);
 }
 
 void MoeLayer::experts_forward(const TensorTable& table, const float* in_rows,

@@ -21,7 +21,7 @@ enum class EngramShardGroup { None, Ep, Stage };  // parallel.engram_shard
 enum class CommBackend { Mpi, Nccl };             // parallel.backend
 enum class CudaAwareMpi { Auto, Yes, No };        // parallel.cuda_aware_mpi
 enum class ExpertGemm { Auto, Grouped, PerExpert };  // moe.expert_gemm
-enum class Precision { Fp32, Tf32 };              // train.precision
+enum class Precision { Fp32, Tf32, Bf16 };        // train.precision
 
 template <class E>
 struct Choice {
@@ -74,7 +74,8 @@ struct Choices<ExpertGemm> {
 };
 template <>
 struct Choices<Precision> {
-  static constexpr Choice<Precision> all[] = {{Precision::Fp32, "fp32"}, {Precision::Tf32, "tf32"}};
+  static constexpr Choice<Precision> all[] = {
+      {Precision::Fp32, "fp32"}, {Precision::Tf32, "tf32"}, {Precision::Bf16, "bf16"}};
 };
 template <>
 struct Choices<CudaAwareMpi> {
@@ -188,7 +189,7 @@ struct TrainCfg {
   int eval_every = 0;        // 0: evaluate at the end only
   int eval_instances = 0;    // 0: all validation instances
   bool check_memory = true;  // refuse a run its node or device cannot hold
-  Precision precision = Precision::Fp32;  // fp32 GEMMs: exact, or TF32 tensor cores on GPUs
+  Precision precision = Precision::Fp32;  // GEMM inputs: fp32, TF32 (GPUs) or bf16 (MODEL.md 8)
 };
 
 struct OptimizerCfg {

@@ -6,11 +6,78 @@
 #include <KokkosBlas_tpl_spec.hpp>  // the cuBLAS handle Kokkos Kernels' gemm uses
 #endif
 
+#include "core/bf16.hpp"
+#include "core/buffers.hpp"
 #include "core/error.hpp"
 
 namespace kmoe {
 
-void gemm(Trans ta, Trans tb, float alpha, ConstMat A, ConstMat B, float beta, Mat C) {
+namespace {
+Precision g_precision = Precision::Fp32;
+
+#if defined(KOKKOS_ENABLE_CUDA) && defined(KOKKOSKERNELS_ENABLE_TPL_CUBLAS)
+#define KMOE_CUBLAS 1
+using Bf16View = Kokkos::View<std::uint16_t*, Layout, MemSpace>;
+// The bf16 copies of a GEMM's two inputs: grown to the largest operand, kept to the end.
+std::uint16_t* bf16_workspace(int which, std::int64_t n) {
+  static Bf16View* ws = nullptr;
+  if (!ws) {
+    ws = new Bf16View[2];
+    Kokkos::push_finalize_hook([] {
+      delete[] ws;
+      ws = nullptr;
+    });
+  }
+  ensure_size(ws[which], n, "gemm::bf16_inputs");
+  return ws[which].data();
+}
+
+// cuBLAS on Kokkos' stream for one call; the handle's math mode for it (TF32 or not).
+struct CublasCall {
+  cublasHandle_t h;
+  CublasCall(cublasMath_t mode) : h(KokkosBlas::Impl::CudaBlasSingleton::singleton().handle) {
+    cublasSetStream(h, ExecSpace().cuda_stream());
+    cublasSetMathMode(h, mode);
+  }
+  ~CublasCall() {
+    cublasSetMathMode(h, g_precision == Precision::Tf32 ? CUBLAS_TF32_TENSOR_OP_MATH
+                                                        : CUBLAS_DEFAULT_MATH);
+    cublasSetStream(h, nullptr);
+  }
+};
+#else
+// The bf16-rounded copies (as fp32) of a GEMM's two inputs on host backends.
+float* bf16_workspace(int which, std::int64_t n) {
+  static View1F* ws = nullptr;
+  if (!ws) {
+    ws = new View1F[2];
+    Kokkos::push_finalize_hook([] {
+      delete[] ws;
+      ws = nullptr;
+    });
+  }
+  ensure_size(ws[which], n, "gemm::bf16_inputs");
+  return ws[which].data();
+}
+#endif
+}  // namespace
+
+namespace detail {
+// dst[i] = src[i] rounded to bf16: as bf16 bits (CUDA) or as the fp32 value (host backends).
+void to_bf16(const float* src, std::int64_t n, std::uint16_t* dst) {
+  Kokkos::parallel_for(
+      "gemm::to_bf16", Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(0, n),
+      KOKKOS_LAMBDA(std::int64_t i) { dst[i] = bf16_bits(src[i]); });
+}
+void to_bf16(const float* src, std::int64_t n, float* dst) {
+  Kokkos::parallel_for(
+      "gemm::round_bf16", Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(0, n),
+      KOKKOS_LAMBDA(std::int64_t i) { dst[i] = round_bf16(src[i]); });
+}
+}  // namespace detail
+
+void gemm(Trans ta, Trans tb, float alpha, ConstMat A, ConstMat B, float beta, Mat C,
+          GemmInputs in) {
   const int m = ta == Trans::N ? A.extent(0) : A.extent(1);
   const int ka = ta == Trans::N ? A.extent(1) : A.extent(0);
   const int kb = tb == Trans::N ? B.extent(0) : B.extent(1);
@@ -27,13 +94,43 @@ void gemm(Trans ta, Trans tb, float alpha, ConstMat A, ConstMat B, float beta, M
         KOKKOS_LAMBDA(int i, int j) { C(i, j) = beta == 0.0f ? 0.0f : beta * C(i, j); });
     return;
   }
-  KokkosBlas::gemm(ta == Trans::N ? "N" : "T", tb == Trans::N ? "N" : "T", alpha, A, B, beta, C);
+  const char* opa = ta == Trans::N ? "N" : "T";
+  const char* opb = tb == Trans::N ? "N" : "T";
+  if (in == GemmInputs::Run && g_precision == Precision::Bf16) {
+    const std::int64_t na = std::int64_t(A.extent(0)) * A.extent(1),
+                       nb = std::int64_t(B.extent(0)) * B.extent(1);
+    auto* a = bf16_workspace(0, na);
+    auto* b = bf16_workspace(1, nb);
+    detail::to_bf16(A.data(), na, a);
+    detail::to_bf16(B.data(), nb, b);
+#if defined(KMOE_CUBLAS)
+    // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: B's part comes first.
+    CublasCall call(CUBLAS_DEFAULT_MATH);
+    const cublasStatus_t st = cublasGemmEx(
+        call.h, tb == Trans::N ? CUBLAS_OP_N : CUBLAS_OP_T, ta == Trans::N ? CUBLAS_OP_N : CUBLAS_OP_T,
+        n, m, ka, &alpha, b, CUDA_R_16BF, B.extent(1), a, CUDA_R_16BF, A.extent(1), &beta, C.data(),
+        CUDA_R_32F, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    KMOE_REQUIRE(st == CUBLAS_STATUS_SUCCESS, "cublasGemmEx (bf16) failed (" << int(st) << ")");
+#else
+    KokkosBlas::gemm(opa, opb, alpha, ConstMat(a, A.extent(0), A.extent(1)),
+                     ConstMat(b, B.extent(0), B.extent(1)), beta, C);
+#endif
+    return;
+  }
+#if defined(KMOE_CUBLAS)
+  if (in == GemmInputs::Fp32 && g_precision == Precision::Tf32) {  // exact fp32 on a TF32 run
+    CublasCall call(CUBLAS_DEFAULT_MATH);
+    KokkosBlas::gemm(opa, opb, alpha, A, B, beta, C);
+    return;
+  }
+#endif
+  KokkosBlas::gemm(opa, opb, alpha, A, B, beta, C);
 }
 
 void gemm_strided_batched(Trans ta, Trans tb, float alpha, Strided A, Strided B, float beta,
                           float* C, int c_rows, int c_cols, std::int64_t c_stride, int batch) {
   if (batch == 0) return;
-#if defined(KOKKOS_ENABLE_CUDA) && defined(KOKKOSKERNELS_ENABLE_TPL_CUBLAS)
+#if defined(KMOE_CUBLAS)
   const int ka = ta == Trans::N ? A.cols : A.rows, kb = tb == Trans::N ? B.rows : B.cols;
   const int m = ta == Trans::N ? A.rows : A.cols, n = tb == Trans::N ? B.cols : B.rows;
   KMOE_REQUIRE(ka == kb && m == c_rows && n == c_cols,
@@ -42,16 +139,29 @@ void gemm_strided_batched(Trans ta, Trans tb, float alpha, Strided A, Strided B,
                                                               << "x" << c_cols);
   if (m > 0 && n > 0 && ka > 0) {
     // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: B's part comes first.
-    auto& blas = KokkosBlas::Impl::CudaBlasSingleton::singleton();
-    cublasStatus_t st = cublasSetStream(blas.handle, ExecSpace().cuda_stream());
-    if (st == CUBLAS_STATUS_SUCCESS)
-      st = cublasSgemmStridedBatched(
-          blas.handle, tb == Trans::N ? CUBLAS_OP_N : CUBLAS_OP_T,
-          ta == Trans::N ? CUBLAS_OP_N : CUBLAS_OP_T, n, m, ka, &alpha, B.data, B.cols, B.stride,
-          A.data, A.cols, A.stride, &beta, C, c_cols, c_stride, batch);
-    cublasSetStream(blas.handle, nullptr);
-    KMOE_REQUIRE(st == CUBLAS_STATUS_SUCCESS,
-                 "cublasSgemmStridedBatched failed (" << int(st) << ")");
+    const cublasOperation_t opb = tb == Trans::N ? CUBLAS_OP_N : CUBLAS_OP_T,
+                            opa = ta == Trans::N ? CUBLAS_OP_N : CUBLAS_OP_T;
+    cublasStatus_t st;
+    if (g_precision == Precision::Bf16) {
+      // The strided span of each batch, as bf16.
+      const std::int64_t na = (batch - 1) * A.stride + std::int64_t(A.rows) * A.cols,
+                         nb = (batch - 1) * B.stride + std::int64_t(B.rows) * B.cols;
+      std::uint16_t* a = bf16_workspace(0, na);
+      std::uint16_t* b = bf16_workspace(1, nb);
+      detail::to_bf16(A.data, na, a);
+      detail::to_bf16(B.data, nb, b);
+      CublasCall call(CUBLAS_DEFAULT_MATH);
+      st = cublasGemmStridedBatchedEx(call.h, opb, opa, n, m, ka, &alpha, b, CUDA_R_16BF, B.cols,
+                                      B.stride, a, CUDA_R_16BF, A.cols, A.stride, &beta, C,
+                                      CUDA_R_32F, c_cols, c_stride, batch, CUBLAS_COMPUTE_32F,
+                                      CUBLAS_GEMM_DEFAULT);
+    } else {
+      CublasCall call(g_precision == Precision::Tf32 ? CUBLAS_TF32_TENSOR_OP_MATH
+                                                      : CUBLAS_DEFAULT_MATH);
+      st = cublasSgemmStridedBatched(call.h, opb, opa, n, m, ka, &alpha, B.data, B.cols, B.stride,
+                                     A.data, A.cols, A.stride, &beta, C, c_cols, c_stride, batch);
+    }
+    KMOE_REQUIRE(st == CUBLAS_STATUS_SUCCESS, "strided batched GEMM failed (" << int(st) << ")");
     return;
   }
 #endif
@@ -62,28 +172,50 @@ void gemm_strided_batched(Trans ta, Trans tb, float alpha, Strided A, Strided B,
 }
 
 std::string set_gemm_precision(Precision p) {
-#if defined(KOKKOS_ENABLE_CUDA) && defined(KOKKOSKERNELS_ENABLE_TPL_CUBLAS)
+  const std::string name = choice_name(p);
+#if defined(KMOE_CUBLAS)
   auto& blas = KokkosBlas::Impl::CudaBlasSingleton::singleton();
   const cublasStatus_t st = cublasSetMathMode(
       blas.handle, p == Precision::Tf32 ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH);
   KMOE_REQUIRE(st == CUBLAS_STATUS_SUCCESS,
-               "train.precision = " << choice_name(p) << ": cublasSetMathMode failed (" << int(st)
-                                    << ")");
-  return "";
-#elif defined(KOKKOS_ENABLE_CUDA)
-  return p == Precision::Tf32 ? "train.precision = tf32 has no effect: Kokkos Kernels was built "
-                                "without cuBLAS, GEMMs run in fp32"
-                              : "";
-#elif defined(KOKKOS_ENABLE_HIP)
-  KMOE_REQUIRE(p == Precision::Fp32,
-               "train.precision = tf32 is not available on HIP builds (no TF32 math mode is "
-               "set through rocBLAS); use fp32");
+               "train.precision = " << name << ": cublasSetMathMode failed (" << int(st) << ")");
+  g_precision = p;
   return "";
 #else
-  return p == Precision::Tf32 ? std::string("train.precision = tf32 has no effect on the ") +
-                                    ExecSpace::name() + " backend: GEMMs run in fp32"
-                              : "";
+#if defined(KOKKOS_ENABLE_CUDA) || defined(KOKKOS_ENABLE_HIP)
+  KMOE_REQUIRE(p == Precision::Fp32,
+               "train.precision = " << name << " needs the GPU vendor's BLAS behind Kokkos Kernels ("
+                                    << "cuBLAS on CUDA builds; HIP builds have no " << name
+                                    << " path here): this " << ExecSpace::name()
+                                    << " build has fp32 GEMMs only; use train.precision = fp32");
+  g_precision = p;
+  return "";
+#else
+  KMOE_REQUIRE(p != Precision::Tf32,
+               "train.precision = tf32: the " << ExecSpace::name()
+                                              << " backend has no TF32 GEMMs (a GPU feature); use "
+                                                 "fp32, or bf16 (emulated on CPUs)");
+  g_precision = p;
+  return p == Precision::Bf16
+             ? std::string("train.precision = bf16 on the ") + ExecSpace::name() +
+                   " backend: GEMM inputs rounded to bf16, summed by the fp32 BLAS (the bf16 "
+                   "numerics of a GPU run, not its speed)"
+             : "";
 #endif
+#endif
+}
+
+Precision gemm_precision() { return g_precision; }
+
+GemmPrecisionScope::GemmPrecisionScope(Precision p) : before_(g_precision) {
+  note_ = set_gemm_precision(p);
+}
+
+GemmPrecisionScope::~GemmPrecisionScope() {
+  try {
+    set_gemm_precision(before_);
+  } catch (...) {  // the precision before was set once, so it is settable again
+  }
 }
 
 }  // namespace kmoe

@@ -1,5 +1,11 @@
 // C = alpha * op(A) op(B) + beta * C on contiguous row-major views, one KokkosBlas::gemm call
 // (vendor BLAS underneath). Shapes are checked here: Kokkos Kernels checks only in debug builds.
+//
+// train.precision sets how every later GEMM treats its inputs (MODEL.md section 8): fp32; TF32
+// tensor cores (CUDA); bf16: A and B rounded to bf16 (nearest, ties to even), products summed
+// and C kept in fp32 (cublasGemmEx with bf16 inputs on CUDA; on CPUs the rounded values go
+// through the fp32 BLAS, the same numbers up to the order of the sums). A GEMM whose inputs
+// stay fp32 whatever the run's precision (the router) says GemmInputs::Fp32.
 #pragma once
 
 #include <cstdint>
@@ -11,14 +17,16 @@
 namespace kmoe {
 
 enum class Trans { N, T };
+enum class GemmInputs { Run, Fp32 };  // the run's train.precision, or exact fp32
 
 // op(A): [m, k], op(B): [k, n], C: [m, n].
-void gemm(Trans ta, Trans tb, float alpha, ConstMat A, ConstMat B, float beta, Mat C);
+void gemm(Trans ta, Trans tb, float alpha, ConstMat A, ConstMat B, float beta, Mat C,
+          GemmInputs in = GemmInputs::Run);
 
 // A strided batch of products: for b in [0, batch), C_b = alpha op(A_b) op(B_b) + beta C_b, with
 // X_b = X + b * stride_x, each a contiguous row-major matrix of the shape given (as gemm()'s
-// operands). One cublasSgemmStridedBatched on CUDA builds with cuBLAS; gemm() per product
-// elsewhere (vendor BLAS on CPUs).
+// operands). One cublasSgemmStridedBatched (cublasGemmStridedBatchedEx in bf16 runs) on CUDA
+// builds with cuBLAS; gemm() per product elsewhere (vendor BLAS on CPUs).
 struct Strided {
   const float* data;
   int rows, cols;
@@ -27,10 +35,25 @@ struct Strided {
 void gemm_strided_batched(Trans ta, Trans tb, float alpha, Strided A, Strided B, float beta,
                           float* C, int c_rows, int c_cols, std::int64_t c_stride, int batch);
 
-// train.precision for every later gemm(): fp32, or TF32 tensor cores (cuBLAS' TF32 math mode
-// on the handle Kokkos Kernels calls through). Returns a line for the start-up log when the
-// backend ignores the choice (CPUs; Kokkos Kernels without cuBLAS), else "". Throws on HIP,
-// which has no TF32 path here.
+// train.precision for every later GEMM (cuBLAS' TF32 math mode on the handle Kokkos Kernels
+// calls through for tf32). Returns a line for the start-up log ("" if none). Throws, naming
+// train.precision, where the build cannot do it: tf32 without TF32 GEMMs (CPUs; CUDA without
+// cuBLAS; HIP), bf16 on GPUs without the vendor library (CUDA without cuBLAS; HIP here).
 std::string set_gemm_precision(Precision p);
+Precision gemm_precision();
+
+// train.precision for the GEMMs of its lifetime; the one before comes back at its end.
+class GemmPrecisionScope {
+ public:
+  explicit GemmPrecisionScope(Precision p);
+  ~GemmPrecisionScope();
+  GemmPrecisionScope(const GemmPrecisionScope&) = delete;
+  GemmPrecisionScope& operator=(const GemmPrecisionScope&) = delete;
+  const std::string& note() const { return note_; }
+
+ private:
+  Precision before_;
+  std::string note_;
+};
 
 }  // namespace kmoe

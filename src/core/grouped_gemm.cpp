@@ -1,5 +1,6 @@
 #include "core/grouped_gemm.hpp"
 
+#include "core/bf16.hpp"
 #include "core/error.hpp"
 
 namespace kmoe {
@@ -47,6 +48,7 @@ void GroupedGemm::rows(Trans tw, float alpha, const float* A, int K, const float
   const int G = groups_, col_tiles = (n + kTile - 1) / kTile;
   const std::int64_t row_tiles = (max_rows_ + kTile - 1) / kTile + G;
   const bool wt = tw == Trans::T;
+  const bool bf = gemm_precision() == Precision::Bf16;  // inputs rounded as they are loaded
   auto off = off_;
   auto toff = tile_off_;
   Kokkos::parallel_for(
@@ -73,7 +75,8 @@ void GroupedGemm::rows(Trans tw, float alpha, const float* A, int K, const float
           tm.team_barrier();
           Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, kTile * kDepth), [&](int e) {
             const int i = e / kDepth, kk = e % kDepth;
-            As(e) = i < nr && kk < nk ? A[(r0 + i) * K + k0 + kk] : 0.0f;
+            const float a = i < nr && kk < nk ? A[(r0 + i) * K + k0 + kk] : 0.0f;
+            As(e) = bf ? round_bf16(a) : a;
           });
           Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, kDepth * kTile), [&](int e) {
             // Neighbouring threads read neighbouring addresses of W either way.
@@ -81,7 +84,7 @@ void GroupedGemm::rows(Trans tw, float alpha, const float* A, int K, const float
             float v = 0.0f;
             if (kk < nk && j < nc)
               v = wt ? Wg[std::int64_t(c0 + j) * K + k0 + kk] : Wg[std::int64_t(k0 + kk) * n + c0 + j];
-            Bs(kk * kTile + j) = v;
+            Bs(kk * kTile + j) = bf ? round_bf16(v) : v;
           });
           tm.team_barrier();
           Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, kTile * kTile), [&](int e) {
@@ -105,6 +108,7 @@ void GroupedGemm::weight_grads(float alpha, const float* A, int m, const float* 
                                float* Gm, std::int64_t g_stride) const {
   if (m == 0 || n == 0) return;
   const int mt = (m + kTile - 1) / kTile, nt = (n + kTile - 1) / kTile;
+  const bool bf = gemm_precision() == Precision::Bf16;
   auto off = off_;
   Kokkos::parallel_for(
       "grouped_gemm::weight_grads", tiled_policy(std::int64_t(groups_) * mt * nt),
@@ -123,8 +127,10 @@ void GroupedGemm::weight_grads(float alpha, const float* A, int m, const float* 
           tm.team_barrier();
           Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, kDepth * kTile), [&](int e) {
             const int kk = e / kTile, i = e % kTile;
-            As(e) = kk < nk && i < ni ? A[std::int64_t(r0 + kk) * m + i0 + i] : 0.0f;
-            Bs(e) = kk < nk && i < nj ? B[std::int64_t(r0 + kk) * n + j0 + i] : 0.0f;
+            const float a = kk < nk && i < ni ? A[std::int64_t(r0 + kk) * m + i0 + i] : 0.0f;
+            const float b = kk < nk && i < nj ? B[std::int64_t(r0 + kk) * n + j0 + i] : 0.0f;
+            As(e) = bf ? round_bf16(a) : a;
+            Bs(e) = bf ? round_bf16(b) : b;
           });
           tm.team_barrier();
           Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, kTile * kTile), [&](int e) {

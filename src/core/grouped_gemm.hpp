@@ -8,8 +8,10 @@
 //
 // A tiled team kernel (tiles in team scratch, one thread per output element per k-step): every
 // output element is summed in ascending k by one thread, so results are bit-identical run to
-// run on every backend; they differ from vendor BLAS in the last bits. Vendor BLAS stays the
-// choice on host backends (moe.expert_gemm = auto), where reading the offsets costs nothing.
+// run on every backend; they differ from vendor BLAS in the last bits. In bf16 runs the inputs
+// are rounded to bf16 as they are loaded, the sums stay fp32 (CUDA cores, not tensor cores).
+// Vendor BLAS stays the choice on host backends (moe.expert_gemm = auto), where reading the
+// offsets costs nothing.
 #pragma once
 
 #include <cstdint>

@@ -53,9 +53,9 @@ Trainer::Trainer(const Config& cfg, ProcessGrid& grid)
     val_data_ = std::make_unique<TokenDataset>(cfg.data.val_paths, cfg.data.dtype, t.seq_len,
                                                cfg.model.vocab_size, "data.val_paths");
   stream_ = std::make_unique<InstanceStream>(train_data_->num_instances(), t.seed);
-  const std::string precision_note = set_gemm_precision(t.precision);
-  if (grid_.is_root() && !precision_note.empty())
-    std::printf("note: %s\n", precision_note.c_str());
+  precision_ = std::make_unique<GemmPrecisionScope>(t.precision);
+  if (grid_.is_root() && !precision_->note().empty())
+    std::printf("note: %s\n", precision_->note().c_str());
 
   // This rank's micro-batches per step and the pipeline schedule over them; one Stage instance
   // per micro-batch the schedule keeps in flight, all on the same parameters.

@@ -10,6 +10,7 @@
 
 #include "core/config.hpp"
 #include "core/error.hpp"
+#include "core/gemm.hpp"
 #include "core/step_stats.hpp"
 #include "io/checkpoint.hpp"
 #include "io/dump.hpp"
@@ -66,6 +67,7 @@ class Trainer {
   const Config& cfg_;
   ProcessGrid& grid_;
   std::unique_ptr<RunLock> lock_;  // this run's hold on checkpoint.dir
+  std::unique_ptr<GemmPrecisionScope> precision_;  // train.precision while this run lives
   ModelSize size_;
   TensorTable table_;
   StepStats stats_;  // the layers' step statistics (metrics.csv columns after val_loss)

@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """Independent float64 PyTorch reference of kmoe's model, loss and optimizer.
 
-Written from docs/spec/MODEL.md (sections 1, 2, 3, 5, 6, 7), docs/spec/RUNTIME.md (sections 4-5)
+Written from docs/spec/MODEL.md (sections 1, 2, 3, 5, 6, 7, 8), docs/spec/RUNTIME.md (sections 4-5)
 and docs/CONVENTIONS.md only, never from kmoe's C++ code. It covers the dense model, the
 mixture of experts (`MoE`, without aux-loss-free bias updates) and Engram (`Engram`, section 4;
 its hashing comes from engram_hash_reference.py, also written from the spec alone).
@@ -23,6 +23,42 @@ from torch import nn
 import engram_hash_reference as ehash
 
 DT = torch.float64
+
+
+# ----------------------------------------------------------------------------- precision
+
+def round_bf16(x):
+    """x rounded to the nearest bfloat16 (ties to even, through fp32 as kmoe's values are),
+    back in x's dtype."""
+    return x.to(torch.float32).to(torch.bfloat16).to(x.dtype)
+
+
+class Bf16Matmul(torch.autograd.Function):
+    """MODEL.md section 8: C = R(A) R(B); the gradient products round their inputs too."""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        ra, rb = round_bf16(a), round_bf16(b)
+        ctx.save_for_backward(ra, rb)
+        return ra @ rb
+
+    @staticmethod
+    def backward(ctx, g):
+        ra, rb = ctx.saved_tensors
+        rg = round_bf16(g)
+        if rb.dim() == 2:  # a weight: its gradient sums over every leading dimension of a
+            gb = ra.reshape(-1, ra.shape[-1]).transpose(0, 1) @ rg.reshape(-1, rg.shape[-1])
+        else:
+            gb = ra.transpose(-1, -2) @ rg
+        return rg @ rb.transpose(-1, -2), gb
+
+
+PRECISION = "fp32"  # train.precision of the model last built (Model.__init__ sets it)
+
+
+def mm(a, b):
+    """A matrix product in the run's precision (the router's stays a @ b)."""
+    return Bf16Matmul.apply(a, b) if PRECISION == "bf16" else a @ b
 
 
 # ----------------------------------------------------------------------------- configuration
@@ -71,6 +107,8 @@ class Config:
         t = lambda k, d=None, ty=int: _get(cp, "train", k, d, ty)  # noqa: E731
         self.T, self.G, self.b = t("seq_len"), t("global_batch"), t("micro_batch")
         self.max_steps, self.seed = t("max_steps"), t("seed", 0)
+        self.precision = t("precision", "fp32", str)
+        assert self.precision in ("fp32", "bf16"), self.precision  # tf32 is GPU-only
 
         o = lambda k, d=None, ty=float: _get(cp, "optimizer", k, d, ty)  # noqa: E731
         self.lr, self.beta1, self.beta2 = o("lr"), o("beta1", 0.9), o("beta2", 0.95)
@@ -193,7 +231,7 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin):
         c = self.cfg
         b, T, _ = x.shape
-        q, k, v = x @ self.wq.T, x @ self.wk.T, x @ self.wv.T
+        q, k, v = mm(x, self.wq.T), mm(x, self.wk.T), mm(x, self.wv.T)
         if c.qk_norm:  # over the whole projection, before the head split
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.view(b, T, c.H, c.dh), cos, sin)
@@ -202,11 +240,11 @@ class Attention(nn.Module):
         rep = c.H // c.Hkv  # query head h reads kv head h // rep
         k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, H, T, dh]
-        scores = (q @ k.transpose(-1, -2)) / math.sqrt(c.dh)
+        scores = mm(q, k.transpose(-1, -2)) / math.sqrt(c.dh)
         causal = torch.ones(T, T, dtype=torch.bool).triu(1)
         scores = scores.masked_fill(causal, float("-inf"))
-        o = torch.softmax(scores, dim=-1) @ v  # [b, H, T, dh]
-        return o.transpose(1, 2).reshape(b, T, c.H * c.dh) @ self.wo.T
+        o = mm(torch.softmax(scores, dim=-1), v)  # [b, H, T, dh]
+        return mm(o.transpose(1, 2).reshape(b, T, c.H * c.dh), self.wo.T)
 
 
 class DenseMLP(nn.Module):
@@ -219,7 +257,7 @@ class DenseMLP(nn.Module):
         self.w2 = nn.Parameter(torch.zeros(D, F, dtype=DT))
 
     def forward(self, x):
-        return (nn.functional.silu(x @ self.w1.T) * (x @ self.w3.T)) @ self.w2.T
+        return mm(nn.functional.silu(mm(x, self.w1.T)) * mm(x, self.w3.T), self.w2.T)
 
 
 TIE_TOL = 1e-5  # RUNTIME.md section 5: closer k-th/(k+1)-th scores may select differently
@@ -274,7 +312,7 @@ class Experts(nn.Module):
 
     def forward(self, e, x):
         """Expert e on the rows of x."""
-        return (nn.functional.silu(x @ self.w1[e].T) * (x @ self.w3[e].T)) @ self.w2[e].T
+        return mm(nn.functional.silu(mm(x, self.w1[e].T)) * mm(x, self.w3[e].T), self.w2[e].T)
 
 
 class MoE(nn.Module):
@@ -292,7 +330,7 @@ class MoE(nn.Module):
         c = self.cfg
         x = h.reshape(-1, c.D)
         N = x.shape[0]
-        z = x @ self.router.T  # [N, E]
+        z = x @ self.router.T  # [N, E]; fp32 in every precision
         p = torch.softmax(z, dim=-1) if c.score == "softmax" else torch.sigmoid(z)
         sel = self.route(p.detach(), ctx)
         w = p.gather(1, sel)  # [N, k]
@@ -371,7 +409,7 @@ class Engram(nn.Module):
         c = self.cfg
         b, T, D = x.shape
         e = self.table[self.rows(tokens)].reshape(b, T, c.d_mem)  # order-2 heads first
-        key, val = e @ self.wk.T + self.bk, e @ self.wv.T + self.bv
+        key, val = mm(e, self.wk.T) + self.bk, mm(e, self.wv.T) + self.bv
         s = (self.k_norm(key) * self.q_norm(x)).sum(-1) / math.sqrt(D)
         if c.gate == "signed_sqrt":
             s = torch.sign(s) * torch.sqrt(s.abs().clamp_min(1e-6))
@@ -415,6 +453,8 @@ class Block(nn.Module):
 class Model(nn.Module):
     def __init__(self, cfg):
         super().__init__()
+        global PRECISION
+        PRECISION = cfg.precision
         self.cfg = cfg
         self.embed = Weight(cfg.V, cfg.D)
         self.blocks = nn.ModuleList(Block(cfg, l) for l in range(cfg.L))
@@ -432,7 +472,7 @@ class Model(nn.Module):
         for blk in self.blocks:
             x = blk(x, cos, sin, ctx, tokens)
         head = self.embed.weight if self.cfg.tie else self.lm_head.weight
-        return self.final_norm(x) @ head.T
+        return mm(self.final_norm(x), head.T)
 
     def microbatch_loss(self, tokens, routes=None, stats=None):
         """MODEL.md section 2 for one micro-batch: (loss_mb, CE, aux).

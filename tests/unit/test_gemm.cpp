@@ -1,10 +1,14 @@
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <limits>
 #include <random>
+#include <string>
 #include <vector>
 
-#include "core/error.hpp"
+#include "core/bf16.hpp"
 #include "core/column_sums.hpp"
+#include "core/error.hpp"
 #include "core/gemm.hpp"
 #include "core/grouped_gemm.hpp"
 
@@ -12,7 +16,10 @@ namespace kmoe {
 namespace {
 
 // C = alpha op(A) op(B) + beta C against a naive triple loop, all four transpose combinations.
-void check_gemm(Trans ta, Trans tb, int m, int n, int k, float alpha, float beta) {
+// bf16: the loop multiplies the bf16-rounded inputs (MODEL.md section 8), and most elements must
+// be farther than the tolerance from the product of the unrounded ones.
+void check_gemm(Trans ta, Trans tb, int m, int n, int k, float alpha, float beta,
+                bool bf16 = false, GemmInputs in = GemmInputs::Run) {
   std::mt19937 gen(m * 131 + n * 17 + k);
   std::uniform_real_distribution<float> u(-1.0f, 1.0f);
   const int ar = ta == Trans::N ? m : k, ac = ta == Trans::N ? k : m;
@@ -27,24 +34,33 @@ void check_gemm(Trans ta, Trans tb, int m, int n, int k, float alpha, float beta
     for (int j = 0; j < bc; ++j) hB(i, j) = u(gen);
   for (int i = 0; i < m; ++i)
     for (int j = 0; j < n; ++j) hC(i, j) = u(gen);
-  std::vector<double> expect(static_cast<size_t>(m) * n);
+  std::vector<double> expect(static_cast<size_t>(m) * n), exact(expect.size());
   for (int i = 0; i < m; ++i)
     for (int j = 0; j < n; ++j) {
-      double s = 0;
+      double s = 0, s_exact = 0;
       for (int p = 0; p < k; ++p) {
-        const double a = ta == Trans::N ? hA(i, p) : hA(p, i);
-        const double b = tb == Trans::N ? hB(p, j) : hB(j, p);
-        s += a * b;
+        const float a = ta == Trans::N ? hA(i, p) : hA(p, i);
+        const float b = tb == Trans::N ? hB(p, j) : hB(j, p);
+        s += bf16 ? double(round_bf16(a)) * round_bf16(b) : double(a) * b;
+        s_exact += double(a) * b;
       }
       expect[i * n + j] = alpha * s + beta * hC(i, j);
+      exact[i * n + j] = alpha * s_exact + beta * hC(i, j);
     }
   Kokkos::deep_copy(A, hA);
   Kokkos::deep_copy(B, hB);
   Kokkos::deep_copy(C, hC);
-  gemm(ta, tb, alpha, as_cmat(A), as_cmat(B), beta, as_mat(C));
+  gemm(ta, tb, alpha, as_cmat(A), as_cmat(B), beta, as_mat(C), in);
   Kokkos::deep_copy(hC, C);
+  int away = 0;
   for (int i = 0; i < m; ++i)
-    for (int j = 0; j < n; ++j) ASSERT_NEAR(hC(i, j), expect[i * n + j], 1e-4) << i << "," << j;
+    for (int j = 0; j < n; ++j) {
+      ASSERT_NEAR(hC(i, j), expect[i * n + j], 1e-4) << i << "," << j;
+      away += std::abs(hC(i, j) - exact[i * n + j]) > 1e-4;
+    }
+  if (bf16) {
+    EXPECT_GT(away, m * n / 2) << "bf16 products no farther from the fp32 ones than fp32's error";
+  }
 }
 
 TEST(Gemm, AllTransposeCombinations) {
@@ -69,6 +85,54 @@ TEST(Gemm, ZeroInnerExtentAppliesBeta) {
   check_gemm(Trans::N, Trans::N, 3, 4, 0, 1.0f, 0.25f);
 }
 
+TEST(Bf16, RoundsToNearestTiesToEven) {
+  const float ulp = std::ldexp(1.0f, -7);  // bf16's spacing in [1, 2)
+  EXPECT_EQ(round_bf16(1.0f), 1.0f);
+  EXPECT_EQ(round_bf16(1.0f + 0.5f * ulp), 1.0f);                        // tie: to even (down)
+  EXPECT_EQ(round_bf16(1.0f + 1.5f * ulp), 1.0f + 2 * ulp);              // tie: to even (up)
+  EXPECT_EQ(round_bf16(1.0f + 0.5f * ulp + std::ldexp(1.0f, -20)), 1.0f + ulp);  // past the tie
+  EXPECT_EQ(round_bf16(-3.0f - 0.25f * ulp), -3.0f);
+  EXPECT_EQ(bf16_bits(1.0f), 0x3F80);
+  EXPECT_EQ(bf16_to_float(0x3F80), 1.0f);
+  const float big = std::numeric_limits<float>::max();
+  EXPECT_TRUE(std::isinf(round_bf16(big)) && round_bf16(big) > 0);  // beyond bf16's largest
+  EXPECT_TRUE(std::isinf(round_bf16(-std::numeric_limits<float>::infinity())));
+  EXPECT_TRUE(std::isnan(round_bf16(std::numeric_limits<float>::quiet_NaN())));
+  const float tiny = std::ldexp(1.0f, -130);  // a subnormal, kept as bf16 subnormal
+  EXPECT_EQ(round_bf16(tiny), tiny);
+  EXPECT_EQ(round_bf16(0.0f), 0.0f);
+}
+
+TEST(Gemm, Bf16ProductsSumRoundedInputsInFp32) {
+  GemmPrecisionScope bf(Precision::Bf16);
+  EXPECT_EQ(gemm_precision(), Precision::Bf16);
+  for (Trans ta : {Trans::N, Trans::T})
+    for (Trans tb : {Trans::N, Trans::T}) check_gemm(ta, tb, 7, 5, 9, 0.7f, 0.3f, true);
+  // The router's products keep fp32 inputs in a bf16 run.
+  check_gemm(Trans::N, Trans::T, 6, 4, 11, 1.0f, 0.0f, false, GemmInputs::Fp32);
+}
+
+TEST(Gemm, PrecisionScopeRestoresFp32) {
+  {
+    GemmPrecisionScope bf(Precision::Bf16);
+  }
+  EXPECT_EQ(gemm_precision(), Precision::Fp32);
+  check_gemm(Trans::N, Trans::N, 5, 6, 7, 1.0f, 0.0f);
+}
+
+#if !defined(KOKKOS_ENABLE_CUDA) && !defined(KOKKOS_ENABLE_HIP)
+// No TF32 on CPUs: an error naming the key, and the precision stays what it was.
+TEST(Gemm, Tf32OnACpuBackendIsAnError) {
+  try {
+    GemmPrecisionScope tf(Precision::Tf32);
+    FAIL() << "tf32 accepted on " << ExecSpace::name();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("train.precision = tf32"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(gemm_precision(), Precision::Fp32);
+}
+#endif
+
 TEST(Gemm, ZeroOuterExtentIsNoop) { check_gemm(Trans::N, Trans::T, 0, 4, 3, 1.0f, 0.0f); }
 
 TEST(Gemm, ShapeMismatchThrows) {
@@ -80,7 +144,9 @@ TEST(Gemm, ShapeMismatchThrows) {
 // few tiles (the row offsets only on the device), inner extents and widths off the tile sizes,
 // both weight orientations, beta 0 and 1; rows outside the groups and the weights of a group
 // without rows are untouched; a second run is bit-identical.
-TEST(GroupedGemm, RowsAndWeightGradientsMatchPerGroupProducts) {
+// bf16: the loops multiply the bf16-rounded inputs (the kernel rounds them as it loads them).
+void check_grouped(bool bf16) {
+  auto q = [bf16](float x) { return bf16 ? round_bf16(x) : x; };
   const std::vector<int> sizes = {5, 0, 33, 1, 70};
   const int G = static_cast<int>(sizes.size()), K = 40, n = 37, spare = 9;
   std::vector<int> off(G + 1, 0);
@@ -121,7 +187,7 @@ TEST(GroupedGemm, RowsAndWeightGradientsMatchPerGroupProducts) {
             for (int p = 0; p < K; ++p) {
               const float w = tw == Trans::T ? W[(std::size_t(g) * n + j) * K + p]
                                              : W[(std::size_t(g) * K + p) * n + j];
-              acc += double(A[std::size_t(r) * K + p]) * w;
+              acc += double(q(A[std::size_t(r) * K + p])) * q(w);
             }
             const double want = 0.5 * acc + beta * C0[std::size_t(r) * n + j];
             ASSERT_NEAR(got[std::size_t(r) * n + j], want, 1e-4) << g << " " << r << " " << j;
@@ -144,7 +210,7 @@ TEST(GroupedGemm, RowsAndWeightGradientsMatchPerGroupProducts) {
       for (int j = 0; j < n; ++j) {
         double acc = 0.0;
         for (int r = off[g]; r < off[g + 1]; ++r)
-          acc += double(A[std::size_t(r) * m + i]) * B[std::size_t(r) * n + j];
+          acc += double(q(A[std::size_t(r) * m + i])) * q(B[std::size_t(r) * n + j]);
         const std::size_t at = (std::size_t(g) * m + i) * n + j;
         if (sizes[g] == 0)
           ASSERT_EQ(got[at], G0[at]) << "group without rows, " << i << "," << j;
@@ -153,17 +219,27 @@ TEST(GroupedGemm, RowsAndWeightGradientsMatchPerGroupProducts) {
       }
 }
 
+TEST(GroupedGemm, RowsAndWeightGradientsMatchPerGroupProducts) { check_grouped(false); }
+
+TEST(GroupedGemm, Bf16RoundsTheInputsAsTheyLoad) {
+  GemmPrecisionScope bf(Precision::Bf16);
+  check_grouped(true);
+}
+
 TEST(GroupedGemm, OffsetsOfTheWrongLengthThrow) {
   GroupedGemm gg(3);
   View1I off("off", 3);
   EXPECT_THROW(gg.plan(ConstIVec(off.data(), 3), 10), Error);
 }
 
-// A strided batch against one gemm() per product (on CUDA builds: cublasSgemmStridedBatched).
+// A strided batch against one gemm() per product (on CUDA builds: cublasSgemmStridedBatched, and
+// cublasGemmStridedBatchedEx with bf16 inputs), fp32 and bf16.
 TEST(Gemm, StridedBatchMatchesOneProductEach) {
   const int batch = 3, m = 6, n = 5, k = 7;
+  for (Precision p : {Precision::Fp32, Precision::Bf16})
   for (Trans ta : {Trans::N, Trans::T})
     for (Trans tb : {Trans::N, Trans::T}) {
+      GemmPrecisionScope scope(p);
       const int ar = ta == Trans::N ? m : k, ac = ta == Trans::N ? k : m;
       const int br = tb == Trans::N ? k : n, bc = tb == Trans::N ? n : k;
       const std::int64_t sa = ar * ac + 3, sb = br * bc + 1, sc = m * n + 2;  // gaps between
