@@ -42,26 +42,33 @@ Attention::Attention(const ModelCfg& m, const std::string& prefix, int max_seqs,
   qkv_ = View1F("attn::qkv", N * (qd + 2 * kd));
   rstd_q_ = View1F("attn::rstd_q", N);
   rstd_k_ = View1F("attn::rstd_k", N);
-  q_ = View1F("attn::q", N * qd);
-  k_ = View1F("attn::k", N * kd);
-  v_ = View1F("attn::v", N * kd);
+  q_ = KeptOperand("attn::q", N * qd);
+  k_ = KeptOperand("attn::k", N * kd);
+  v_ = KeptOperand("attn::v", N * kd);
   probs_ = View1F("attn::probs", static_cast<std::int64_t>(max_seqs) * H_ * T_ * T_);
-  merged_ = View1F("attn::merged", N * qd);
+  merged_ = KeptOperand("attn::merged", N * qd);
 }
 
 namespace {
 
-// Between the head layout (nseq, H, T, dh) and concatenated heads (N, H*dh).
-void move_heads(float* heads_data, Mat merged, int T, int H, int dh, bool to_heads) {
-  const int N = merged.extent(0);
-  Kokkos::View<float*, Layout, MemSpace, Unmanaged> heads(heads_data, std::int64_t(N) * H * dh);
+// Element (r, c) of concatenated heads (N, H*dh) in the head layout (nseq, H, T, dh).
+KOKKOS_INLINE_FUNCTION std::int64_t head_index(int r, int c, int T, int H, int dh) {
+  return ((std::int64_t(r / T) * H + c / dh) * T + r % T) * dh + c % dh;
+}
+
+// Concatenated heads (N, H*dh) into the head layout.
+void split_heads(ConstMat merged, float* heads, int T, int H, int dh) {
   Kokkos::parallel_for(
-      "attn::move_heads", Range2({0, 0}, {N, H * dh}), KOKKOS_LAMBDA(int r, int c) {
-        const std::int64_t hi = ((std::int64_t(r / T) * H + c / dh) * T + r % T) * dh + c % dh;
-        if (to_heads)
-          heads(hi) = merged(r, c);
-        else
-          merged(r, c) = heads(hi);
+      "attn::split_heads", Range2({0, 0}, {int(merged.extent(0)), H * dh}),
+      KOKKOS_LAMBDA(int r, int c) { heads[head_index(r, c, T, H, dh)] = merged(r, c); });
+}
+
+// The head layout into N rows of concatenated heads, kept for the output projection.
+void merge_heads(const float* heads, KeptOut merged, int N, int T, int H, int dh) {
+  const int qd = H * dh;
+  Kokkos::parallel_for(
+      "attn::merge_heads", Range2({0, 0}, {N, qd}), KOKKOS_LAMBDA(int r, int c) {
+        merged.set(std::int64_t(r) * qd + c, heads[head_index(r, c, T, H, dh)]);
       });
 }
 
@@ -78,7 +85,8 @@ void Attention::forward(const TensorTable& table, const RopeTables& rope, ConstM
   gemm(Trans::N, Trans::T, 1.0f, a, as_cmat(table.param(wq_), W, D_), 0.0f, qkv);
 
   // QK-norm over the whole projected q and k, RoPE, and the split into head layout.
-  auto q = q_, k = k_, v = v_, rq = rstd_q_, rk = rstd_k_;
+  const KeptOut q = q_.out(), k = k_.out(), v = v_.out();
+  auto rq = rstd_q_, rk = rstd_k_;
   auto cs = rope.cos, sn = rope.sin;
   const float* gq = qk_norm ? table.param(q_norm_) : nullptr;
   const float* gk = qk_norm ? table.param(k_norm_) : nullptr;
@@ -114,11 +122,12 @@ void Attention::forward(const TensorTable& table, const RopeTables& rope, ConstM
           }
           rope_rotate(a0, a1, cs(t, i), sn(t, i));
           const std::int64_t base = ((std::int64_t(s) * (is_q ? H : Hkv) + h) * T + t) * dh;
-          (is_q ? q : k)(base + i) = a0;
-          (is_q ? q : k)(base + i + half) = a1;
+          const KeptOut& dst = is_q ? q : k;
+          dst.set(base + i, a0);
+          dst.set(base + i + half, a1);
         });
         Kokkos::parallel_for(Kokkos::TeamThreadRange(team, kd), [&](int c) {
-          v(((std::int64_t(s) * Hkv + c / dh) * T + t) * dh + c % dh) = qkv(r, qd + kd + c);
+          v.set(((std::int64_t(s) * Hkv + c / dh) * T + t) * dh + c % dh, qkv(r, qd + kd + c));
         });
       });
 
@@ -128,8 +137,8 @@ void Attention::forward(const TensorTable& table, const RopeTables& rope, ConstM
   // (sequence, kv head) is one (G*T, dh) matrix against the kv head's (T, dh): a strided batch.
   const int groups = nseq * Hkv;
   // Per (sequence, kv head), strided: scores (G*T, T) = q k^T / sqrt(dh).
-  gemm_strided_batched(Trans::N, Trans::T, scale, {q_.data(), G * T, dh, G * Tdh},
-                       {k_.data(), T, dh, Tdh}, 0.0f, probs_.data(), G * T, T, G * TT, groups);
+  gemm_strided_batched(Trans::N, Trans::T, scale, q_.strided(G * T, dh, G * Tdh),
+                       k_.strided(T, dh, Tdh), 0.0f, probs_.data(), G * T, T, G * TT, groups);
 
   // Causal softmax, one team per row, its threads over the keys (on CPUs a one-thread team:
   // the exp loop is branch-free, exp_poly, and vectorizes; the max and the sum run in column
@@ -155,10 +164,10 @@ void Attention::forward(const TensorTable& table, const RopeTables& rope, ConstM
 
   float* heads = scratch.d_heads.data();  // (nseq, H, T, dh) head outputs
   gemm_strided_batched(Trans::N, Trans::N, 1.0f, {probs_.data(), G * T, T, G * TT},
-                       {v_.data(), T, dh, Tdh}, 0.0f, heads, G * T, dh, G * Tdh, groups);
-  Mat merged = as_mat(merged_.data(), N, qd);
-  move_heads(heads, merged, T, H, dh, /*to_heads=*/false);
-  gemm(Trans::N, Trans::T, 1.0f, as_cmat(merged), as_cmat(table.param(wo_), D_, qd), 0.0f, out);
+                       v_.strided(T, dh, Tdh), 0.0f, heads, G * T, dh, G * Tdh, groups);
+  merge_heads(heads, merged_.out(), N, T, H, dh);
+  gemm(Trans::N, Trans::T, 1.0f, merged_.matrix(N, qd), as_cmat(table.param(wo_), D_, qd), 0.0f,
+       out);
 }
 
 void Attention::backward(TensorTable& table, const RopeTables& rope, ConstMat a, ConstMat dout,
@@ -173,17 +182,17 @@ void Attention::backward(TensorTable& table, const RopeTables& rope, ConstMat a,
   const int groups = nseq * Hkv;
 
   // Output projection: dWo += dout^T merged; d_merged = dout Wo.
-  gemm(Trans::T, Trans::N, 1.0f, dout, as_cmat(merged_.data(), N, qd), 1.0f,
+  gemm(Trans::T, Trans::N, 1.0f, dout, merged_.matrix(N, qd), 1.0f,
        as_mat(table.grad(wo_), D_, qd));
   Mat d_merged = as_mat(scratch.d_merged.data(), N, qd);
   gemm(Trans::N, Trans::N, 1.0f, dout, as_cmat(table.param(wo_), D_, qd), 0.0f, d_merged);
   float* d_heads = scratch.d_heads.data();
-  move_heads(d_heads, d_merged, T, H, dh, /*to_heads=*/true);
+  split_heads(as_cmat(d_merged), d_heads, T, H, dh);
 
   // dP = dO v^T; dv = P^T dO (summed over the group's heads by the GEMM itself).
   float* d_probs = scratch.d_probs.data();
   gemm_strided_batched(Trans::N, Trans::T, 1.0f, {d_heads, G * T, dh, G * Tdh},
-                       {v_.data(), T, dh, Tdh}, 0.0f, d_probs, G * T, T, G * TT, groups);
+                       v_.strided(T, dh, Tdh), 0.0f, d_probs, G * T, T, G * TT, groups);
   gemm_strided_batched(Trans::T, Trans::N, 1.0f, {probs_.data(), G * T, T, G * TT},
                        {d_heads, G * T, dh, G * Tdh}, 0.0f, scratch.d_v.data(), T, dh, Tdh,
                        groups);
@@ -207,9 +216,9 @@ void Attention::backward(TensorTable& table, const RopeTables& rope, ConstMat a,
 
   // dq = dS k (overwrites dO in d_heads, no longer needed); dk = dS^T q.
   gemm_strided_batched(Trans::N, Trans::N, 1.0f, {d_probs, G * T, T, G * TT},
-                       {k_.data(), T, dh, Tdh}, 0.0f, d_heads, G * T, dh, G * Tdh, groups);
+                       k_.strided(T, dh, Tdh), 0.0f, d_heads, G * T, dh, G * Tdh, groups);
   gemm_strided_batched(Trans::T, Trans::N, 1.0f, {d_probs, G * T, T, G * TT},
-                       {q_.data(), G * T, dh, G * Tdh}, 0.0f, scratch.d_k.data(), T, dh, Tdh,
+                       q_.strided(G * T, dh, G * Tdh), 0.0f, scratch.d_k.data(), T, dh, Tdh,
                        groups);
 
   // Back to (N, W) rows: inverse RoPE on dq, dk (gradients w.r.t. the normalized q, k), dv.

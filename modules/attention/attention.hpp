@@ -6,6 +6,7 @@
 #include <string>
 
 #include "core/config.hpp"
+#include "core/kept_operand.hpp"
 #include "core/kokkos_types.hpp"
 #include "core/tensor_table.hpp"
 #include "modules/attention/rope.hpp"
@@ -43,9 +44,9 @@ class Attention {
   // Saved activations, sized for max_seqs sequences.
   View1F qkv_;              // (N, (H+2Hkv)*dh), before QK-norm
   View1F rstd_q_, rstd_k_;  // (N)
-  View1F q_, k_, v_;        // (nseq, H|Hkv, T, dh), after norm and RoPE
+  KeptOperand q_, k_, v_;   // (nseq, H|Hkv, T, dh), after norm and RoPE (bf16 in bf16 runs)
   View1F probs_;            // (nseq, H, T, T), causal softmax
-  View1F merged_;           // (N, H*dh), heads concatenated
+  KeptOperand merged_;      // (N, H*dh), heads concatenated (bf16 in bf16 runs)
 };
 
 }  // namespace kmoe

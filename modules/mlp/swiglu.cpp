@@ -6,16 +6,16 @@ namespace kmoe {
 
 // One team per row, its threads over the features: coalesced on GPUs; on CPUs a one-thread
 // team's contiguous inner loop, which vectorizes (exp_poly is branch-free).
-void swiglu_activate(const float* a_data, const float* b_data, int ld, Mat act) {
-  const int N = act.extent(0), F = act.extent(1);
+void swiglu_activate(const float* a_data, const float* b_data, int ld, int N, int F,
+                     KeptOut act) {
   Kokkos::parallel_for(
       "swiglu::activate", row_policy(N), KOKKOS_LAMBDA(const TeamMember& tm) {
         const int r = tm.league_rank();
         const float* a = a_data + std::int64_t(r) * ld;
         const float* b = b_data + std::int64_t(r) * ld;
-        float* y = &act(r, 0);
+        const std::int64_t y = std::int64_t(r) * F;
         Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, F),
-                             [&](int f) { y[f] = math::silu(a[f]) * b[f]; });
+                             [&](int f) { act.set(y + f, math::silu(a[f]) * b[f]); });
       });
 }
 
@@ -48,22 +48,22 @@ SwigluMlp::SwigluMlp(const std::string& prefix, int d_model, int hidden, double 
   table.add(TensorSpec::matrix(prefix + "w3", {F_, D_}, init_std));
   w2_ = table.add(TensorSpec::matrix(prefix + "w2", {D_, F_}, init_std));
   up_ = View1F("mlp::up", max_rows * 2 * F_);
-  act_ = View1F("mlp::act", max_rows * F_);
+  act_ = KeptOperand("mlp::act", max_rows * F_);
 }
 
 void SwigluMlp::forward(const TensorTable& table, ConstMat x, Mat y) {
   const int N = x.extent(0);
-  Mat up = as_mat(up_.data(), N, 2 * F_), act = as_mat(act_.data(), N, F_);
+  Mat up = as_mat(up_.data(), N, 2 * F_);
   gemm(Trans::N, Trans::T, 1.0f, x, as_cmat(table.param(w1_), 2 * F_, D_), 0.0f, up);
-  swiglu_activate(as_cmat(up), act);
-  gemm(Trans::N, Trans::T, 1.0f, as_cmat(act), as_cmat(table.param(w2_), D_, F_), 0.0f, y);
+  swiglu_activate(up.data(), up.data() + F_, 2 * F_, N, F_, act_.out());
+  gemm(Trans::N, Trans::T, 1.0f, act_.matrix(N, F_), as_cmat(table.param(w2_), D_, F_), 0.0f, y);
 }
 
 void SwigluMlp::backward(TensorTable& table, ConstMat x, ConstMat dy, Mat dx, MlpScratch& s) {
   const int N = x.extent(0);
-  auto up = as_cmat(up_.data(), N, 2 * F_), act = as_cmat(act_.data(), N, F_);
+  auto up = as_cmat(up_.data(), N, 2 * F_);
   Mat d_act = as_mat(s.d_act.data(), N, F_), d_up = as_mat(s.d_up.data(), N, 2 * F_);
-  gemm(Trans::T, Trans::N, 1.0f, dy, act, 1.0f, as_mat(table.grad(w2_), D_, F_));
+  gemm(Trans::T, Trans::N, 1.0f, dy, act_.matrix(N, F_), 1.0f, as_mat(table.grad(w2_), D_, F_));
   gemm(Trans::N, Trans::N, 1.0f, dy, as_cmat(table.param(w2_), D_, F_), 0.0f, d_act);
   swiglu_activate_backward(up, as_cmat(d_act), d_up);
   gemm(Trans::T, Trans::N, 1.0f, as_cmat(d_up), x, 1.0f, as_mat(table.grad(w1_), 2 * F_, D_));

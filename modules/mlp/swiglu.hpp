@@ -6,6 +6,7 @@
 #include <string>
 
 #include "core/config.hpp"
+#include "core/kept_operand.hpp"
 #include "core/kokkos_types.hpp"
 #include "core/tensor_table.hpp"
 
@@ -13,7 +14,10 @@ namespace kmoe {
 
 // act: (N, F) = silu(a) * b, where a and b are (N, F) row-strided windows (row r starts at
 // a + r * ld): the fused [a | b] of the dense MLP, or the separate blocks of an expert.
-void swiglu_activate(const float* a, const float* b, int ld, Mat act);
+void swiglu_activate(const float* a, const float* b, int ld, int N, int F, KeptOut act);
+inline void swiglu_activate(const float* a, const float* b, int ld, Mat act) {
+  swiglu_activate(a, b, ld, act.extent(0), act.extent(1), KeptOut{act.data(), nullptr});
+}
 // d_act: (N, F) -> da, db (row stride ld_out).
 void swiglu_activate_backward(const float* a, const float* b, int ld, ConstMat d_act, float* da,
                               float* db, int ld_out);
@@ -49,7 +53,7 @@ class SwigluMlp {
   int D_, F_;
   int w1_, w2_;
   View1F up_;   // (N, 2F) saved
-  View1F act_;  // (N, F) saved
+  KeptOperand act_;  // (N, F) saved (bf16 in bf16 runs)
 };
 
 }  // namespace kmoe

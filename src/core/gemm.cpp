@@ -74,17 +74,48 @@ void to_bf16(const float* src, std::int64_t n, float* dst) {
       "gemm::round_bf16", Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(0, n),
       KOKKOS_LAMBDA(std::int64_t i) { dst[i] = round_bf16(src[i]); });
 }
+// dst[i] = the bf16 value src[i] as fp32.
+void widen_bf16(const std::uint16_t* src, std::int64_t n, float* dst) {
+  Kokkos::parallel_for(
+      "gemm::widen_bf16", Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(0, n),
+      KOKKOS_LAMBDA(std::int64_t i) { dst[i] = bf16_to_float(src[i]); });
+}
 }  // namespace detail
 
-void gemm(Trans ta, Trans tb, float alpha, ConstMat A, ConstMat B, float beta, Mat C,
+namespace {
+// The n values of a bf16 product's input `which` (0: A, 1: B) in the form the library takes:
+// bf16 bits on CUDA (a bf16 operand as it is), bf16-valued fp32 on CPUs.
+#if defined(KMOE_CUBLAS)
+const std::uint16_t* bf16_input(int which, const float* f32, const std::uint16_t* b16,
+                                std::int64_t n) {
+  if (b16) return b16;
+  std::uint16_t* ws = bf16_workspace(which, n);
+  detail::to_bf16(f32, n, ws);
+  return ws;
+}
+#else
+const float* bf16_input(int which, const float* f32, const std::uint16_t* b16, std::int64_t n) {
+  float* ws = bf16_workspace(which, n);
+  if (b16)
+    detail::widen_bf16(b16, n, ws);
+  else
+    detail::to_bf16(f32, n, ws);
+  return ws;
+}
+#endif
+}  // namespace
+
+void gemm(Trans ta, Trans tb, float alpha, const Operand& A, const Operand& B, float beta, Mat C,
           GemmInputs in) {
-  const int m = ta == Trans::N ? A.extent(0) : A.extent(1);
-  const int ka = ta == Trans::N ? A.extent(1) : A.extent(0);
-  const int kb = tb == Trans::N ? B.extent(0) : B.extent(1);
-  const int n = tb == Trans::N ? B.extent(1) : B.extent(0);
+  const int m = ta == Trans::N ? A.rows : A.cols, ka = ta == Trans::N ? A.cols : A.rows;
+  const int kb = tb == Trans::N ? B.rows : B.cols, n = tb == Trans::N ? B.cols : B.rows;
   KMOE_REQUIRE(ka == kb && m == static_cast<int>(C.extent(0)) && n == static_cast<int>(C.extent(1)),
                "gemm: shape mismatch: op(A) " << m << "x" << ka << ", op(B) " << kb << "x" << n
                                               << ", C " << C.extent(0) << "x" << C.extent(1));
+  const bool bf16 = in == GemmInputs::Run && g_precision == Precision::Bf16;
+  KMOE_REQUIRE(bf16 || (!A.b16 && !B.b16),
+               "gemm: a bf16 operand in a product with fp32 inputs (train.precision = "
+                   << choice_name(g_precision) << ")");
   if (m == 0 || n == 0) return;
   if (ka == 0) {
     // Kokkos Kernels returns early on an empty inner extent and would leave C stale.
@@ -96,39 +127,38 @@ void gemm(Trans ta, Trans tb, float alpha, ConstMat A, ConstMat B, float beta, M
   }
   const char* opa = ta == Trans::N ? "N" : "T";
   const char* opb = tb == Trans::N ? "N" : "T";
-  if (in == GemmInputs::Run && g_precision == Precision::Bf16) {
-    const std::int64_t na = std::int64_t(A.extent(0)) * A.extent(1),
-                       nb = std::int64_t(B.extent(0)) * B.extent(1);
-    auto* a = bf16_workspace(0, na);
-    auto* b = bf16_workspace(1, nb);
-    detail::to_bf16(A.data(), na, a);
-    detail::to_bf16(B.data(), nb, b);
+  if (bf16) {
+    const auto* a = bf16_input(0, A.f32, A.b16, std::int64_t(A.rows) * A.cols);
+    const auto* b = bf16_input(1, B.f32, B.b16, std::int64_t(B.rows) * B.cols);
 #if defined(KMOE_CUBLAS)
     // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: B's part comes first.
     CublasCall call(CUBLAS_DEFAULT_MATH);
     const cublasStatus_t st = cublasGemmEx(
         call.h, tb == Trans::N ? CUBLAS_OP_N : CUBLAS_OP_T, ta == Trans::N ? CUBLAS_OP_N : CUBLAS_OP_T,
-        n, m, ka, &alpha, b, CUDA_R_16BF, B.extent(1), a, CUDA_R_16BF, A.extent(1), &beta, C.data(),
+        n, m, ka, &alpha, b, CUDA_R_16BF, B.cols, a, CUDA_R_16BF, A.cols, &beta, C.data(),
         CUDA_R_32F, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
     KMOE_REQUIRE(st == CUBLAS_STATUS_SUCCESS, "cublasGemmEx (bf16) failed (" << int(st) << ")");
 #else
-    KokkosBlas::gemm(opa, opb, alpha, ConstMat(a, A.extent(0), A.extent(1)),
-                     ConstMat(b, B.extent(0), B.extent(1)), beta, C);
+    KokkosBlas::gemm(opa, opb, alpha, ConstMat(a, A.rows, A.cols), ConstMat(b, B.rows, B.cols),
+                     beta, C);
 #endif
     return;
   }
+  const ConstMat a(A.f32, A.rows, A.cols), b(B.f32, B.rows, B.cols);
 #if defined(KMOE_CUBLAS)
   if (in == GemmInputs::Fp32 && g_precision == Precision::Tf32) {  // exact fp32 on a TF32 run
     CublasCall call(CUBLAS_DEFAULT_MATH);
-    KokkosBlas::gemm(opa, opb, alpha, A, B, beta, C);
+    KokkosBlas::gemm(opa, opb, alpha, a, b, beta, C);
     return;
   }
 #endif
-  KokkosBlas::gemm(opa, opb, alpha, A, B, beta, C);
+  KokkosBlas::gemm(opa, opb, alpha, a, b, beta, C);
 }
 
 void gemm_strided_batched(Trans ta, Trans tb, float alpha, Strided A, Strided B, float beta,
                           float* C, int c_rows, int c_cols, std::int64_t c_stride, int batch) {
+  KMOE_REQUIRE(g_precision == Precision::Bf16 || (!A.b16 && !B.b16),
+               "gemm_strided_batched: a bf16 operand in a product with fp32 inputs");
   if (batch == 0) return;
 #if defined(KMOE_CUBLAS)
   const int ka = ta == Trans::N ? A.cols : A.rows, kb = tb == Trans::N ? B.rows : B.cols;
@@ -146,10 +176,8 @@ void gemm_strided_batched(Trans ta, Trans tb, float alpha, Strided A, Strided B,
       // The strided span of each batch, as bf16.
       const std::int64_t na = (batch - 1) * A.stride + std::int64_t(A.rows) * A.cols,
                          nb = (batch - 1) * B.stride + std::int64_t(B.rows) * B.cols;
-      std::uint16_t* a = bf16_workspace(0, na);
-      std::uint16_t* b = bf16_workspace(1, nb);
-      detail::to_bf16(A.data, na, a);
-      detail::to_bf16(B.data, nb, b);
+      const std::uint16_t* a = bf16_input(0, A.data, A.b16, na);
+      const std::uint16_t* b = bf16_input(1, B.data, B.b16, nb);
       CublasCall call(CUBLAS_DEFAULT_MATH);
       st = cublasGemmStridedBatchedEx(call.h, opb, opa, n, m, ka, &alpha, b, CUDA_R_16BF, B.cols,
                                       B.stride, a, CUDA_R_16BF, A.cols, A.stride, &beta, C,
@@ -165,10 +193,12 @@ void gemm_strided_batched(Trans ta, Trans tb, float alpha, Strided A, Strided B,
     return;
   }
 #endif
+  auto part = [](const Strided& X, int b) {  // product b's operand
+    return Operand{X.data ? X.data + b * X.stride : nullptr, X.b16 ? X.b16 + b * X.stride : nullptr,
+                   X.rows, X.cols};
+  };
   for (int b = 0; b < batch; ++b)
-    gemm(ta, tb, alpha, as_cmat(A.data + b * A.stride, A.rows, A.cols),
-         as_cmat(B.data + b * B.stride, B.rows, B.cols), beta,
-         as_mat(C + b * c_stride, c_rows, c_cols));
+    gemm(ta, tb, alpha, part(A, b), part(B, b), beta, as_mat(C + b * c_stride, c_rows, c_cols));
 }
 
 std::string set_gemm_precision(Precision p) {

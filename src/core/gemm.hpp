@@ -19,9 +19,33 @@ namespace kmoe {
 enum class Trans { N, T };
 enum class GemmInputs { Run, Fp32 };  // the run's train.precision, or exact fp32
 
-// op(A): [m, k], op(B): [k, n], C: [m, n].
-void gemm(Trans ta, Trans tb, float alpha, ConstMat A, ConstMat B, float beta, Mat C,
+// A contiguous row-major matrix operand: fp32 values, or bf16 values (`b16`, the bits of
+// bf16.hpp) that a bf16 run keeps for its products. On CUDA the bf16 values go to cuBLAS as
+// they are; on CPUs they are widened into the fp32 BLAS's input.
+struct Operand {
+  const float* f32 = nullptr;
+  const std::uint16_t* b16 = nullptr;
+  int rows = 0, cols = 0;
+};
+inline Operand operand(ConstMat m) {
+  return {m.data(), nullptr, static_cast<int>(m.extent(0)), static_cast<int>(m.extent(1))};
+}
+
+// op(A): [m, k], op(B): [k, n], C: [m, n]. A bf16 operand needs train.precision = bf16.
+void gemm(Trans ta, Trans tb, float alpha, const Operand& A, const Operand& B, float beta, Mat C,
           GemmInputs in = GemmInputs::Run);
+inline void gemm(Trans ta, Trans tb, float alpha, ConstMat A, ConstMat B, float beta, Mat C,
+                 GemmInputs in = GemmInputs::Run) {
+  gemm(ta, tb, alpha, operand(A), operand(B), beta, C, in);
+}
+inline void gemm(Trans ta, Trans tb, float alpha, const Operand& A, ConstMat B, float beta, Mat C,
+                 GemmInputs in = GemmInputs::Run) {
+  gemm(ta, tb, alpha, A, operand(B), beta, C, in);
+}
+inline void gemm(Trans ta, Trans tb, float alpha, ConstMat A, const Operand& B, float beta, Mat C,
+                 GemmInputs in = GemmInputs::Run) {
+  gemm(ta, tb, alpha, operand(A), B, beta, C, in);
+}
 
 // A strided batch of products: for b in [0, batch), C_b = alpha op(A_b) op(B_b) + beta C_b, with
 // X_b = X + b * stride_x, each a contiguous row-major matrix of the shape given (as gemm()'s
@@ -31,6 +55,7 @@ struct Strided {
   const float* data;
   int rows, cols;
   std::int64_t stride;
+  const std::uint16_t* b16 = nullptr;  // bf16 values instead of `data` (an Operand's b16)
 };
 void gemm_strided_batched(Trans ta, Trans tb, float alpha, Strided A, Strided B, float beta,
                           float* C, int c_rows, int c_cols, std::int64_t c_stride, int batch);

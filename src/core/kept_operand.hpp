@@ -1,0 +1,55 @@
+// An activation a forward pass keeps for its backward whose every later use is as the input of
+// a product (MODEL.md section 8): in bf16 runs it is kept as bf16, half the bytes and the same
+// numbers the products take (they would round it anyway); otherwise as fp32. The precision is
+// the one set (GemmPrecisionScope) when the owner is built.
+//
+// The kernel that produces the values writes them through out().set(i, v); products read them
+// as matrix() / strided() operands.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "core/bf16.hpp"
+#include "core/gemm.hpp"
+#include "core/kokkos_types.hpp"
+
+namespace kmoe {
+
+// Where a producing kernel writes a kept operand's values: fp32, or rounded to bf16.
+struct KeptOut {
+  float* f32 = nullptr;
+  std::uint16_t* b16 = nullptr;
+  KOKKOS_INLINE_FUNCTION void set(std::int64_t i, float v) const {
+    if (b16)
+      b16[i] = bf16_bits(v);
+    else
+      f32[i] = v;
+  }
+};
+
+class KeptOperand {
+ public:
+  KeptOperand() = default;
+  KeptOperand(const std::string& label, std::int64_t n);
+
+  KeptOut out() const { return {f32_.data(), b16_.data()}; }
+  // The (rows, cols) matrix at element `offset`.
+  Operand matrix(int rows, int cols, std::int64_t offset = 0) const {
+    return {b16_.data() ? nullptr : f32_.data() + offset,
+            b16_.data() ? b16_.data() + offset : nullptr, rows, cols};
+  }
+  // A strided batch of (rows, cols) matrices `stride` elements apart.
+  Strided strided(int rows, int cols, std::int64_t stride) const {
+    return {b16_.data() ? nullptr : f32_.data(), rows, cols, stride, b16_.data()};
+  }
+  bool is_bf16() const { return b16_.data() != nullptr; }
+  std::int64_t size() const { return n_; }
+
+ private:
+  std::int64_t n_ = 0;
+  View1F f32_;
+  Kokkos::View<std::uint16_t*, Layout, MemSpace> b16_;
+};
+
+}  // namespace kmoe
