@@ -68,7 +68,8 @@ EngramLayer::EngramLayer(const ModelCfg& m, const EngramCfg& g, const EngramHash
 
   const std::int64_t N = max_tokens;
   rows_ = Kokkos::View<int**, Layout, MemSpace>("engram::rows", N, heads_total_);
-  mem_ = View1F("engram::mem", N * d_mem_);
+  // Kept as bf16 in bf16 runs, unless the sharded lookup fills it (its rows arrive as fp32).
+  mem_ = KeptOperand("engram::mem", N * d_mem_, /*may_be_bf16=*/!shard_);
   for (View1F* v : {&key_, &val_, &kn_, &qn_, &v_, &u_, &c_, &d_a_, &d_b_})
     *v = View1F("engram::act", N * D_);
   for (View1F* v : {&rstd_k_, &rstd_q_, &rstd_c_, &score_, &gate_, &d_gate_})
@@ -77,7 +78,7 @@ EngramLayer::EngramLayer(const ModelCfg& m, const EngramCfg& g, const EngramHash
   gate_now_ = Kokkos::View<double, MemSpace>("engram::gate_now");
 }
 
-ConstMat EngramLayer::lookup(const TensorTable& table, ConstIVec tokens) {
+Operand EngramLayer::lookup(const TensorTable& table, ConstIVec tokens) {
   const int N = tokens.extent(0), dh = dh_;
   auto rows = Kokkos::subview(rows_, Kokkos::make_pair(0, N), Kokkos::ALL);
   hasher_.rows(tokens, T_, rows_);
@@ -89,26 +90,27 @@ ConstMat EngramLayer::lookup(const TensorTable& table, ConstIVec tokens) {
   }
 
   // mem[t, j*dh + i] = table[row(t, j), i].
-  Mat mem = as_mat(mem_.data(), N, d_mem_);
   if (shard_) {
     shard_->fetch(table, table_, ConstIVec(rows_.data(), N * heads_total_), N * heads_total_,
-                  mem.data());
-    return as_cmat(mem);
+                  mem_.f32());
+    return mem_.matrix(N, d_mem_);
   }
   auto tab = as_cmat(table.param(table_), R_, dh);
+  const KeptOut mem = mem_.out();
+  const std::int64_t dm = d_mem_;
   Kokkos::parallel_for(
       "engram::lookup", Range2({0, 0}, {N, heads_total_}), KOKKOS_LAMBDA(int t, int j) {
         const int r = rows(t, j);
-        for (int i = 0; i < dh; ++i) mem(t, j * dh + i) = tab(r, i);
+        for (int i = 0; i < dh; ++i) mem.set(t * dm + j * dh + i, tab(r, i));
       });
-  return as_cmat(mem);
+  return mem_.matrix(N, d_mem_);
 }
 
 void EngramLayer::forward(const TensorTable& table, ConstMat x, ConstIVec tokens, Mat out) {
   const int N = x.extent(0), D = D_, T = T_, dm = d_mem_;
   const int Nn = Nn_, ker = kernel_;
   N_ = N;
-  const ConstMat mem = lookup(table, tokens);
+  const Operand mem = lookup(table, tokens);
 
   Mat key = as_mat(key_.data(), N, D), val = as_mat(val_.data(), N, D);
   gemm(Trans::N, Trans::T, 1.0f, mem, as_cmat(table.param(wk_), D, dm), 0.0f, key);
@@ -244,7 +246,7 @@ void EngramLayer::backward(TensorTable& table, ConstMat x, ConstMat dout, Mat dx
                    Vec(table.grad(k_norm_), D));
 
   // Projections: dW += d^T mem, db += column sums, dmem = dkey Wk + dval Wv.
-  auto mem = as_cmat(mem_.data(), N, dm);
+  const Operand mem = mem_.matrix(N, dm);
   gemm(Trans::T, Trans::N, 1.0f, as_cmat(dkey), mem, 1.0f, as_mat(table.grad(wk_), D, dm));
   gemm(Trans::T, Trans::N, 1.0f, as_cmat(dval), mem, 1.0f, as_mat(table.grad(wv_), D, dm));
   add_column_sums(as_cmat(dkey), table.grad(bk_));

@@ -9,6 +9,7 @@
 
 #include "core/bucket_sort.hpp"
 #include "core/config.hpp"
+#include "core/kept_operand.hpp"
 #include "core/kokkos_types.hpp"
 #include "core/step_stats.hpp"
 #include "core/tensor_table.hpp"
@@ -52,8 +53,9 @@ class EngramLayer {
   void backward(TensorTable& table, ConstMat x, ConstMat dout, Mat dx);
 
   // Steps 1-6 alone (the first part of forward): hashes the N tokens, counts the lookups and
-  // gathers the rows -> (N, d_mem), valid until the next call. Gathers N * d_mem floats.
-  ConstMat lookup(const TensorTable& table, ConstIVec tokens);
+  // gathers the rows -> (N, d_mem) (bf16 values in bf16 runs), valid until the next call.
+  // Gathers N * d_mem values.
+  Operand lookup(const TensorTable& table, ConstIVec tokens);
   int memory_width() const { return d_mem_; }
 
   // Mean gate value of the last forward (reads the device).
@@ -68,7 +70,7 @@ class EngramLayer {
   EngramHasher hasher_;
   KeyBuckets buckets_;
   Kokkos::View<int**, Layout, MemSpace> rows_;  // (N, heads_total)
-  View1F mem_;                                  // (N, d_mem) looked-up rows
+  KeptOperand mem_;                             // (N, d_mem) looked-up rows (bf16 in bf16 runs)
   View1F key_, val_, kn_, qn_;                  // (N, D)
   View1F rstd_k_, rstd_q_, rstd_c_;             // (N)
   View1F score_, gate_;                         // (N)

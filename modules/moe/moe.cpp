@@ -114,13 +114,16 @@ MoeLayer::MoeLayer(const ModelCfg& m, const MoeCfg& e, const std::string& prefix
     ex_in_ = View1F("moe::ex_in", rows * D_);
     ex_out_ = View1F("moe::ex_out", rows * D_);
     ex_grad_ = View1F("moe::ex_grad", rows * D_);
-    for (View1F* v : {&ex_up1_, &ex_up3_, &ex_act_}) *v = View1F("moe::ex_hidden", rows * Fe_);
+    for (View1F* v : {&ex_up1_, &ex_up3_}) *v = View1F("moe::ex_hidden", rows * Fe_);
+    ex_act_ = KeptOperand("moe::ex_act", rows * Fe_);
   }
-  rows_in_ = View1F("moe::rows_in", slots * D_);
-  if (P_ == 1) {  // with expert parallelism the expert side uses the ex_* buffers instead
+  // With expert parallelism the gathered rows are the dispatch's fp32 send buffer, and the
+  // expert side uses the ex_* buffers instead of up1_, up3_, act_.
+  rows_in_ = KeptOperand("moe::rows_in", slots * D_, /*may_be_bf16=*/P_ == 1);
+  if (P_ == 1) {
     up1_ = View1F("moe::up1", slots * Fe_);
     up3_ = View1F("moe::up3", slots * Fe_);
-    act_ = View1F("moe::act", slots * Fe_);
+    act_ = KeptOperand("moe::act", slots * Fe_);
   }
   rows_out_ = View1F("moe::rows_out", slots * D_);
   aux_sums_ = View1D("moe::aux_sums", E_ + 1);
@@ -260,7 +263,7 @@ void MoeLayer::forward(const TensorTable& table, ConstMat x, Mat y, View1D aux) 
         }
       });
   const int R = static_cast<int>(rows_);
-  Mat rows_in = as_mat(rows_in_.data(), R, D);
+  const KeptOut rows_in = rows_in_.out();
   // Row copies: one team per row, its threads over the features (coalesced on GPUs, a plain
   // loop on CPUs).
   Kokkos::parallel_for(
@@ -269,29 +272,31 @@ void MoeLayer::forward(const TensorTable& table, ConstMat x, Mat y, View1D aux) 
         if (r >= roff(E)) return;
         const int t = row_slot(r) / k;
         Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, D),
-                             [&](int d) { rows_in(r, d) = x(t, d); });
+                             [&](int d) { rows_in.set(std::int64_t(r) * D + d, x(t, d)); });
       });
 
   // Experts: one contiguous row block each, here or on their ep rank.
   if (!dispatch_) {
     if (grouped_) grouped_->plan(roff, R);
-    experts_forward(table, rows_in_.data(), host_offsets_, R, up1_.data(), up3_.data(),
-                    act_.data(), rows_out_.data());
+    experts_forward(table, rows_in_.matrix(R, D), host_offsets_, R, up1_.data(), up3_.data(),
+                    act_, rows_out_.data());
   } else {
     dispatch_->plan(host_offsets_);
     const std::int64_t Rx = dispatch_->local_rows();
     ensure_size(ex_in_, Rx * D, "moe::ex_in");
     ensure_size(ex_out_, Rx * D, "moe::ex_out");
-    for (View1F* v : {&ex_up1_, &ex_up3_, &ex_act_}) ensure_size(*v, Rx * Fe, "moe::ex_hidden");
+    for (View1F* v : {&ex_up1_, &ex_up3_}) ensure_size(*v, Rx * Fe, "moe::ex_hidden");
+    ex_act_.ensure(Rx * Fe);
     if (grouped_) {
       const std::vector<int>& lo = dispatch_->local_offsets();
       Kokkos::deep_copy(ExecSpace(), local_offsets_,
                         Kokkos::View<const int*, HostSpace, Unmanaged>(lo.data(), lo.size()));
       grouped_->plan(local_offsets_, Rx);
     }
-    dispatch_->dispatch(rows_in_.data(), ex_in_.data());
-    experts_forward(table, ex_in_.data(), dispatch_->local_offsets(), Rx, ex_up1_.data(),
-                    ex_up3_.data(), ex_act_.data(), ex_out_.data());
+    dispatch_->dispatch(rows_in_.f32(), ex_in_.data());
+    experts_forward(table, operand(as_cmat(ex_in_.data(), static_cast<int>(Rx), D)),
+                    dispatch_->local_offsets(), Rx, ex_up1_.data(), ex_up3_.data(), ex_act_,
+                    ex_out_.data());
     dispatch_->combine(ex_out_.data(), rows_out_.data());
   }
 
@@ -413,13 +418,14 @@ void MoeLayer::backward(TensorTable& table, ConstMat x, ConstMat dy, Mat dx, Moe
 
   // Experts backward (here or on their ep rank): d_rows then holds the input gradients.
   if (!dispatch_) {
-    experts_backward(table, s.d_rows.data(), rows_in_.data(), up1_.data(), up3_.data(), act_.data(),
-                     host_offsets_, R, s);
+    experts_backward(table, s.d_rows.data(), rows_in_.matrix(R, D), up1_.data(), up3_.data(),
+                     act_, host_offsets_, R, s);
   } else {
     ensure_size(ex_grad_, std::int64_t(dispatch_->local_rows()) * D, "moe::ex_grad");
     dispatch_->dispatch(s.d_rows.data(), ex_grad_.data());
-    experts_backward(table, ex_grad_.data(), ex_in_.data(), ex_up1_.data(), ex_up3_.data(),
-                     ex_act_.data(), dispatch_->local_offsets(), dispatch_->local_rows(), s);
+    const int Rx = static_cast<int>(dispatch_->local_rows());
+    experts_backward(table, ex_grad_.data(), operand(as_cmat(ex_in_.data(), Rx, D)),
+                     ex_up1_.data(), ex_up3_.data(), ex_act_, dispatch_->local_offsets(), Rx, s);
     dispatch_->combine(ex_grad_.data(), s.d_rows.data());
   }
   Kokkos::parallel_for(
@@ -481,49 +487,53 @@ void MoeLayer::backward(TensorTable& table, ConstMat x, ConstMat dy, Mat dx, Moe
        GemmInputs::Fp32);
 }
 
-void MoeLayer::experts_forward(const TensorTable& table, const float* in_rows,
+void MoeLayer::experts_forward(const TensorTable& table, const Operand& in,
                                const std::vector<int>& off, std::int64_t rows, float* up1,
-                               float* up3, float* act, float* out) const {
-  const int D = D_, Fe = Fe_;
+                               float* up3, const KeptOperand& act, float* out) const {
+  const int D = D_, Fe = Fe_, R = static_cast<int>(rows);
   const std::int64_t wsz = std::int64_t(Fe) * D;
   if (grouped_) {  // one launch per product over every local expert
-    grouped_->rows(Trans::T, 1.0f, in_rows, D, table.param(w1_), wsz, 0.0f, up1, Fe);
-    grouped_->rows(Trans::T, 1.0f, in_rows, D, table.param(w3_), wsz, 0.0f, up3, Fe);
-    swiglu_activate(up1, up3, Fe, as_mat(act, static_cast<int>(rows), Fe));
-    grouped_->rows(Trans::T, 1.0f, act, Fe, table.param(w2_), wsz, 0.0f, out, D);
+    const GroupedSrc x(in.f32, in.b16);
+    grouped_->rows(Trans::T, 1.0f, x, D, table.param(w1_), wsz, 0.0f, up1, Fe);
+    grouped_->rows(Trans::T, 1.0f, x, D, table.param(w3_), wsz, 0.0f, up3, Fe);
+    swiglu_activate(up1, up3, Fe, R, Fe, act.out());
+    const Operand a = act.matrix(R, Fe);
+    grouped_->rows(Trans::T, 1.0f, GroupedSrc(a.f32, a.b16), Fe, table.param(w2_), wsz, 0.0f, out,
+                   D);
     return;
   }
   for (int le = 0; le < El_; ++le) {
     const int r0 = off[le], n = off[le + 1] - r0;
     if (n == 0) continue;
-    auto in = as_cmat(in_rows + std::int64_t(r0) * D, n, D);
+    const Operand x = rows_of(in, r0, n);
     Mat u1 = as_mat(up1 + std::int64_t(r0) * Fe, n, Fe);
     Mat u3 = as_mat(up3 + std::int64_t(r0) * Fe, n, Fe);
-    Mat a = as_mat(act + std::int64_t(r0) * Fe, n, Fe);
-    gemm(Trans::N, Trans::T, 1.0f, in, as_cmat(table.param(w1_) + le * wsz, Fe, D), 0.0f, u1);
-    gemm(Trans::N, Trans::T, 1.0f, in, as_cmat(table.param(w3_) + le * wsz, Fe, D), 0.0f, u3);
-    swiglu_activate(u1.data(), u3.data(), Fe, a);
-    gemm(Trans::N, Trans::T, 1.0f, as_cmat(a), as_cmat(table.param(w2_) + le * wsz, D, Fe), 0.0f,
+    gemm(Trans::N, Trans::T, 1.0f, x, as_cmat(table.param(w1_) + le * wsz, Fe, D), 0.0f, u1);
+    gemm(Trans::N, Trans::T, 1.0f, x, as_cmat(table.param(w3_) + le * wsz, Fe, D), 0.0f, u3);
+    swiglu_activate(u1.data(), u3.data(), Fe, n, Fe, act.out(std::int64_t(r0) * Fe));
+    gemm(Trans::N, Trans::T, 1.0f, act.matrix(n, Fe, std::int64_t(r0) * Fe),
+         as_cmat(table.param(w2_) + le * wsz, D, Fe), 0.0f,
          as_mat(out + std::int64_t(r0) * D, n, D));
   }
 }
 
-void MoeLayer::experts_backward(TensorTable& table, float* g_rows, const float* in_rows,
-                                const float* up1, const float* up3, const float* act,
+void MoeLayer::experts_backward(TensorTable& table, float* g_rows, const Operand& in,
+                                const float* up1, const float* up3, const KeptOperand& act,
                                 const std::vector<int>& off, std::int64_t rows,
                                 MoeScratch& s) const {
   // An expert without rows leaves its (zeroed) gradients untouched.
-  const int D = D_, Fe = Fe_;
+  const int D = D_, Fe = Fe_, R = static_cast<int>(rows);
   const std::int64_t wsz = std::int64_t(Fe) * D;
   if (grouped_) {  // every local expert's rows at once: the hidden gradients for all rows
     for (View1F* v : {&s.d_act, &s.d_up1, &s.d_up3}) ensure_size(*v, rows * Fe, "moe::d_hidden");
     float *da = s.d_act.data(), *du1 = s.d_up1.data(), *du3 = s.d_up3.data();
+    const Operand a = act.matrix(R, Fe);
+    const GroupedSrc x(in.f32, in.b16);
     grouped_->rows(Trans::N, 1.0f, g_rows, D, table.param(w2_), wsz, 0.0f, da, Fe);
-    grouped_->weight_grads(1.0f, g_rows, D, act, Fe, table.grad(w2_), wsz);
-    swiglu_activate_backward(up1, up3, Fe, as_cmat(da, static_cast<int>(rows), Fe), du1, du3,
-                             Fe);
-    grouped_->weight_grads(1.0f, du1, Fe, in_rows, D, table.grad(w1_), wsz);
-    grouped_->weight_grads(1.0f, du3, Fe, in_rows, D, table.grad(w3_), wsz);
+    grouped_->weight_grads(1.0f, g_rows, D, GroupedSrc(a.f32, a.b16), Fe, table.grad(w2_), wsz);
+    swiglu_activate_backward(up1, up3, Fe, as_cmat(da, R, Fe), du1, du3, Fe);
+    grouped_->weight_grads(1.0f, du1, Fe, x, D, table.grad(w1_), wsz);
+    grouped_->weight_grads(1.0f, du3, Fe, x, D, table.grad(w3_), wsz);
     // The rows now hold the gradient w.r.t. the experts' inputs.
     grouped_->rows(Trans::N, 1.0f, du1, Fe, table.param(w1_), wsz, 0.0f, g_rows, D);
     grouped_->rows(Trans::N, 1.0f, du3, Fe, table.param(w3_), wsz, 1.0f, g_rows, D);
@@ -537,19 +547,19 @@ void MoeLayer::experts_backward(TensorTable& table, float* g_rows, const float* 
     const int r0 = off[le], n = off[le + 1] - r0;
     if (n == 0) continue;
     Mat g = as_mat(g_rows + std::int64_t(r0) * D, n, D);
-    auto in = as_cmat(in_rows + std::int64_t(r0) * D, n, D);
+    const Operand x = rows_of(in, r0, n);
     const float* u1 = up1 + std::int64_t(r0) * Fe;
     const float* u3 = up3 + std::int64_t(r0) * Fe;
     Mat da = as_mat(s.d_act.data(), n, Fe);
     Mat du1 = as_mat(s.d_up1.data(), n, Fe), du3 = as_mat(s.d_up3.data(), n, Fe);
     gemm(Trans::N, Trans::N, 1.0f, as_cmat(g), as_cmat(table.param(w2_) + le * wsz, D, Fe), 0.0f,
          da);
-    gemm(Trans::T, Trans::N, 1.0f, as_cmat(g), as_cmat(act + std::int64_t(r0) * Fe, n, Fe), 1.0f,
+    gemm(Trans::T, Trans::N, 1.0f, as_cmat(g), act.matrix(n, Fe, std::int64_t(r0) * Fe), 1.0f,
          as_mat(table.grad(w2_) + le * wsz, D, Fe));
     swiglu_activate_backward(u1, u3, Fe, as_cmat(da), du1.data(), du3.data(), Fe);
-    gemm(Trans::T, Trans::N, 1.0f, as_cmat(du1), in, 1.0f,
+    gemm(Trans::T, Trans::N, 1.0f, as_cmat(du1), x, 1.0f,
          as_mat(table.grad(w1_) + le * wsz, Fe, D));
-    gemm(Trans::T, Trans::N, 1.0f, as_cmat(du3), in, 1.0f,
+    gemm(Trans::T, Trans::N, 1.0f, as_cmat(du3), x, 1.0f,
          as_mat(table.grad(w3_) + le * wsz, Fe, D));
     // The row block now holds the gradient w.r.t. the expert's inputs.
     gemm(Trans::N, Trans::N, 1.0f, as_cmat(du1), as_cmat(table.param(w1_) + le * wsz, Fe, D), 0.0f,

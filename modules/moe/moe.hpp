@@ -18,6 +18,7 @@
 #include "core/bucket_sort.hpp"
 #include "core/config.hpp"
 #include "core/grouped_gemm.hpp"
+#include "core/kept_operand.hpp"
 #include "core/kokkos_types.hpp"
 #include "core/step_stats.hpp"
 #include "core/tensor_table.hpp"
@@ -103,11 +104,13 @@ class MoeLayer {
  private:
   // The local experts' SwiGLUs on `rows` rows grouped per local expert: El+1 row bounds in
   // `off` (host; per-expert GEMMs) or planned into grouped_ (device; grouped GEMMs).
-  void experts_forward(const TensorTable& table, const float* in, const std::vector<int>& off,
-                       std::int64_t rows, float* up1, float* up3, float* act, float* out) const;
+  // `in`: the (rows, D) expert inputs; act: the SwiGLU activations it keeps.
+  void experts_forward(const TensorTable& table, const Operand& in, const std::vector<int>& off,
+                       std::int64_t rows, float* up1, float* up3, const KeptOperand& act,
+                       float* out) const;
   // g: (rows, D) output gradients in, input gradients out; weight gradients accumulate.
-  void experts_backward(TensorTable& table, float* g, const float* in, const float* up1,
-                        const float* up3, const float* act, const std::vector<int>& off,
+  void experts_backward(TensorTable& table, float* g, const Operand& in, const float* up1,
+                        const float* up3, const KeptOperand& act, const std::vector<int>& off,
                         std::int64_t rows, MoeScratch& s) const;
   int D_, E_, k_, Fe_;
   int P_ = 1, El_, e0_ = 0;  // ep group size, experts per rank, first local expert
@@ -130,7 +133,10 @@ class MoeLayer {
   std::unique_ptr<GroupedGemm> grouped_;  // null: per-expert GEMMs
   View1I local_offsets_;                  // (El+1) ep > 1 with grouped GEMMs: the expert side's
   View1D report_;                         // (E+3): load per expert, dropped, LB, RZ
-  View1F rows_in_, up1_, up3_, act_, rows_out_;  // (N*k, D|Fe): gathered inputs ... outputs
+  // (N*k, D|Fe): gathered inputs ... outputs; the inputs (ep = 1) and activations as bf16 in
+  // bf16 runs.
+  KeptOperand rows_in_, act_;
+  View1F up1_, up3_, rows_out_;
   View1D aux_sums_;                              // (E+1): sum_t p_te, then sum_t lse_t^2
   static constexpr int kAuxChunk = 256;          // tokens per first-stage partial sum
   View1D aux_partial_;                           // (chunks, E+1): the first stage
@@ -138,7 +144,8 @@ class MoeLayer {
   // Expert parallelism (P > 1): the row traffic, and the expert side's buffers (the local
   // experts' rows from every rank), grown on demand.
   std::unique_ptr<ExpertDispatch> dispatch_;
-  View1F ex_in_, ex_up1_, ex_up3_, ex_act_, ex_out_, ex_grad_;
+  View1F ex_in_, ex_up1_, ex_up3_, ex_out_, ex_grad_;
+  KeptOperand ex_act_;
 };
 
 }  // namespace kmoe

@@ -17,12 +17,17 @@ Precision g_precision = Precision::Fp32;
 
 #if defined(KOKKOS_ENABLE_CUDA) && defined(KOKKOSKERNELS_ENABLE_TPL_CUBLAS)
 #define KMOE_CUBLAS 1
-using Bf16View = Kokkos::View<std::uint16_t*, Layout, MemSpace>;
+using Bf16Input = std::uint16_t;  // bf16 bits, as cuBLAS takes them
+#else
+using Bf16Input = float;  // bf16-valued fp32, as the host BLAS takes them
+#endif
+
 // The bf16 copies of a GEMM's two inputs: grown to the largest operand, kept to the end.
-std::uint16_t* bf16_workspace(int which, std::int64_t n) {
-  static Bf16View* ws = nullptr;
+Bf16Input* bf16_workspace(int which, std::int64_t n) {
+  using V = Kokkos::View<Bf16Input*, Layout, MemSpace>;
+  static V* ws = nullptr;
   if (!ws) {
-    ws = new Bf16View[2];
+    ws = new V[2];
     Kokkos::push_finalize_hook([] {
       delete[] ws;
       ws = nullptr;
@@ -32,6 +37,7 @@ std::uint16_t* bf16_workspace(int which, std::int64_t n) {
   return ws[which].data();
 }
 
+#if defined(KMOE_CUBLAS)
 // cuBLAS on Kokkos' stream for one call; the handle's math mode for it (TF32 or not).
 struct CublasCall {
   cublasHandle_t h;
@@ -45,20 +51,6 @@ struct CublasCall {
     cublasSetStream(h, nullptr);
   }
 };
-#else
-// The bf16-rounded copies (as fp32) of a GEMM's two inputs on host backends.
-float* bf16_workspace(int which, std::int64_t n) {
-  static View1F* ws = nullptr;
-  if (!ws) {
-    ws = new View1F[2];
-    Kokkos::push_finalize_hook([] {
-      delete[] ws;
-      ws = nullptr;
-    });
-  }
-  ensure_size(ws[which], n, "gemm::bf16_inputs");
-  return ws[which].data();
-}
 #endif
 }  // namespace
 

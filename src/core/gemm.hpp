@@ -30,6 +30,11 @@ struct Operand {
 inline Operand operand(ConstMat m) {
   return {m.data(), nullptr, static_cast<int>(m.extent(0)), static_cast<int>(m.extent(1))};
 }
+// Rows [r0, r0 + n) of a row-major operand.
+inline Operand rows_of(const Operand& x, int r0, int n) {
+  const std::int64_t at = std::int64_t(r0) * x.cols;
+  return {x.f32 ? x.f32 + at : nullptr, x.b16 ? x.b16 + at : nullptr, n, x.cols};
+}
 
 // op(A): [m, k], op(B): [k, n], C: [m, n]. A bf16 operand needs train.precision = bf16.
 void gemm(Trans ta, Trans tb, float alpha, const Operand& A, const Operand& B, float beta, Mat C,

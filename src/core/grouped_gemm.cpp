@@ -42,13 +42,16 @@ void GroupedGemm::plan(ConstIVec off, std::int64_t max_rows) {
       });
 }
 
-void GroupedGemm::rows(Trans tw, float alpha, const float* A, int K, const float* W,
+void GroupedGemm::rows(Trans tw, float alpha, GroupedSrc As_, int K, const float* W,
                        std::int64_t w_stride, float beta, float* C, int n) const {
   if (n == 0 || max_rows_ == 0) return;
   const int G = groups_, col_tiles = (n + kTile - 1) / kTile;
   const std::int64_t row_tiles = (max_rows_ + kTile - 1) / kTile + G;
   const bool wt = tw == Trans::T;
   const bool bf = gemm_precision() == Precision::Bf16;  // inputs rounded as they are loaded
+  KMOE_REQUIRE(bf || !As_.b16, "grouped gemm: a bf16 input in a product with fp32 inputs");
+  const float* A = As_.f32;
+  const std::uint16_t* A16 = As_.b16;
   auto off = off_;
   auto toff = tile_off_;
   Kokkos::parallel_for(
@@ -75,7 +78,8 @@ void GroupedGemm::rows(Trans tw, float alpha, const float* A, int K, const float
           tm.team_barrier();
           Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, kTile * kDepth), [&](int e) {
             const int i = e / kDepth, kk = e % kDepth;
-            const float a = i < nr && kk < nk ? A[(r0 + i) * K + k0 + kk] : 0.0f;
+            const std::int64_t at = (r0 + i) * K + k0 + kk;
+            const float a = i < nr && kk < nk ? (A16 ? bf16_to_float(A16[at]) : A[at]) : 0.0f;
             As(e) = bf ? round_bf16(a) : a;
           });
           Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, kDepth * kTile), [&](int e) {
@@ -104,11 +108,15 @@ void GroupedGemm::rows(Trans tw, float alpha, const float* A, int K, const float
       });
 }
 
-void GroupedGemm::weight_grads(float alpha, const float* A, int m, const float* B, int n,
+void GroupedGemm::weight_grads(float alpha, GroupedSrc As_, int m, GroupedSrc Bs_, int n,
                                float* Gm, std::int64_t g_stride) const {
   if (m == 0 || n == 0) return;
   const int mt = (m + kTile - 1) / kTile, nt = (n + kTile - 1) / kTile;
   const bool bf = gemm_precision() == Precision::Bf16;
+  KMOE_REQUIRE(bf || (!As_.b16 && !Bs_.b16),
+               "grouped gemm: a bf16 input in a product with fp32 inputs");
+  const float *A = As_.f32, *B = Bs_.f32;
+  const std::uint16_t *A16 = As_.b16, *B16 = Bs_.b16;
   auto off = off_;
   Kokkos::parallel_for(
       "grouped_gemm::weight_grads", tiled_policy(std::int64_t(groups_) * mt * nt),
@@ -127,8 +135,10 @@ void GroupedGemm::weight_grads(float alpha, const float* A, int m, const float* 
           tm.team_barrier();
           Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, kDepth * kTile), [&](int e) {
             const int kk = e / kTile, i = e % kTile;
-            const float a = kk < nk && i < ni ? A[std::int64_t(r0 + kk) * m + i0 + i] : 0.0f;
-            const float b = kk < nk && i < nj ? B[std::int64_t(r0 + kk) * n + j0 + i] : 0.0f;
+            const std::int64_t ia = std::int64_t(r0 + kk) * m + i0 + i,
+                               ib = std::int64_t(r0 + kk) * n + j0 + i;
+            const float a = kk < nk && i < ni ? (A16 ? bf16_to_float(A16[ia]) : A[ia]) : 0.0f;
+            const float b = kk < nk && i < nj ? (B16 ? bf16_to_float(B16[ib]) : B[ib]) : 0.0f;
             As(e) = bf ? round_bf16(a) : a;
             Bs(e) = bf ? round_bf16(b) : b;
           });

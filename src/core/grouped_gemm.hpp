@@ -21,6 +21,14 @@
 
 namespace kmoe {
 
+// A grouped product's row-major input: fp32, or the bf16 values a bf16 run keeps (bf16.hpp).
+struct GroupedSrc {
+  const float* f32 = nullptr;
+  const std::uint16_t* b16 = nullptr;
+  GroupedSrc(const float* p) : f32(p) {}  // NOLINT: fp32 rows pass as they are
+  GroupedSrc(const float* f, const std::uint16_t* b) : f32(f), b16(b) {}
+};
+
 class GroupedGemm {
  public:
   explicit GroupedGemm(int groups);
@@ -33,13 +41,13 @@ class GroupedGemm {
   // Rows: C_g = alpha * A_g op(W_g) + beta * C_g for every group g, where A_g is the group's
   // rows of A (rows x K, row-major), C_g its rows of C (rows x n), and W_g = W + g * w_stride:
   // with tw = T, W_g is (n x K) and op(W_g) = W_g^T; with tw = N, W_g is (K x n).
-  void rows(Trans tw, float alpha, const float* A, int K, const float* W, std::int64_t w_stride,
+  void rows(Trans tw, float alpha, GroupedSrc A, int K, const float* W, std::int64_t w_stride,
             float beta, float* C, int n) const;
 
   // Weight gradients: G_g += alpha * A_g^T B_g for every group with rows, where A_g are the
   // group's rows of A (rows x m) and B_g of B (rows x n), G_g = G + g * g_stride (m x n). A group
   // without rows leaves G_g untouched.
-  void weight_grads(float alpha, const float* A, int m, const float* B, int n, float* G,
+  void weight_grads(float alpha, GroupedSrc A, int m, GroupedSrc B, int n, float* G,
                     std::int64_t g_stride) const;
 
   static constexpr int tile = 32;  // rows and columns of an output tile

@@ -1,12 +1,30 @@
 #include "core/kept_operand.hpp"
 
+#include "core/error.hpp"
+
 namespace kmoe {
 
-KeptOperand::KeptOperand(const std::string& label, std::int64_t n) : n_(n) {
-  if (gemm_precision() == Precision::Bf16)
+KeptOperand::KeptOperand(const std::string& label, std::int64_t n, bool may_be_bf16)
+    : label_(label), bf16_(may_be_bf16 && gemm_precision() == Precision::Bf16) {
+  if (bf16_)
     b16_ = Kokkos::View<std::uint16_t*, Layout, MemSpace>(label + " (bf16)", n);
   else
     f32_ = View1F(label, n);
+  n_ = n;
+}
+
+void KeptOperand::ensure(std::int64_t n) {
+  if (n <= n_) return;
+  n_ = n + n / 4;
+  if (bf16_)
+    b16_ = Kokkos::View<std::uint16_t*, Layout, MemSpace>(label_ + " (bf16)", n_);
+  else
+    f32_ = View1F(label_, n_);
+}
+
+float* KeptOperand::f32() const {
+  KMOE_REQUIRE(!bf16_, label_ << ": kept as bf16, read as fp32");
+  return f32_.data();
 }
 
 }  // namespace kmoe

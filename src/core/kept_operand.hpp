@@ -31,22 +31,32 @@ struct KeptOut {
 class KeptOperand {
  public:
   KeptOperand() = default;
-  KeptOperand(const std::string& label, std::int64_t n);
+  // fp32 whatever the precision when `may_be_bf16` is false (a buffer other code reads as fp32).
+  KeptOperand(const std::string& label, std::int64_t n, bool may_be_bf16 = true);
+  // Grows to at least n values (a quarter of headroom, as ensure_size); contents not kept.
+  void ensure(std::int64_t n);
 
-  KeptOut out() const { return {f32_.data(), b16_.data()}; }
+  // Where the producing kernel writes, from element `offset` on.
+  KeptOut out(std::int64_t offset = 0) const {
+    return {bf16_ ? nullptr : f32_.data() + offset, bf16_ ? b16_.data() + offset : nullptr};
+  }
   // The (rows, cols) matrix at element `offset`.
   Operand matrix(int rows, int cols, std::int64_t offset = 0) const {
-    return {b16_.data() ? nullptr : f32_.data() + offset,
-            b16_.data() ? b16_.data() + offset : nullptr, rows, cols};
+    return {bf16_ ? nullptr : f32_.data() + offset, bf16_ ? b16_.data() + offset : nullptr, rows,
+            cols};
   }
   // A strided batch of (rows, cols) matrices `stride` elements apart.
   Strided strided(int rows, int cols, std::int64_t stride) const {
-    return {b16_.data() ? nullptr : f32_.data(), rows, cols, stride, b16_.data()};
+    return {bf16_ ? nullptr : f32_.data(), rows, cols, stride, bf16_ ? b16_.data() : nullptr};
   }
-  bool is_bf16() const { return b16_.data() != nullptr; }
+  bool is_bf16() const { return bf16_; }
   std::int64_t size() const { return n_; }
+  // The fp32 values of a buffer built with may_be_bf16 = false (or in a run without bf16).
+  float* f32() const;
 
  private:
+  std::string label_;
+  bool bf16_ = false;
   std::int64_t n_ = 0;
   View1F f32_;
   Kokkos::View<std::uint16_t*, Layout, MemSpace> b16_;

@@ -6,9 +6,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <random>
 #include <vector>
 
+#include "core/gemm.hpp"
 #include "modules/moe/moe.hpp"
 
 namespace kmoe {
@@ -285,10 +287,16 @@ TEST(Moe, StatisticsAndTheRouterBiasHook) {
 // the per-expert vendor GEMMs: the same routing and statistics exactly, outputs and every
 // gradient to fp32 rounding; dropless with a shared expert, and with a capacity that drops.
 // Two grouped runs are bit-identical.
+// In bf16 runs too (the grouped kernel reading the kept bf16 rows and activations), where the
+// two paths round the same inputs but sum in other orders, so a value next to a bf16 rounding
+// boundary may round the other way in a later product: 2e-3 there.
 TEST(Moe, GroupedExpertGemmsMatchPerExpertGemms) {
   const int N = 48, D = 16, Fe = 20, E = 8, k = 2;
   const ModelCfg m = model(D);
+  for (Precision p : {Precision::Fp32, Precision::Bf16})
   for (double capacity : {0.0, 0.6}) {
+    GemmPrecisionScope scope(p);
+    const double tol = p == Precision::Bf16 ? 2e-3 : 1e-5;
     MoeCfg e = moe(E, k, Fe);
     e.lb_coef = 0.1;
     e.z_coef = 0.01;
@@ -333,9 +341,12 @@ TEST(Moe, GroupedExpertGemmsMatchPerExpertGemms) {
     if (capacity > 0) {
       EXPECT_GT(per.st.dropped, 0) << "the capacity must bite";
     }
-    EXPECT_LE(max_rel(grouped.y, per.y), 1e-5) << capacity;
-    EXPECT_LE(max_rel(grouped.dx, per.dx), 1e-5) << capacity;
-    EXPECT_LE(max_rel(grouped.grads, per.grads), 1e-5) << capacity;
+    std::printf("%s, capacity %.1f: grouped vs per-expert y %.1e dx %.1e grads %.1e\n",
+                choice_name(p), capacity, max_rel(grouped.y, per.y), max_rel(grouped.dx, per.dx),
+                max_rel(grouped.grads, per.grads));
+    EXPECT_LE(max_rel(grouped.y, per.y), tol) << capacity;
+    EXPECT_LE(max_rel(grouped.dx, per.dx), tol) << capacity;
+    EXPECT_LE(max_rel(grouped.grads, per.grads), tol) << capacity;
     const Run again = run(ExpertGemm::Grouped);
     EXPECT_EQ(again.y, grouped.y);
     EXPECT_EQ(again.dx, grouped.dx);
