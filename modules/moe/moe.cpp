@@ -493,13 +493,10 @@ void MoeLayer::experts_forward(const TensorTable& table, const Operand& in,
   const int D = D_, Fe = Fe_, R = static_cast<int>(rows);
   const std::int64_t wsz = std::int64_t(Fe) * D;
   if (grouped_) {  // one launch per product over every local expert
-    const GroupedSrc x(in.f32, in.b16);
-    grouped_->rows(Trans::T, 1.0f, x, D, table.param(w1_), wsz, 0.0f, up1, Fe);
-    grouped_->rows(Trans::T, 1.0f, x, D, table.param(w3_), wsz, 0.0f, up3, Fe);
+    grouped_->rows(Trans::T, 1.0f, in, D, table.param(w1_), wsz, 0.0f, up1, Fe);
+    grouped_->rows(Trans::T, 1.0f, in, D, table.param(w3_), wsz, 0.0f, up3, Fe);
     swiglu_activate(up1, up3, Fe, R, Fe, act.out());
-    const Operand a = act.matrix(R, Fe);
-    grouped_->rows(Trans::T, 1.0f, GroupedSrc(a.f32, a.b16), Fe, table.param(w2_), wsz, 0.0f, out,
-                   D);
+    grouped_->rows(Trans::T, 1.0f, act.matrix(R, Fe), Fe, table.param(w2_), wsz, 0.0f, out, D);
     return;
   }
   for (int le = 0; le < El_; ++le) {
@@ -527,13 +524,11 @@ void MoeLayer::experts_backward(TensorTable& table, float* g_rows, const Operand
   if (grouped_) {  // every local expert's rows at once: the hidden gradients for all rows
     for (View1F* v : {&s.d_act, &s.d_up1, &s.d_up3}) ensure_size(*v, rows * Fe, "moe::d_hidden");
     float *da = s.d_act.data(), *du1 = s.d_up1.data(), *du3 = s.d_up3.data();
-    const Operand a = act.matrix(R, Fe);
-    const GroupedSrc x(in.f32, in.b16);
     grouped_->rows(Trans::N, 1.0f, g_rows, D, table.param(w2_), wsz, 0.0f, da, Fe);
-    grouped_->weight_grads(1.0f, g_rows, D, GroupedSrc(a.f32, a.b16), Fe, table.grad(w2_), wsz);
+    grouped_->weight_grads(1.0f, g_rows, D, act.matrix(R, Fe), Fe, table.grad(w2_), wsz);
     swiglu_activate_backward(up1, up3, Fe, as_cmat(da, R, Fe), du1, du3, Fe);
-    grouped_->weight_grads(1.0f, du1, Fe, x, D, table.grad(w1_), wsz);
-    grouped_->weight_grads(1.0f, du3, Fe, x, D, table.grad(w3_), wsz);
+    grouped_->weight_grads(1.0f, du1, Fe, in, D, table.grad(w1_), wsz);
+    grouped_->weight_grads(1.0f, du3, Fe, in, D, table.grad(w3_), wsz);
     // The rows now hold the gradient w.r.t. the experts' inputs.
     grouped_->rows(Trans::N, 1.0f, du1, Fe, table.param(w1_), wsz, 0.0f, g_rows, D);
     grouped_->rows(Trans::N, 1.0f, du3, Fe, table.param(w3_), wsz, 1.0f, g_rows, D);

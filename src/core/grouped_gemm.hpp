@@ -25,8 +25,8 @@ namespace kmoe {
 struct GroupedSrc {
   const float* f32 = nullptr;
   const std::uint16_t* b16 = nullptr;
-  GroupedSrc(const float* p) : f32(p) {}  // NOLINT: fp32 rows pass as they are
-  GroupedSrc(const float* f, const std::uint16_t* b) : f32(f), b16(b) {}
+  GroupedSrc(const float* p) : f32(p) {}                     // NOLINT: fp32 rows as they are
+  GroupedSrc(const Operand& x) : f32(x.f32), b16(x.b16) {}  // NOLINT: a (kept) operand's rows
 };
 
 class GroupedGemm {

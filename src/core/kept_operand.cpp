@@ -1,5 +1,6 @@
 #include "core/kept_operand.hpp"
 
+#include "core/buffers.hpp"
 #include "core/error.hpp"
 
 namespace kmoe {
@@ -10,16 +11,13 @@ KeptOperand::KeptOperand(const std::string& label, std::int64_t n, bool may_be_b
     b16_ = Kokkos::View<std::uint16_t*, Layout, MemSpace>(label + " (bf16)", n);
   else
     f32_ = View1F(label, n);
-  n_ = n;
 }
 
 void KeptOperand::ensure(std::int64_t n) {
-  if (n <= n_) return;
-  n_ = n + n / 4;
   if (bf16_)
-    b16_ = Kokkos::View<std::uint16_t*, Layout, MemSpace>(label_ + " (bf16)", n_);
+    ensure_size(b16_, n, label_ + " (bf16)");
   else
-    f32_ = View1F(label_, n_);
+    ensure_size(f32_, n, label_);
 }
 
 float* KeptOperand::f32() const {

@@ -33,7 +33,7 @@ class KeptOperand {
   KeptOperand() = default;
   // fp32 whatever the precision when `may_be_bf16` is false (a buffer other code reads as fp32).
   KeptOperand(const std::string& label, std::int64_t n, bool may_be_bf16 = true);
-  // Grows to at least n values (a quarter of headroom, as ensure_size); contents not kept.
+  // Grows to at least n values (ensure_size: a quarter of headroom); contents not kept.
   void ensure(std::int64_t n);
 
   // Where the producing kernel writes, from element `offset` on.
@@ -50,14 +50,12 @@ class KeptOperand {
     return {bf16_ ? nullptr : f32_.data(), rows, cols, stride, bf16_ ? b16_.data() : nullptr};
   }
   bool is_bf16() const { return bf16_; }
-  std::int64_t size() const { return n_; }
   // The fp32 values of a buffer built with may_be_bf16 = false (or in a run without bf16).
   float* f32() const;
 
  private:
   std::string label_;
   bool bf16_ = false;
-  std::int64_t n_ = 0;
   View1F f32_;
   Kokkos::View<std::uint16_t*, Layout, MemSpace> b16_;
 };
