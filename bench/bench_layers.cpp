@@ -119,7 +119,7 @@ int main(int argc, char** argv) {
   report("attention backward",
          time_it(reps, [&] { attn.backward(table, rope, as_cmat(x), as_cmat(dx), as_mat(y), as); }),
          2 * (attn_proj + attn_core));
-  report("mlp forward", time_it(reps, [&] { mlp.forward(table, as_cmat(x), as_mat(y)); }), mlp_f);
+  report("mlp forward", time_it(reps, [&] { mlp.forward(table, as_cmat(x), as_mat(y), ms); }), mlp_f);
   report("mlp backward",
          time_it(reps, [&] { mlp.backward(table, as_cmat(x), as_cmat(dx), as_mat(y), ms); }),
          2 * mlp_f);
@@ -155,7 +155,7 @@ int main(int argc, char** argv) {
     t3.initialize(2);
     MoeScratch mos(m, e, N);
     const double t_moe = time_it(reps, [&] {
-      moe.forward(t3, as_cmat(x), as_mat(y));
+      moe.forward(t3, as_cmat(x), as_mat(y), mos);
       moe.backward(t3, as_cmat(x), as_cmat(dx), as_mat(y), mos, 1.0f);
     });
     const MoeStats st = moe.report();
@@ -167,7 +167,7 @@ int main(int argc, char** argv) {
     t3g.allocate();
     t3g.initialize(2);
     const double t_grouped = time_it(reps, [&] {
-      moe_g.forward(t3g, as_cmat(x), as_mat(y));
+      moe_g.forward(t3g, as_cmat(x), as_mat(y), mos);
       moe_g.backward(t3g, as_cmat(x), as_cmat(dx), as_mat(y), mos, 1.0f);
     });
     const int Fe = e.expert_hidden;
@@ -190,7 +190,7 @@ int main(int argc, char** argv) {
       }
     });
     const double t_dense = time_it(reps, [&] {
-      mlp.forward(table, as_cmat(x), as_mat(y));
+      mlp.forward(table, as_cmat(x), as_mat(y), ms);
       mlp.backward(table, as_cmat(x), as_cmat(dx), as_mat(y), ms);
     });
     std::printf("  moe layer fwd+bwd (E %d, k %d, Fe %d) %9.3f ms = %.2f us/token\n", e.experts,

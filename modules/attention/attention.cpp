@@ -45,7 +45,7 @@ Attention::Attention(const ModelCfg& m, const std::string& prefix, int max_seqs,
   q_ = KeptOperand("attn::q", N * qd);
   k_ = KeptOperand("attn::k", N * kd);
   v_ = KeptOperand("attn::v", N * kd);
-  probs_ = View1F("attn::probs", static_cast<std::int64_t>(max_seqs) * H_ * T_ * T_);
+  probs_ = KeptOperand("attn::probs", static_cast<std::int64_t>(max_seqs) * H_ * T_ * T_);
   merged_ = KeptOperand("attn::merged", N * qd);
 }
 
@@ -70,6 +70,21 @@ void merge_heads(const float* heads, KeptOut merged, int N, int T, int H, int dh
       "attn::merge_heads", Range2({0, 0}, {N, qd}), KOKKOS_LAMBDA(int r, int c) {
         merged.set(std::int64_t(r) * qd + c, heads[head_index(r, c, T, H, dh)]);
       });
+}
+
+// One row of the causal softmax backward in place: g = P * (g - sum_j P g) * scale over keys
+// [0, t], 0 beyond, with P as kept (fp32 or bf16 pointer, row start applied).
+template <class P>
+KOKKOS_INLINE_FUNCTION void softmax_row_backward(const TeamMember& tm, int t, int T, P pr,
+                                                 float* g, float scale) {
+  float dot = 0.0f;
+  Kokkos::parallel_reduce(
+      Kokkos::TeamThreadRange(tm, t + 1), [&](int j, float& s) { s += kept_load(pr, j) * g[j]; },
+      dot);
+  tm.team_barrier();  // every read of g before the first write
+  Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, T), [&](int j) {
+    g[j] = j <= t ? kept_load(pr, j) * (g[j] - dot) * scale : 0.0f;
+  });
 }
 
 }  // namespace
@@ -136,18 +151,22 @@ void Attention::forward(const TensorTable& table, const RopeTables& rope, ConstM
   // The G query heads of a kv head are adjacent in the head layout (nseq, H, T, dh), so each
   // (sequence, kv head) is one (G*T, dh) matrix against the kv head's (T, dh): a strided batch.
   const int groups = nseq * Hkv;
-  // Per (sequence, kv head), strided: scores (G*T, T) = q k^T / sqrt(dh).
+  // Per (sequence, kv head), strided: scores (G*T, T) = q k^T / sqrt(dh), into the kept
+  // probabilities (fp32 runs: the softmax works in place) or the d_probs scratch (bf16 runs:
+  // the softmax rounds the probabilities into the kept bf16 buffer).
+  float* scores = probs_.product_target(scratch.d_probs.data());
   gemm_strided_batched(Trans::N, Trans::T, scale, q_.strided(G * T, dh, G * Tdh),
-                       k_.strided(T, dh, Tdh), 0.0f, probs_.data(), G * T, T, G * TT, groups);
+                       k_.strided(T, dh, Tdh), 0.0f, scores, G * T, T, G * TT, groups);
 
   // Causal softmax, one team per row, its threads over the keys (on CPUs a one-thread team:
   // the exp loop is branch-free, exp_poly, and vectorizes; the max and the sum run in column
   // order).
-  auto p = as_mat(probs_.data(), nseq * H * T, T);
+  auto sc = as_mat(scores, nseq * H * T, T);
+  const KeptOut p = probs_.out();
   Kokkos::parallel_for(
       "attn::causal_softmax", row_policy(nseq * H * T), KOKKOS_LAMBDA(const TeamMember& tm) {
         const int r = tm.league_rank(), t = r % T;
-        float* row = &p(r, 0);
+        float* row = &sc(r, 0);
         float mx = 0.0f, sum = 0.0f;
         Kokkos::parallel_reduce(
             Kokkos::TeamThreadRange(tm, t + 1),
@@ -158,12 +177,14 @@ void Attention::forward(const TensorTable& table, const RopeTables& rope, ConstM
         Kokkos::parallel_reduce(
             Kokkos::TeamThreadRange(tm, t + 1), [&](int j, float& s) { s += row[j]; }, sum);
         const float inv = 1.0f / sum;
-        Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, T),
-                             [&](int j) { row[j] = j <= t ? row[j] * inv : 0.0f; });
+        const std::int64_t base = std::int64_t(r) * T;
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, T), [&](int j) {
+          p.set(base + j, j <= t ? row[j] * inv : 0.0f);
+        });
       });
 
   float* heads = scratch.d_heads.data();  // (nseq, H, T, dh) head outputs
-  gemm_strided_batched(Trans::N, Trans::N, 1.0f, {probs_.data(), G * T, T, G * TT},
+  gemm_strided_batched(Trans::N, Trans::N, 1.0f, probs_.strided(G * T, T, G * TT),
                        v_.strided(T, dh, Tdh), 0.0f, heads, G * T, dh, G * Tdh, groups);
   merge_heads(heads, merged_.out(), N, T, H, dh);
   gemm(Trans::N, Trans::T, 1.0f, merged_.matrix(N, qd), as_cmat(table.param(wo_), D_, qd), 0.0f,
@@ -193,25 +214,21 @@ void Attention::backward(TensorTable& table, const RopeTables& rope, ConstMat a,
   float* d_probs = scratch.d_probs.data();
   gemm_strided_batched(Trans::N, Trans::T, 1.0f, {d_heads, G * T, dh, G * Tdh},
                        v_.strided(T, dh, Tdh), 0.0f, d_probs, G * T, T, G * TT, groups);
-  gemm_strided_batched(Trans::T, Trans::N, 1.0f, {probs_.data(), G * T, T, G * TT},
+  gemm_strided_batched(Trans::T, Trans::N, 1.0f, probs_.strided(G * T, T, G * TT),
                        {d_heads, G * T, dh, G * Tdh}, 0.0f, scratch.d_v.data(), T, dh, Tdh,
                        groups);
 
-  // Softmax backward in place: dS = P * (dP - sum_j P dP) * scale.
-  auto p = as_cmat(probs_.data(), nseq * H * T, T);
+  // Softmax backward in place: dS = P * (dP - sum_j P dP) * scale (P as kept: R(P) in bf16).
+  const KeptIn p = probs_.in();
   auto dp = as_mat(d_probs, nseq * H * T, T);
   Kokkos::parallel_for(
       "attn::softmax_backward", row_policy(nseq * H * T), KOKKOS_LAMBDA(const TeamMember& tm) {
         const int r = tm.league_rank(), t = r % T;
-        const float* pr = &p(r, 0);
-        float* g = &dp(r, 0);
-        float dot = 0.0f;
-        Kokkos::parallel_reduce(
-            Kokkos::TeamThreadRange(tm, t + 1), [&](int j, float& s) { s += pr[j] * g[j]; }, dot);
-        tm.team_barrier();  // every read of g before the first write
-        Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, T), [&](int j) {
-          g[j] = j <= t ? pr[j] * (g[j] - dot) * scale : 0.0f;
-        });
+        const std::int64_t base = std::int64_t(r) * T;
+        if (p.b16)
+          softmax_row_backward(tm, t, T, p.b16 + base, &dp(r, 0), scale);
+        else
+          softmax_row_backward(tm, t, T, p.f32 + base, &dp(r, 0), scale);
       });
 
   // dq = dS k (overwrites dO in d_heads, no longer needed); dk = dS^T q.

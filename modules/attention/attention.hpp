@@ -17,7 +17,7 @@ namespace kmoe {
 struct AttentionScratch {
   View1F d_merged;  // (N, H*dh)
   View1F d_heads;   // (nseq, H, T, dh): forward head outputs; backward dO, then dQ
-  View1F d_probs;   // (nseq, H, T, T)
+  View1F d_probs;   // (nseq, H, T, T); in bf16 runs the forward's fp32 scores too
   View1F d_k, d_v;  // (nseq, Hkv, T, dh)
   View1F d_qkv;     // (N, (H+2Hkv)*dh)
   AttentionScratch(const ModelCfg& m, int max_seqs, int seq_len);
@@ -45,7 +45,7 @@ class Attention {
   View1F qkv_;              // (N, (H+2Hkv)*dh), before QK-norm
   View1F rstd_q_, rstd_k_;  // (N)
   KeptOperand q_, k_, v_;   // (nseq, H|Hkv, T, dh), after norm and RoPE (bf16 in bf16 runs)
-  View1F probs_;            // (nseq, H, T, T), causal softmax
+  KeptOperand probs_;       // (nseq, H, T, T), causal softmax (bf16 in bf16 runs)
   KeptOperand merged_;      // (N, H*dh), heads concatenated (bf16 in bf16 runs)
 };
 

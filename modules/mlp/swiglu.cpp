@@ -1,5 +1,6 @@
 #include "modules/mlp/swiglu.hpp"
 
+#include "core/error.hpp"
 #include "core/gemm.hpp"
 
 namespace kmoe {
@@ -7,34 +8,58 @@ namespace kmoe {
 // One team per row, its threads over the features: coalesced on GPUs; on CPUs a one-thread
 // team's contiguous inner loop, which vectorizes (exp_poly is branch-free).
 void swiglu_activate(const float* a_data, const float* b_data, int ld, int N, int F,
-                     KeptOut act) {
+                     KeptOut act, KeptOut keep_a, KeptOut keep_b) {
+  const bool round = keep_a.b16 != nullptr;
   Kokkos::parallel_for(
       "swiglu::activate", row_policy(N), KOKKOS_LAMBDA(const TeamMember& tm) {
         const int r = tm.league_rank();
-        const float* a = a_data + std::int64_t(r) * ld;
-        const float* b = b_data + std::int64_t(r) * ld;
-        const std::int64_t y = std::int64_t(r) * F;
-        Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, F),
-                             [&](int f) { act.set(y + f, math::silu(a[f]) * b[f]); });
+        const std::int64_t x = std::int64_t(r) * ld, y = std::int64_t(r) * F;
+        const float* a = a_data + x;
+        const float* b = b_data + x;
+        if (!round) {
+          Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, F),
+                               [&](int f) { act.set(y + f, math::silu(a[f]) * b[f]); });
+          return;
+        }
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, F), [&](int f) {
+          const std::uint16_t ab = bf16_bits(a[f]), bb = bf16_bits(b[f]);
+          keep_a.b16[x + f] = ab;
+          keep_b.b16[x + f] = bb;
+          act.set(y + f, math::silu(bf16_to_float(ab)) * bf16_to_float(bb));
+        });
       });
 }
 
-void swiglu_activate_backward(const float* a_data, const float* b_data, int ld, ConstMat d_act,
-                              float* da_data, float* db_data, int ld_out) {
+namespace {
+// One row's SwiGLU backward from a and b as stored (fp32 or bf16 pointers, row start applied).
+template <class P>
+KOKKOS_INLINE_FUNCTION void swiglu_row_backward(const TeamMember& tm, int F, P a, P b,
+                                                const float* dy, float* da, float* db) {
+  Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, F), [&](int f) {
+    const float av = kept_load(a, f), bv = kept_load(b, f);
+    const float sg = math::sigmoid(av);
+    da[f] = dy[f] * bv * sg * (1.0f + av * (1.0f - sg));  // silu' = s (1 + a (1 - s))
+    db[f] = dy[f] * av * sg;
+  });
+}
+}  // namespace
+
+void swiglu_activate_backward(KeptIn a, KeptIn b, int ld, ConstMat d_act, float* da_data,
+                              float* db_data, int ld_out) {
+  KMOE_REQUIRE((a.b16 == nullptr) == (b.b16 == nullptr),
+               "swiglu backward: one pre-activation kept as bf16, the other as fp32");
   const int N = d_act.extent(0), F = d_act.extent(1);
   Kokkos::parallel_for(
       "swiglu::activate_backward", row_policy(N), KOKKOS_LAMBDA(const TeamMember& tm) {
         const int r = tm.league_rank();
-        const float* a = a_data + std::int64_t(r) * ld;
-        const float* b = b_data + std::int64_t(r) * ld;
+        const std::int64_t x = std::int64_t(r) * ld;
         const float* dy = &d_act(r, 0);
         float* da = da_data + std::int64_t(r) * ld_out;
         float* db = db_data + std::int64_t(r) * ld_out;
-        Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, F), [&](int f) {
-          const float sg = math::sigmoid(a[f]);
-          da[f] = dy[f] * b[f] * sg * (1.0f + a[f] * (1.0f - sg));  // silu' = s (1 + a (1 - s))
-          db[f] = dy[f] * a[f] * sg;
-        });
+        if (a.b16)
+          swiglu_row_backward(tm, F, a.b16 + x, b.b16 + x, dy, da, db);
+        else
+          swiglu_row_backward(tm, F, a.f32 + x, b.f32 + x, dy, da, db);
       });
 }
 
@@ -47,25 +72,25 @@ SwigluMlp::SwigluMlp(const std::string& prefix, int d_model, int hidden, double 
   w1_ = table.add(TensorSpec::matrix(prefix + "w1", {F_, D_}, init_std));
   table.add(TensorSpec::matrix(prefix + "w3", {F_, D_}, init_std));
   w2_ = table.add(TensorSpec::matrix(prefix + "w2", {D_, F_}, init_std));
-  up_ = View1F("mlp::up", max_rows * 2 * F_);
+  up_ = KeptOperand("mlp::up", max_rows * 2 * F_);
   act_ = KeptOperand("mlp::act", max_rows * F_);
 }
 
-void SwigluMlp::forward(const TensorTable& table, ConstMat x, Mat y) {
+void SwigluMlp::forward(const TensorTable& table, ConstMat x, Mat y, MlpScratch& s) {
   const int N = x.extent(0);
-  Mat up = as_mat(up_.data(), N, 2 * F_);
+  Mat up = as_mat(up_.product_target(s.d_up.data()), N, 2 * F_);
   gemm(Trans::N, Trans::T, 1.0f, x, as_cmat(table.param(w1_), 2 * F_, D_), 0.0f, up);
-  swiglu_activate(up.data(), up.data() + F_, 2 * F_, N, F_, act_.out());
+  swiglu_activate(up.data(), up.data() + F_, 2 * F_, N, F_, act_.out(), up_.out(), up_.out(F_));
   gemm(Trans::N, Trans::T, 1.0f, act_.matrix(N, F_), as_cmat(table.param(w2_), D_, F_), 0.0f, y);
 }
 
 void SwigluMlp::backward(TensorTable& table, ConstMat x, ConstMat dy, Mat dx, MlpScratch& s) {
   const int N = x.extent(0);
-  auto up = as_cmat(up_.data(), N, 2 * F_);
   Mat d_act = as_mat(s.d_act.data(), N, F_), d_up = as_mat(s.d_up.data(), N, 2 * F_);
   gemm(Trans::T, Trans::N, 1.0f, dy, act_.matrix(N, F_), 1.0f, as_mat(table.grad(w2_), D_, F_));
   gemm(Trans::N, Trans::N, 1.0f, dy, as_cmat(table.param(w2_), D_, F_), 0.0f, d_act);
-  swiglu_activate_backward(up, as_cmat(d_act), d_up);
+  swiglu_activate_backward(up_.in(), up_.in(F_), 2 * F_, as_cmat(d_act), d_up.data(),
+                           d_up.data() + F_, 2 * F_);
   gemm(Trans::T, Trans::N, 1.0f, as_cmat(d_up), x, 1.0f, as_mat(table.grad(w1_), 2 * F_, D_));
   gemm(Trans::N, Trans::N, 1.0f, as_cmat(d_up), as_cmat(table.param(w1_), 2 * F_, D_), 0.0f, dx);
 }

@@ -13,29 +13,31 @@
 namespace kmoe {
 
 // act: (N, F) = silu(a) * b, where a and b are (N, F) row-strided windows (row r starts at
-// a + r * ld): the fused [a | b] of the dense MLP, or the separate blocks of an expert.
-void swiglu_activate(const float* a, const float* b, int ld, int N, int F, KeptOut act);
-inline void swiglu_activate(const float* a, const float* b, int ld, Mat act) {
-  swiglu_activate(a, b, ld, act.extent(0), act.extent(1), KeptOut{act.data(), nullptr});
-}
-// d_act: (N, F) -> da, db (row stride ld_out).
-void swiglu_activate_backward(const float* a, const float* b, int ld, ConstMat d_act, float* da,
-                              float* db, int ld_out);
+// a + r * ld) as the up-projection products wrote them: the fused [a | b] of the dense MLP, or
+// the separate blocks of an expert. keep_a, keep_b: where a and b are kept for backward, with
+// the same row stride. In fp32 runs that is a and b themselves (pass them, or nothing: no copy
+// is made); when they are bf16 (keep_*.b16 set) a and b are rounded into them and the
+// activation is computed from the rounded values, the ones backward reads.
+void swiglu_activate(const float* a, const float* b, int ld, int N, int F, KeptOut act,
+                     KeptOut keep_a = {}, KeptOut keep_b = {});
+// d_act: (N, F) -> da, db (row stride ld_out), from the kept a and b (row stride ld).
+void swiglu_activate_backward(KeptIn a, KeptIn b, int ld, ConstMat d_act, float* da, float* db,
+                              int ld_out);
 
-// up: (N, 2F) = [x W1^T | x W3^T] -> act: (N, F); d_act -> d_up: (N, 2F).
+// fp32 forms: up: (N, 2F) = [x W1^T | x W3^T] -> act: (N, F); d_act -> d_up: (N, 2F).
 inline void swiglu_activate(ConstMat up, Mat act) {
   const int F = act.extent(1);
-  swiglu_activate(up.data(), up.data() + F, 2 * F, act);
+  swiglu_activate(up.data(), up.data() + F, 2 * F, act.extent(0), F, KeptOut{act.data(), nullptr});
 }
 inline void swiglu_activate_backward(ConstMat up, ConstMat d_act, Mat d_up) {
   const int F = d_act.extent(1);
-  swiglu_activate_backward(up.data(), up.data() + F, 2 * F, d_act, d_up.data(), d_up.data() + F,
-                           2 * F);
+  swiglu_activate_backward(KeptIn{up.data(), nullptr}, KeptIn{up.data() + F, nullptr}, 2 * F,
+                           d_act, d_up.data(), d_up.data() + F, 2 * F);
 }
 
 struct MlpScratch {
   View1F d_act;  // (N, F)
-  View1F d_up;   // (N, 2F)
+  View1F d_up;   // (N, 2F); in bf16 runs the forward's fp32 up-projection too
   MlpScratch(std::int64_t max_rows, int hidden);
 };
 
@@ -45,14 +47,14 @@ class SwigluMlp {
   SwigluMlp(const std::string& prefix, int d_model, int hidden, double init_std,
             std::int64_t max_rows, TensorTable& table);
 
-  void forward(const TensorTable& table, ConstMat x, Mat y);  // x, y: (N, D)
+  void forward(const TensorTable& table, ConstMat x, Mat y, MlpScratch& s);  // x, y: (N, D)
   // dy: (N, D) -> dx: (N, D) (assigned); parameter gradients accumulate.
   void backward(TensorTable& table, ConstMat x, ConstMat dy, Mat dx, MlpScratch& s);
 
  private:
   int D_, F_;
   int w1_, w2_;
-  View1F up_;   // (N, 2F) saved
+  KeptOperand up_;   // (N, 2F) saved, [x W1^T | x W3^T] (bf16 in bf16 runs)
   KeptOperand act_;  // (N, F) saved (bf16 in bf16 runs)
 };
 

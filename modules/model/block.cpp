@@ -85,9 +85,9 @@ void Block::forward(const TensorTable& table, const RopeTables& rope, ConstMat x
 
 void Block::ffn_forward(const TensorTable& table, ConstMat in, Mat out, BlockScratch& s) {
   if (moe_)
-    moe_->forward(table, in, out, s.moe_aux);
+    moe_->forward(table, in, out, *s.moe, s.moe_aux);
   else
-    mlp_->forward(table, in, out);
+    mlp_->forward(table, in, out, s.mlp);
 }
 
 void Block::ffn_backward(TensorTable& table, ConstMat in, ConstMat dy, Mat dx, BlockScratch& s,

@@ -16,10 +16,12 @@ const char* size_keys() {
 namespace {
 
 // The sizes of one model: every count and byte figure goes through checked Size arithmetic.
+// Activations are counted in bytes: 4 per fp32 value, `kb` per value a bf16 run keeps as bf16
+// (MODEL.md section 8; 4 in other runs).
 struct Shapes {
-  Size V, D, F, L, qd, kd, attn, E, Fe, k, shared, N, H, W, probs;
+  Size V, D, F, L, qd, kd, attn, E, Fe, k, shared, N, H, W, probs, kb;
   bool tied, pre;
-  Shapes(const ModelCfg& m, const MoeCfg& e, int b, int T)
+  Shapes(const ModelCfg& m, const MoeCfg& e, int b, int T, Precision precision)
       : V(m.vocab_size),
         D(m.d_model),
         F(m.ffn_hidden),
@@ -35,22 +37,27 @@ struct Shapes {
         H(m.n_heads),
         W(qd + Size(2) * kd),
         probs(Size(b) * m.n_heads * T * T),
+        kb(precision == Precision::Bf16 ? 2 : 4),
         tied(m.tie_embeddings),
         pre(m.block_norm == BlockNorm::Pre) {}
 
-  // Saved activations of one block (floats): attention and norms, then a dense MLP's.
+  // Saved activations of one block (bytes): attention and norms (q, k, v, the probabilities and
+  // the merged heads kept), then a dense MLP's (pre-activations and activation, kept).
   Size attn_saved() const {
-    return N * W + Size(2) * N + N * qd + Size(2) * N * kd + probs + N * qd +
-           N * D * (pre ? 5 : 3) + Size(2) * N;
+    return Size(4) * (N * W + Size(2) * N + N * D * (pre ? 5 : 3) + Size(2) * N) +
+           kb * (N * qd + Size(2) * N * kd + probs + N * qd);
   }
-  Size mlp_saved() const { return N * 3 * F; }
+  Size mlp_saved() const { return kb * N * 3 * F; }
   Size block_saved() const { return attn_saved() + mlp_saved(); }
   Size scratch() const {
-    return Size(2) * N * qd + probs + Size(2) * N * kd + N * W + N * 3 * F + Size(3) * N * D;
+    return Size(4) *
+           (Size(2) * N * qd + probs + Size(2) * N * kd + N * W + N * 3 * F + Size(3) * N * D);
   }
-  // An MoE layer saves logits/probs (N, E) and up to N*k rows of inputs, outputs and hiddens.
-  Size moe_saved() const {
-    return Size(2) * N * E + N + Size(3) * N * k + N * k * (Size(2) * D + Size(3) * Fe);
+  // An MoE layer saves logits/probs (N, E) and up to N*k rows of inputs (kept at ep 1),
+  // outputs and hiddens (kept).
+  Size moe_saved(int ep) const {
+    return Size(4) * (Size(2) * N * E + N + Size(3) * N * k + N * k * D) +
+           (ep == 1 ? kb : Size(4)) * N * k * D + kb * N * k * Size(3) * Fe;
   }
 };
 
@@ -60,10 +67,12 @@ Size engram_params(const EngramCfg& g, Size D, Size rows) {
   return rows * (g.embed_per_ngram / g.heads) + Size(2) * D * d_mem + Size(5) * D + D * g.kernel;
 }
 
-// Everything an Engram layer keeps for one micro-batch of N tokens (floats).
-Size engram_saved(const EngramCfg& g, Size D, Size N) {
+// Everything an Engram layer keeps for one micro-batch of N tokens (bytes): the looked-up
+// rows kept (`kb`) unless the table is sharded.
+Size engram_saved(const EngramCfg& g, Size D, Size N, Size kb, bool sharded) {
   const Size d_mem = Size(g.max_ngram - 1) * g.embed_per_ngram;
-  return Size(2) * N * d_mem + Size(9) * N * D + Size(6) * N + N * ((g.max_ngram - 1) * g.heads);
+  return (sharded ? Size(4) : kb) * N * d_mem +
+         Size(4) * (N * d_mem + Size(9) * N * D + Size(6) * N + N * ((g.max_ngram - 1) * g.heads));
 }
 
 template <class F>
@@ -80,7 +89,7 @@ auto checked(F&& f) {
 
 ModelSize model_size(const ModelCfg& m, const MoeCfg& e, int b, int T, const EngramCfg& g) {
   return checked([&] {
-    const Shapes s(m, e, b, T);
+    const Shapes s(m, e, b, T, Precision::Fp32);
     const Size V = s.V, D = s.D, F = s.F, L = s.L;
     Size moe_layers = 0;
     for (int l = 0; l < m.n_layers; ++l) moe_layers += e.is_moe_layer(l) ? 1 : 0;
@@ -106,8 +115,9 @@ ModelSize model_size(const ModelCfg& m, const MoeCfg& e, int b, int T, const Eng
     out.state_bytes = (Size(16) * total).get();
     const Size stage =
         (L + 1) * s.N * D + Size(2) * s.N * D + Size(2) * s.N * D + s.N * V + Size(3) * s.N;
-    out.activation_bytes =
-        (Size(4) * (L * s.block_saved() + moe_layers * s.moe_saved() + s.scratch() + stage)).get();
+    out.activation_bytes = (L * s.block_saved() + moe_layers * s.moe_saved(1) + s.scratch() +
+                            Size(4) * stage)
+                               .get();
     return out;
   });
 }
@@ -115,10 +125,10 @@ ModelSize model_size(const ModelCfg& m, const MoeCfg& e, int b, int T, const Eng
 RankMemory rank_memory(const ModelCfg& m, const MoeCfg& e, const EngramCfg& g, int b, int T,
                        const RankShare& r) {
   return checked([&] {
-    const Shapes s(m, e, b, T);
+    const Shapes s(m, e, b, T, r.precision);
     const Size V = s.V, D = s.D, N = s.N;
     const auto plans = engram_hash_plans(g, load_engram_compression(g, m.vocab_size).vocab_c);
-    Size elements = 0, saved = 0;  // parameters and buffers; one instance's activations
+    Size elements = 0, saved = 0;  // parameters and buffers; one instance's activations (bytes)
     Size blocks = 0;
     for (int l = r.first_block; l < r.last_block; ++l) {
       blocks += 1;
@@ -128,7 +138,7 @@ RankMemory rank_memory(const ModelCfg& m, const MoeCfg& e, const EngramCfg& g, i
         const Size local_experts = s.E.get() / std::max(1, r.ep);
         elements += s.E * D + Size(3) * local_experts * s.Fe * D + s.shared +
                     (e.bias_update_rate > 0 ? s.E : Size(0));
-        saved += s.moe_saved();
+        saved += s.moe_saved(r.ep);
       } else {
         elements += Size(3) * s.F * D;
         saved += s.mlp_saved();
@@ -137,7 +147,7 @@ RankMemory rank_memory(const ModelCfg& m, const MoeCfg& e, const EngramCfg& g, i
         if (plan.layer != l) continue;
         const int members = std::max(1, r.engram_members);
         elements += engram_params(g, D, (plan.rows + members - 1) / members);
-        saved += engram_saved(g, D, N);
+        saved += engram_saved(g, D, N, s.kb, members > 1);
       }
     }
     if (r.embed) elements += V * D;
@@ -148,7 +158,8 @@ RankMemory rank_memory(const ModelCfg& m, const MoeCfg& e, const EngramCfg& g, i
     RankMemory out;
     out.elements = elements.get();
     out.state_bytes = (Size(16) * elements).get();
-    out.activation_bytes = (Size(4) * (Size(r.in_flight) * (saved + stage) + s.scratch())).get();
+    out.activation_bytes =
+        (Size(r.in_flight) * (saved + Size(4) * stage) + s.scratch()).get();
     return out;
   });
 }

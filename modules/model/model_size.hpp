@@ -20,8 +20,9 @@ struct ModelSize {
   std::int64_t activation_bytes = 0;  // saved activations and scratch for one micro-batch
 };
 
-// The whole model on one rank. Engram tables count in total_params; per token only their d_mem
-// looked-up entries count as active, and like the embedding the lookup adds no matmul FLOPs.
+// The whole model on one rank (activations as an fp32 run keeps them). Engram tables count in
+// total_params; per token only their d_mem looked-up entries count as active, and like the
+// embedding the lookup adds no matmul FLOPs.
 ModelSize model_size(const ModelCfg& m, const MoeCfg& e, int micro_batch, int seq_len,
                      const EngramCfg& g = EngramCfg());
 
@@ -34,6 +35,8 @@ struct RankShare {
   int ep = 1;              // experts split over ep ranks
   int engram_members = 1;  // ranks an Engram table's rows are split over
   int in_flight = 1;       // Stage instances (max_in_flight of the pipeline schedule)
+  // train.precision: bf16 keeps the activations MODEL.md section 8 lists as bf16 (2 bytes).
+  Precision precision = Precision::Fp32;
 };
 
 struct RankMemory {

@@ -111,18 +111,20 @@ MoeLayer::MoeLayer(const ModelCfg& m, const MoeCfg& e, const std::string& prefix
     // The expert side's rows depend on the routing of every ep rank: sized here for twice a
     // balanced share, grown in a step only beyond that.
     const std::int64_t rows = 2 * slots;
-    ex_in_ = View1F("moe::ex_in", rows * D_);
+    ex_in_ = KeptOperand("moe::ex_in", rows * D_, /*may_be_bf16=*/D_ % 2 == 0);
     ex_out_ = View1F("moe::ex_out", rows * D_);
     ex_grad_ = View1F("moe::ex_grad", rows * D_);
-    for (View1F* v : {&ex_up1_, &ex_up3_}) *v = View1F("moe::ex_hidden", rows * Fe_);
+    ex_up1_ = KeptOperand("moe::ex_up1", rows * Fe_);
+    ex_up3_ = KeptOperand("moe::ex_up3", rows * Fe_);
     ex_act_ = KeptOperand("moe::ex_act", rows * Fe_);
   }
-  // With expert parallelism the gathered rows are the dispatch's fp32 send buffer, and the
-  // expert side uses the ex_* buffers instead of up1_, up3_, act_.
-  rows_in_ = KeptOperand("moe::rows_in", slots * D_, /*may_be_bf16=*/P_ == 1);
+  // With expert parallelism the gathered rows are the dispatch's send buffer (bf16 only when
+  // they can travel as 4-byte pairs), and the expert side uses the ex_* buffers instead of up1_,
+  // up3_, act_.
+  rows_in_ = KeptOperand("moe::rows_in", slots * D_, /*may_be_bf16=*/P_ == 1 || D_ % 2 == 0);
   if (P_ == 1) {
-    up1_ = View1F("moe::up1", slots * Fe_);
-    up3_ = View1F("moe::up3", slots * Fe_);
+    up1_ = KeptOperand("moe::up1", slots * Fe_);
+    up3_ = KeptOperand("moe::up3", slots * Fe_);
     act_ = KeptOperand("moe::act", slots * Fe_);
   }
   rows_out_ = View1F("moe::rows_out", slots * D_);
@@ -153,7 +155,8 @@ MoeStats MoeLayer::report() const {
   return st;
 }
 
-void MoeLayer::forward(const TensorTable& table, ConstMat x, Mat y, View1D aux) {
+void MoeLayer::forward(const TensorTable& table, ConstMat x, Mat y, MoeScratch& s,
+                       View1D aux) {
   const int N = x.extent(0), E = E_, k = k_, D = D_, Fe = Fe_;
   N_ = N;
   const bool softmax = cfg_.score == RouterScore::Softmax, normalize = cfg_.normalize_topk;
@@ -278,31 +281,32 @@ void MoeLayer::forward(const TensorTable& table, ConstMat x, Mat y, View1D aux) 
   // Experts: one contiguous row block each, here or on their ep rank.
   if (!dispatch_) {
     if (grouped_) grouped_->plan(roff, R);
-    experts_forward(table, rows_in_.matrix(R, D), host_offsets_, R, up1_.data(), up3_.data(),
-                    act_, rows_out_.data());
+    experts_forward(table, rows_in_.matrix(R, D), host_offsets_, R, up1_, up3_, act_,
+                    rows_out_.data(), s);
   } else {
     dispatch_->plan(host_offsets_);
     const std::int64_t Rx = dispatch_->local_rows();
-    ensure_size(ex_in_, Rx * D, "moe::ex_in");
+    ex_in_.ensure(Rx * D);
     ensure_size(ex_out_, Rx * D, "moe::ex_out");
-    for (View1F* v : {&ex_up1_, &ex_up3_}) ensure_size(*v, Rx * Fe, "moe::ex_hidden");
-    ex_act_.ensure(Rx * Fe);
+    for (KeptOperand* v : {&ex_up1_, &ex_up3_, &ex_act_}) v->ensure(Rx * Fe);
     if (grouped_) {
       const std::vector<int>& lo = dispatch_->local_offsets();
       Kokkos::deep_copy(ExecSpace(), local_offsets_,
                         Kokkos::View<const int*, HostSpace, Unmanaged>(lo.data(), lo.size()));
       grouped_->plan(local_offsets_, Rx);
     }
-    dispatch_->dispatch(rows_in_.f32(), ex_in_.data());
-    experts_forward(table, operand(as_cmat(ex_in_.data(), static_cast<int>(Rx), D)),
-                    dispatch_->local_offsets(), Rx, ex_up1_.data(), ex_up3_.data(), ex_act_,
-                    ex_out_.data());
+    if (rows_in_.is_bf16())
+      dispatch_->dispatch(rows_in_.b16(), ex_in_.b16());
+    else
+      dispatch_->dispatch(rows_in_.f32(), ex_in_.f32());
+    experts_forward(table, ex_in_.matrix(static_cast<int>(Rx), D), dispatch_->local_offsets(),
+                    Rx, ex_up1_, ex_up3_, ex_act_, ex_out_.data(), s);
     dispatch_->combine(ex_out_.data(), rows_out_.data());
   }
 
   // Combine: y = shared(x) + sum_j w_j expert_j(x), slots in order (dropped ones give 0).
   if (shared_)
-    shared_->forward(table, x, y);
+    shared_->forward(table, x, y, s.shared);
   else
     Kokkos::deep_copy(ExecSpace(), Kokkos::View<float**, Layout, MemSpace, Unmanaged>(y.data(), N, D),
                       0.0f);
@@ -399,6 +403,11 @@ void MoeLayer::backward(TensorTable& table, ConstMat x, ConstMat dy, Mat dx, Moe
         if (slot_row(slot) < 0) dwt(slot) = 0.0f;
       });
   auto roff = row_offsets_;
+  // In bf16 runs with expert parallelism the output gradients leave as bf16 (the products on
+  // the expert side would round them anyway); otherwise they are d_rows.
+  const bool wire = dispatch_ && rows_in_.is_bf16();
+  if (wire) ensure_size(s.wire_out, std::int64_t(std::max(R, 1)) * D, "moe::wire_out");
+  const KeptOut g_rows = wire ? KeptOut{nullptr, s.wire_out.data()} : KeptOut{d_rows.data(), nullptr};
   Kokkos::parallel_for(
       "moe::row_grads", row_policy(R), KOKKOS_LAMBDA(const TeamMember& tm) {
         const int r = tm.league_rank();
@@ -409,7 +418,7 @@ void MoeLayer::backward(TensorTable& table, ConstMat x, ConstMat dy, Mat dx, Moe
         Kokkos::parallel_reduce(
             Kokkos::TeamThreadRange(tm, D),
             [&](int d, float& acc) {
-              d_rows(r, d) = wv * dy(t, d);
+              g_rows.set(std::int64_t(r) * D + d, wv * dy(t, d));
               acc += dy(t, d) * out(r, d);
             },
             dot);
@@ -418,14 +427,22 @@ void MoeLayer::backward(TensorTable& table, ConstMat x, ConstMat dy, Mat dx, Moe
 
   // Experts backward (here or on their ep rank): d_rows then holds the input gradients.
   if (!dispatch_) {
-    experts_backward(table, s.d_rows.data(), rows_in_.matrix(R, D), up1_.data(), up3_.data(),
-                     act_, host_offsets_, R, s);
+    experts_backward(table, operand(as_cmat(s.d_rows.data(), std::max(R, 1), D)),
+                     s.d_rows.data(), rows_in_.matrix(R, D), up1_, up3_, act_, host_offsets_, R,
+                     s);
   } else {
-    ensure_size(ex_grad_, std::int64_t(dispatch_->local_rows()) * D, "moe::ex_grad");
-    dispatch_->dispatch(s.d_rows.data(), ex_grad_.data());
     const int Rx = static_cast<int>(dispatch_->local_rows());
-    experts_backward(table, ex_grad_.data(), operand(as_cmat(ex_in_.data(), Rx, D)),
-                     ex_up1_.data(), ex_up3_.data(), ex_act_, dispatch_->local_offsets(), Rx, s);
+    ensure_size(ex_grad_, std::int64_t(Rx) * D, "moe::ex_grad");
+    Operand g{ex_grad_.data(), nullptr, Rx, D};
+    if (wire) {
+      ensure_size(s.wire_in, std::int64_t(std::max(Rx, 1)) * D, "moe::wire_in");
+      dispatch_->dispatch(s.wire_out.data(), s.wire_in.data());
+      g = Operand{nullptr, s.wire_in.data(), Rx, D};
+    } else {
+      dispatch_->dispatch(s.d_rows.data(), ex_grad_.data());
+    }
+    experts_backward(table, g, ex_grad_.data(), ex_in_.matrix(Rx, D), ex_up1_, ex_up3_, ex_act_,
+                     dispatch_->local_offsets(), Rx, s);
     dispatch_->combine(ex_grad_.data(), s.d_rows.data());
   }
   Kokkos::parallel_for(
@@ -488,36 +505,50 @@ void MoeLayer::backward(TensorTable& table, ConstMat x, ConstMat dy, Mat dx, Moe
 }
 
 void MoeLayer::experts_forward(const TensorTable& table, const Operand& in,
-                               const std::vector<int>& off, std::int64_t rows, float* up1,
-                               float* up3, const KeptOperand& act, float* out) const {
+                               const std::vector<int>& off, std::int64_t rows,
+                               const KeptOperand& up1, const KeptOperand& up3,
+                               const KeptOperand& act, float* out, MoeScratch& s) const {
   const int D = D_, Fe = Fe_, R = static_cast<int>(rows);
   const std::int64_t wsz = std::int64_t(Fe) * D;
+  // bf16 runs: the up-projections go to the d_up scratch first, then rounded into up1/up3.
+  const bool staged = up1.is_bf16();
   if (grouped_) {  // one launch per product over every local expert
-    grouped_->rows(Trans::T, 1.0f, in, D, table.param(w1_), wsz, 0.0f, up1, Fe);
-    grouped_->rows(Trans::T, 1.0f, in, D, table.param(w3_), wsz, 0.0f, up3, Fe);
-    swiglu_activate(up1, up3, Fe, R, Fe, act.out());
+    if (staged)
+      for (View1F* v : {&s.d_up1, &s.d_up3}) ensure_size(*v, rows * Fe, "moe::d_hidden");
+    float* u1 = up1.product_target(s.d_up1.data());
+    float* u3 = up3.product_target(s.d_up3.data());
+    grouped_->rows(Trans::T, 1.0f, in, D, table.param(w1_), wsz, 0.0f, u1, Fe);
+    grouped_->rows(Trans::T, 1.0f, in, D, table.param(w3_), wsz, 0.0f, u3, Fe);
+    swiglu_activate(u1, u3, Fe, R, Fe, act.out(), up1.out(), up3.out());
     grouped_->rows(Trans::T, 1.0f, act.matrix(R, Fe), Fe, table.param(w2_), wsz, 0.0f, out, D);
     return;
+  }
+  if (staged) {
+    int most = 0;
+    for (int le = 0; le < El_; ++le) most = std::max(most, off[le + 1] - off[le]);
+    for (View1F* v : {&s.d_up1, &s.d_up3})
+      ensure_size(*v, std::int64_t(most) * Fe, "moe::d_hidden");
   }
   for (int le = 0; le < El_; ++le) {
     const int r0 = off[le], n = off[le + 1] - r0;
     if (n == 0) continue;
     const Operand x = rows_of(in, r0, n);
-    Mat u1 = as_mat(up1 + std::int64_t(r0) * Fe, n, Fe);
-    Mat u3 = as_mat(up3 + std::int64_t(r0) * Fe, n, Fe);
+    const std::int64_t h0 = std::int64_t(r0) * Fe;
+    Mat u1 = as_mat(up1.product_target(s.d_up1.data(), h0), n, Fe);
+    Mat u3 = as_mat(up3.product_target(s.d_up3.data(), h0), n, Fe);
     gemm(Trans::N, Trans::T, 1.0f, x, as_cmat(table.param(w1_) + le * wsz, Fe, D), 0.0f, u1);
     gemm(Trans::N, Trans::T, 1.0f, x, as_cmat(table.param(w3_) + le * wsz, Fe, D), 0.0f, u3);
-    swiglu_activate(u1.data(), u3.data(), Fe, n, Fe, act.out(std::int64_t(r0) * Fe));
-    gemm(Trans::N, Trans::T, 1.0f, act.matrix(n, Fe, std::int64_t(r0) * Fe),
+    swiglu_activate(u1.data(), u3.data(), Fe, n, Fe, act.out(h0), up1.out(h0), up3.out(h0));
+    gemm(Trans::N, Trans::T, 1.0f, act.matrix(n, Fe, h0),
          as_cmat(table.param(w2_) + le * wsz, D, Fe), 0.0f,
          as_mat(out + std::int64_t(r0) * D, n, D));
   }
 }
 
-void MoeLayer::experts_backward(TensorTable& table, float* g_rows, const Operand& in,
-                                const float* up1, const float* up3, const KeptOperand& act,
-                                const std::vector<int>& off, std::int64_t rows,
-                                MoeScratch& s) const {
+void MoeLayer::experts_backward(TensorTable& table, const Operand& g_rows, float* g_out,
+                                const Operand& in, const KeptOperand& up1, const KeptOperand& up3,
+                                const KeptOperand& act, const std::vector<int>& off,
+                                std::int64_t rows, MoeScratch& s) const {
   // An expert without rows leaves its (zeroed) gradients untouched.
   const int D = D_, Fe = Fe_, R = static_cast<int>(rows);
   const std::int64_t wsz = std::int64_t(Fe) * D;
@@ -526,12 +557,12 @@ void MoeLayer::experts_backward(TensorTable& table, float* g_rows, const Operand
     float *da = s.d_act.data(), *du1 = s.d_up1.data(), *du3 = s.d_up3.data();
     grouped_->rows(Trans::N, 1.0f, g_rows, D, table.param(w2_), wsz, 0.0f, da, Fe);
     grouped_->weight_grads(1.0f, g_rows, D, act.matrix(R, Fe), Fe, table.grad(w2_), wsz);
-    swiglu_activate_backward(up1, up3, Fe, as_cmat(da, R, Fe), du1, du3, Fe);
+    swiglu_activate_backward(up1.in(), up3.in(), Fe, as_cmat(da, R, Fe), du1, du3, Fe);
     grouped_->weight_grads(1.0f, du1, Fe, in, D, table.grad(w1_), wsz);
     grouped_->weight_grads(1.0f, du3, Fe, in, D, table.grad(w3_), wsz);
-    // The rows now hold the gradient w.r.t. the experts' inputs.
-    grouped_->rows(Trans::N, 1.0f, du1, Fe, table.param(w1_), wsz, 0.0f, g_rows, D);
-    grouped_->rows(Trans::N, 1.0f, du3, Fe, table.param(w3_), wsz, 1.0f, g_rows, D);
+    // The gradient w.r.t. the experts' inputs (g_out may be g_rows: read in full above).
+    grouped_->rows(Trans::N, 1.0f, du1, Fe, table.param(w1_), wsz, 0.0f, g_out, D);
+    grouped_->rows(Trans::N, 1.0f, du3, Fe, table.param(w3_), wsz, 1.0f, g_out, D);
     return;
   }
   int most = 0;
@@ -541,26 +572,25 @@ void MoeLayer::experts_backward(TensorTable& table, float* g_rows, const Operand
   for (int le = 0; le < El_; ++le) {
     const int r0 = off[le], n = off[le + 1] - r0;
     if (n == 0) continue;
-    Mat g = as_mat(g_rows + std::int64_t(r0) * D, n, D);
+    const Operand g = rows_of(g_rows, r0, n);
+    Mat g_in = as_mat(g_out + std::int64_t(r0) * D, n, D);  // after g's last read
     const Operand x = rows_of(in, r0, n);
-    const float* u1 = up1 + std::int64_t(r0) * Fe;
-    const float* u3 = up3 + std::int64_t(r0) * Fe;
+    const std::int64_t h0 = std::int64_t(r0) * Fe;
     Mat da = as_mat(s.d_act.data(), n, Fe);
     Mat du1 = as_mat(s.d_up1.data(), n, Fe), du3 = as_mat(s.d_up3.data(), n, Fe);
-    gemm(Trans::N, Trans::N, 1.0f, as_cmat(g), as_cmat(table.param(w2_) + le * wsz, D, Fe), 0.0f,
-         da);
-    gemm(Trans::T, Trans::N, 1.0f, as_cmat(g), act.matrix(n, Fe, std::int64_t(r0) * Fe), 1.0f,
+    gemm(Trans::N, Trans::N, 1.0f, g, as_cmat(table.param(w2_) + le * wsz, D, Fe), 0.0f, da);
+    gemm(Trans::T, Trans::N, 1.0f, g, act.matrix(n, Fe, h0), 1.0f,
          as_mat(table.grad(w2_) + le * wsz, D, Fe));
-    swiglu_activate_backward(u1, u3, Fe, as_cmat(da), du1.data(), du3.data(), Fe);
+    swiglu_activate_backward(up1.in(h0), up3.in(h0), Fe, as_cmat(da), du1.data(), du3.data(), Fe);
     gemm(Trans::T, Trans::N, 1.0f, as_cmat(du1), x, 1.0f,
          as_mat(table.grad(w1_) + le * wsz, Fe, D));
     gemm(Trans::T, Trans::N, 1.0f, as_cmat(du3), x, 1.0f,
          as_mat(table.grad(w3_) + le * wsz, Fe, D));
-    // The row block now holds the gradient w.r.t. the expert's inputs.
+    // The gradient w.r.t. the expert's inputs.
     gemm(Trans::N, Trans::N, 1.0f, as_cmat(du1), as_cmat(table.param(w1_) + le * wsz, Fe, D), 0.0f,
-         g);
+         g_in);
     gemm(Trans::N, Trans::N, 1.0f, as_cmat(du3), as_cmat(table.param(w3_) + le * wsz, Fe, D), 1.0f,
-         g);
+         g_in);
   }
 }
 

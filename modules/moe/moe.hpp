@@ -45,7 +45,10 @@ bool use_grouped_expert_gemm(ExpertGemm choice);
 struct MoeScratch {
   View1F d_rows;        // (N*k, D): gradient w.r.t. expert outputs, then w.r.t. expert inputs
   View1F d_act;         // (N*k, Fe)
-  View1F d_up1, d_up3;  // (N*k, Fe)
+  View1F d_up1, d_up3;  // (N*k, Fe); in bf16 runs the forward's fp32 up-projections too
+  // Expert parallelism in bf16 runs: the output gradients as they leave (N*k, D) and arrive
+  // (expert side), as bf16; grown on demand.
+  Kokkos::View<std::uint16_t*, Layout, MemSpace> wire_out, wire_in;
   View1F d_weights;     // (N*k)
   View1F d_logits;      // (N, E)
   MlpScratch shared;
@@ -83,8 +86,10 @@ class MoeLayer {
   // x: (N, D) -> y: (N, D); saves what backward needs. The layer's statistics go to the step
   // statistics' device accumulators, its term of the loss (lb_coef * LB + z_coef * RZ) is added
   // to aux(0) when given: nothing is read back to the host (with moe.expert_gemm = per_expert
-  // or expert parallelism, the expert row counts are).
-  void forward(const TensorTable& table, ConstMat x, Mat y, View1D aux = View1D());
+  // or expert parallelism, the expert row counts are). s: the stage's scratch (in bf16 runs
+  // the up-projections pass through it before they are kept as bf16).
+  void forward(const TensorTable& table, ConstMat x, Mat y, MoeScratch& s,
+               View1D aux = View1D());
   // The last forward's report, read from the device (a host wait: for tests and tools).
   MoeStats report() const;
   // dy: (N, D) -> dx: (N, D) (assigned). aux_scale weights this micro-batch's LB and RZ terms in
@@ -104,14 +109,17 @@ class MoeLayer {
  private:
   // The local experts' SwiGLUs on `rows` rows grouped per local expert: El+1 row bounds in
   // `off` (host; per-expert GEMMs) or planned into grouped_ (device; grouped GEMMs).
-  // `in`: the (rows, D) expert inputs; act: the SwiGLU activations it keeps.
+  // `in`: the (rows, D) expert inputs; up1, up3, act: the up-projections and SwiGLU
+  // activations it keeps (sized for `rows`).
   void experts_forward(const TensorTable& table, const Operand& in, const std::vector<int>& off,
-                       std::int64_t rows, float* up1, float* up3, const KeptOperand& act,
-                       float* out) const;
-  // g: (rows, D) output gradients in, input gradients out; weight gradients accumulate.
-  void experts_backward(TensorTable& table, float* g, const Operand& in, const float* up1,
-                        const float* up3, const KeptOperand& act, const std::vector<int>& off,
-                        std::int64_t rows, MoeScratch& s) const;
+                       std::int64_t rows, const KeptOperand& up1, const KeptOperand& up3,
+                       const KeptOperand& act, float* out, MoeScratch& s) const;
+  // g: (rows, D) output gradients in; g_out: (rows, D) input gradients out (may be g's fp32
+  // storage); weight gradients accumulate.
+  void experts_backward(TensorTable& table, const Operand& g, float* g_out, const Operand& in,
+                        const KeptOperand& up1,
+                        const KeptOperand& up3, const KeptOperand& act,
+                        const std::vector<int>& off, std::int64_t rows, MoeScratch& s) const;
   int D_, E_, k_, Fe_;
   int P_ = 1, El_, e0_ = 0;  // ep group size, experts per rank, first local expert
   MoeCfg cfg_;
@@ -133,19 +141,20 @@ class MoeLayer {
   std::unique_ptr<GroupedGemm> grouped_;  // null: per-expert GEMMs
   View1I local_offsets_;                  // (El+1) ep > 1 with grouped GEMMs: the expert side's
   View1D report_;                         // (E+3): load per expert, dropped, LB, RZ
-  // (N*k, D|Fe): gathered inputs ... outputs; the inputs (ep = 1) and activations as bf16 in
-  // bf16 runs.
-  KeptOperand rows_in_, act_;
-  View1F up1_, up3_, rows_out_;
+  // (N*k, D|Fe): gathered inputs ... outputs; the inputs (ep = 1), up-projections and
+  // activations as bf16 in bf16 runs.
+  KeptOperand rows_in_, up1_, up3_, act_;
+  View1F rows_out_;
   View1D aux_sums_;                              // (E+1): sum_t p_te, then sum_t lse_t^2
   static constexpr int kAuxChunk = 256;          // tokens per first-stage partial sum
   View1D aux_partial_;                           // (chunks, E+1): the first stage
   int N_ = 0;
   // Expert parallelism (P > 1): the row traffic, and the expert side's buffers (the local
-  // experts' rows from every rank), grown on demand.
+  // experts' rows from every rank), grown on demand. In bf16 runs (d_model even) the rows and
+  // the output gradients travel as bf16, the products' inputs (rows_in_ and ex_in_ bf16).
   std::unique_ptr<ExpertDispatch> dispatch_;
-  View1F ex_in_, ex_up1_, ex_up3_, ex_out_, ex_grad_;
-  KeptOperand ex_act_;
+  View1F ex_out_, ex_grad_;
+  KeptOperand ex_in_, ex_up1_, ex_up3_, ex_act_;
 };
 
 }  // namespace kmoe

@@ -81,6 +81,20 @@ void ExpertDispatch::dispatch(const float* rows, float* ex) {
       });
 }
 
+void ExpertDispatch::dispatch(const std::uint16_t* rows, std::uint16_t* ex) {
+  const int D = D_, Rx = local_rows();
+  auto* words = reinterpret_cast<std::uint16_t*>(xfer_.data());
+  exchange_.forward(rows, words, D);
+  auto perm = perm_;
+  Kokkos::parallel_for(
+      "moe::dispatch_regroup_bf16", row_policy(Rx), KOKKOS_LAMBDA(const TeamMember& tm) {
+        const int r = tm.league_rank(), src = perm(r);
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, D), [&](int d) {
+          ex[std::int64_t(r) * D + d] = words[std::int64_t(src) * D + d];
+        });
+      });
+}
+
 void ExpertDispatch::combine(const float* ex, float* rows) {
   const int D = D_, Rx = local_rows();
   auto perm = perm_;

@@ -6,6 +6,7 @@
 // gradients) travel back the same way.
 #pragma once
 
+#include <cstdint>
 #include <vector>
 
 #include "core/kokkos_types.hpp"
@@ -27,6 +28,8 @@ class ExpertDispatch {
 
   // rows: (kept rows, D), expert-major -> ex: (local_rows(), D), the local experts' rows.
   void dispatch(const float* rows, float* ex);
+  // The same for bf16 rows (D even): half the bytes, bit for bit.
+  void dispatch(const std::uint16_t* rows, std::uint16_t* ex);
   // ex -> rows: the inverse of dispatch.
   void combine(const float* ex, float* rows);
 
@@ -36,7 +39,7 @@ class ExpertDispatch {
   std::vector<int> local_off_;
   View1I blocks_;  // (2*P*El + 1): received block starts, then their expert-major starts
   View1I perm_;    // (local rows): expert-major row -> received row
-  View1F xfer_;    // (max(kept, received) rows, D): rows as they travel
+  View1F xfer_;    // (max(kept, received) rows, D): rows as they travel (bf16: half of it)
 };
 
 }  // namespace kmoe

@@ -25,4 +25,9 @@ float* KeptOperand::f32() const {
   return f32_.data();
 }
 
+std::uint16_t* KeptOperand::b16() const {
+  KMOE_REQUIRE(bf16_, label_ << ": kept as fp32, read as bf16");
+  return b16_.data();
+}
+
 }  // namespace kmoe

@@ -13,6 +13,9 @@ namespace {
 static_assert(sizeof(int) == sizeof(float), "row ids travel as 4-byte words");
 const float* as_words(const int* p) { return reinterpret_cast<const float*>(p); }
 float* as_words(int* p) { return reinterpret_cast<float*>(p); }
+// bf16 values travel in pairs, one 4-byte word each.
+const float* as_words(const std::uint16_t* p) { return reinterpret_cast<const float*>(p); }
+float* as_words(std::uint16_t* p) { return reinterpret_cast<float*>(p); }
 
 std::int64_t total(const std::vector<std::int64_t>& v) {
   return std::accumulate(v.begin(), v.end(), std::int64_t(0));
@@ -99,6 +102,11 @@ void RowExchange::forward(const float* in, float* out, int width) {
 
 void RowExchange::forward(const int* in, int* out, int width) {
   forward(as_words(in), as_words(out), width);
+}
+
+void RowExchange::forward(const std::uint16_t* in, std::uint16_t* out, int width) {
+  KMOE_REQUIRE(width % 2 == 0, name_ << ": bf16 rows of odd width " << width);
+  forward(as_words(in), as_words(out), width / 2);
 }
 
 void RowExchange::reverse(const float* in, float* out, int width) {

@@ -47,6 +47,8 @@ class RowExchange {
   // in: (rows_sent, width) local rows -> out: (rows_received, width) as received.
   void forward(const float* in, float* out, int width);
   void forward(const int* in, int* out, int width);  // bit for bit, e.g. row ids
+  // bf16 rows bit for bit (width even: they travel as width / 2 4-byte words).
+  void forward(const std::uint16_t* in, std::uint16_t* out, int width);
   // in: (rows_received, width) in received order -> out: (rows_sent, width), each row at the
   // local position of the row it answers.
   void reverse(const float* in, float* out, int width);

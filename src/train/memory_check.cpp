@@ -42,6 +42,7 @@ RankShare rank_share(const Config& cfg, const ProcessGrid& grid, int in_flight) 
       break;
   }
   r.in_flight = in_flight;
+  r.precision = cfg.train.precision;
   return r;
 }
 

@@ -53,12 +53,54 @@ class Bf16Matmul(torch.autograd.Function):
         return rg @ rb.transpose(-1, -2), gb
 
 
+class Bf16Softmax(torch.autograd.Function):
+    """MODEL.md section 8: the attention probabilities kept as R(P), the softmax backward reading
+    them back: dS = R(P) (dP - sum_j R(P) dP)."""
+
+    @staticmethod
+    def forward(ctx, s):
+        p = round_bf16(torch.softmax(s, dim=-1))
+        ctx.save_for_backward(p)
+        return p
+
+    @staticmethod
+    def backward(ctx, g):
+        (p,) = ctx.saved_tensors
+        return p * (g - (p * g).sum(dim=-1, keepdim=True))
+
+
+class Bf16Keep(torch.autograd.Function):
+    """A product's output kept as R(x) for the element-wise code after it (the SwiGLU
+    pre-activations): forward and backward read R(x); the gradient passes through unchanged."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return round_bf16(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
 PRECISION = "fp32"  # train.precision of the model last built (Model.__init__ sets it)
 
 
 def mm(a, b):
     """A matrix product in the run's precision (the router's stays a @ b)."""
     return Bf16Matmul.apply(a, b) if PRECISION == "bf16" else a @ b
+
+
+def attention_softmax(s):
+    """The causal softmax of attention in the run's precision (the router's stays fp32)."""
+    return Bf16Softmax.apply(s) if PRECISION == "bf16" else torch.softmax(s, dim=-1)
+
+
+def swiglu(x, w1, w3):
+    """silu(x W1^T) * (x W3^T), the pre-activations kept (and read back) in the run's precision."""
+    a, b = mm(x, w1.T), mm(x, w3.T)
+    if PRECISION == "bf16":
+        a, b = Bf16Keep.apply(a), Bf16Keep.apply(b)
+    return nn.functional.silu(a) * b
 
 
 # ----------------------------------------------------------------------------- configuration
@@ -243,7 +285,7 @@ class Attention(nn.Module):
         scores = mm(q, k.transpose(-1, -2)) / math.sqrt(c.dh)
         causal = torch.ones(T, T, dtype=torch.bool).triu(1)
         scores = scores.masked_fill(causal, float("-inf"))
-        o = mm(torch.softmax(scores, dim=-1), v)  # [b, H, T, dh]
+        o = mm(attention_softmax(scores), v)  # [b, H, T, dh]
         return mm(o.transpose(1, 2).reshape(b, T, c.H * c.dh), self.wo.T)
 
 
@@ -257,7 +299,7 @@ class DenseMLP(nn.Module):
         self.w2 = nn.Parameter(torch.zeros(D, F, dtype=DT))
 
     def forward(self, x):
-        return mm(nn.functional.silu(mm(x, self.w1.T)) * mm(x, self.w3.T), self.w2.T)
+        return mm(swiglu(x, self.w1, self.w3), self.w2.T)
 
 
 TIE_TOL = 1e-5  # RUNTIME.md section 5: closer k-th/(k+1)-th scores may select differently
@@ -312,7 +354,7 @@ class Experts(nn.Module):
 
     def forward(self, e, x):
         """Expert e on the rows of x."""
-        return mm(nn.functional.silu(mm(x, self.w1[e].T)) * mm(x, self.w3[e].T), self.w2[e].T)
+        return mm(swiglu(x, self.w1[e], self.w3[e]), self.w2[e].T)
 
 
 class MoE(nn.Module):

@@ -52,8 +52,9 @@ std::vector<float> to_host(const View2F& v) {
 }
 
 // A forward and its report (read back from the device).
-MoeStats forward_report(MoeLayer& layer, const TensorTable& table, const View2F& x, View2F& y) {
-  layer.forward(table, as_cmat(x), as_mat(y));
+MoeStats forward_report(MoeLayer& layer, const TensorTable& table, const View2F& x, View2F& y,
+                        MoeScratch& s) {
+  layer.forward(table, as_cmat(x), as_mat(y), s);
   return layer.report();
 }
 
@@ -74,15 +75,15 @@ TEST(Moe, OneExpertTopOneIsTheDenseLayer) {
         Kokkos::subview(table.params, Kokkos::make_pair(src.offset, src.offset + src.size)));
   }
   View2F x = random_input(N, D, 1), y_dense("yd", N, D), y_moe("ym", N, D);
-  dense.forward(table, as_cmat(x), as_mat(y_dense));
-  layer.forward(table, as_cmat(x), as_mat(y_moe));
+  MlpScratch ms(N, F);
+  MoeScratch mos(m, moe(1, 1, F), N);
+  dense.forward(table, as_cmat(x), as_mat(y_dense), ms);
+  layer.forward(table, as_cmat(x), as_mat(y_moe), mos);
   const auto a = to_host(y_dense), b = to_host(y_moe);
   for (std::size_t i = 0; i < a.size(); ++i) ASSERT_NEAR(a[i], b[i], 1e-6f * (1 + std::fabs(a[i])));
 
   // Gradients: the expert's equal the dense layer's; the router gets none (p = 1 always).
   View2F dy = random_input(N, D, 2), dx_dense("dxd", N, D), dx_moe("dxm", N, D);
-  MlpScratch ms(N, F);
-  MoeScratch mos(m, moe(1, 1, F), N);
   Kokkos::deep_copy(table.grads, 0.0f);
   dense.backward(table, as_cmat(x), as_cmat(dy), as_mat(dx_dense), ms);
   layer.backward(table, as_cmat(x), as_cmat(dy), as_mat(dx_moe), mos, 1.0f);
@@ -126,12 +127,12 @@ TEST(Moe, ExpertWithoutTokensGetsExactlyZeroGradientAndNoStaleRows) {
   View2F x = random_input(N, D, 4), y("y", N, D), dy = random_input(N, D, 5), dx("dx", N, D);
   MoeScratch s(m, e, N);
   // First a batch routed over all experts (random router), leaving rows behind ...
-  layer.forward(table, as_cmat(x), as_mat(y));
+  layer.forward(table, as_cmat(x), as_mat(y), s);
   // ... then the routing that starves experts 2 and 3.
   route_to_first_two(table, D);
   Kokkos::deep_copy(table.grads, 1.0f);
   Kokkos::deep_copy(table.grads, 0.0f);  // the trainer zeroes gradients every step
-  const MoeStats st = forward_report(layer, table, x, y);
+  const MoeStats st = forward_report(layer, table, x, y, s);
   EXPECT_EQ(st.load[2], 0);
   EXPECT_EQ(st.load[3], 0);
   EXPECT_EQ(st.load[0] + st.load[1], N);
@@ -152,7 +153,7 @@ TEST(Moe, ExpertWithoutTokensGetsExactlyZeroGradientAndNoStaleRows) {
   fresh_table.allocate();
   Kokkos::deep_copy(fresh_table.params, table.params);
   View2F y2("y2", N, D);
-  fresh.forward(fresh_table, as_cmat(x), as_mat(y2));
+  fresh.forward(fresh_table, as_cmat(x), as_mat(y2), s);
   EXPECT_EQ(to_host(y), to_host(y2));
 }
 
@@ -171,8 +172,9 @@ TEST(Moe, CapacityDropsTheTailInTokenOrderDeterministically) {
   table_b.allocate();
   Kokkos::deep_copy(table_b.params, table.params);
   View2F x = random_input(N, D, 6), y_all("ya", N, D), y_cap("yc", N, D), y_cap2("yc2", N, D);
-  a.forward(table, as_cmat(x), as_mat(y_all));
-  const MoeStats st = forward_report(b, table_b, x, y_cap);
+  MoeScratch sa(m, dropless, N), sb(m, capped, N);
+  a.forward(table, as_cmat(x), as_mat(y_all), sa);
+  const MoeStats st = forward_report(b, table_b, x, y_cap, sb);
   const int cap = 12;
   std::int64_t expected_drops = 0;
   for (int e = 0; e < E; ++e) expected_drops += std::max<std::int64_t>(0, st.load[e] - cap);
@@ -194,7 +196,7 @@ TEST(Moe, CapacityDropsTheTailInTokenOrderDeterministically) {
     for (int d = 0; d < D; ++d) differs = differs || ya[t * D + d] != yc[t * D + d];
     EXPECT_EQ(differs, lost[t]) << "token " << t;
   }
-  const MoeStats st2 = forward_report(b, table_b, x, y_cap2);
+  const MoeStats st2 = forward_report(b, table_b, x, y_cap2, sb);
   EXPECT_EQ(st2.dropped, st.dropped);
   EXPECT_EQ(to_host(y_cap), to_host(y_cap2));
 }
@@ -217,13 +219,14 @@ TEST(Moe, RouterBiasMovesTowardBalance) {
   auto imbalance = [&](const MoeStats& st) {
     return double(*std::max_element(st.load.begin(), st.load.end())) / (double(N) / E);
   };
-  const MoeStats first = forward_report(layer, table, x, y);
+  MoeScratch s(m, e, N);
+  const MoeStats first = forward_report(layer, table, x, y, s);
   EXPECT_EQ(first.load[2] + first.load[3], 0);
   MoeStats st = first;
   for (int step = 0; step < 60; ++step) {
     update_router_bias(table, layer.bias_index(),
                        std::vector<double>(st.load.begin(), st.load.end()), e.bias_update_rate);
-    st = forward_report(layer, table, x, y);
+    st = forward_report(layer, table, x, y, s);
   }
   EXPECT_GT(st.load[2] + st.load[3], 0);
   EXPECT_LT(imbalance(st), imbalance(first));
@@ -246,10 +249,11 @@ TEST(Moe, StatisticsAndTheRouterBiasHook) {
   EXPECT_EQ(stats.names(),
             (std::vector<std::string>{"moe3_lb", "moe3_rz", "moe3_load_max_mean", "moe3_drop"}));
   View2F x1 = random_input(N, D, 6), x2 = random_input(N, D, 7), y("y", N, D);
-  layer.forward(table, as_cmat(x1), as_mat(y));  // e.g. an evaluation forward: forgotten
+  MoeScratch s(m, e, N);
+  layer.forward(table, as_cmat(x1), as_mat(y), s);  // e.g. an evaluation forward: forgotten
   stats.begin_step();
-  const MoeStats a = forward_report(layer, table, x1, y);
-  const MoeStats b = forward_report(layer, table, x2, y);
+  const MoeStats a = forward_report(layer, table, x1, y, s);
+  const MoeStats b = forward_report(layer, table, x2, y, s);
   EXPECT_EQ(b.aux, e.lb_coef * b.lb + e.z_coef * b.rz);
   std::vector<double> counts(E);
   double most = 0.0, total = 0.0;
@@ -317,7 +321,7 @@ TEST(Moe, GroupedExpertGemmsMatchPerExpertGemms) {
       View2F x = random_input(N, D, 6), y("y", N, D), dy = random_input(N, D, 7), dx("dx", N, D);
       MoeScratch s(m, c, N);
       Run r;
-      r.st = forward_report(layer, table, x, y);
+      r.st = forward_report(layer, table, x, y, s);
       layer.backward(table, as_cmat(x), as_cmat(dy), as_mat(dx), s, 0.5f);
       r.y = to_host(y);
       r.dx = to_host(dx);

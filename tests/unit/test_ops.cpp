@@ -143,7 +143,7 @@ TEST(SwigluMlp, ForwardAndBackward) {
   View1F x_dev = device_copy(x), y_dev("y", N * D), R_dev = device_copy(R);
   View1F dx_dev = device_copy(std::vector<float>(N * D, 1e3f));
   auto forward = [&] {
-    mlp.forward(table, as_cmat(x_dev.data(), N, D), as_mat(y_dev.data(), N, D));
+    mlp.forward(table, as_cmat(x_dev.data(), N, D), as_mat(y_dev.data(), N, D), scratch);
     return to_host(y_dev.data(), N * D);
   };
 

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "core/error.hpp"
+#include "core/gemm.hpp"
 #include "modules/engram/engram.hpp"
 #include "modules/model/model_size.hpp"
 #include "modules/model/stage.hpp"
@@ -198,8 +199,11 @@ std::vector<float> random_vec(std::int64_t n, unsigned seed, float scale, float 
 
 // Each rank routes its own tokens; ep = 4 ranks hold 2 of the 8 experts each. Experts 6 and 7
 // are never chosen (their router rows push the logits down), so rank 3 receives no rows. The
-// sharded layer runs its experts' GEMMs as `gemms` says; the one-rank layer per expert.
-void expert_parallel_matches_one_rank(ExpertGemm gemms) {
+// sharded layer runs its experts' GEMMs as `gemms` says; the one-rank layer per expert. In bf16
+// the rows and the output gradients travel as bf16 (d_model 16), the same values the one-rank
+// layer's products round.
+void expert_parallel_matches_one_rank(ExpertGemm gemms, Precision precision = Precision::Fp32) {
+  GemmPrecisionScope scope(precision);
   Communicator ep(MPI_COMM_WORLD, "ep");
   const int me = ep.rank(), N = 24, D = 16;
   ModelCfg m = tiny_model();
@@ -232,8 +236,8 @@ void expert_parallel_matches_one_rank(ExpertGemm gemms) {
   fill(x.data(), random_vec(N * D, 11 + me, 0.5f, 1.0f));  // positive: experts 6, 7 lose
   fill(dy.data(), random_vec(N * D, 31 + me, 0.1f));
   MoeScratch s1(m, e, N), s2(m, e, N);
-  one.forward(full, as_cmat(x.data(), N, D), as_mat(y1.data(), N, D));
-  sharded.forward(part, as_cmat(x.data(), N, D), as_mat(y2.data(), N, D));
+  one.forward(full, as_cmat(x.data(), N, D), as_mat(y1.data(), N, D), s1);
+  sharded.forward(part, as_cmat(x.data(), N, D), as_mat(y2.data(), N, D), s2);
   const MoeStats a = one.report(), b = sharded.report();
   EXPECT_EQ(a.load, b.load);
   EXPECT_EQ(a.load[6] + a.load[7], 0);
@@ -265,6 +269,11 @@ TEST(ExpertParallel, MatchesAllExpertsOnOneRank) {
 
 TEST(ExpertParallel, GroupedExpertGemmsMatchAllExpertsOnOneRank) {
   expert_parallel_matches_one_rank(ExpertGemm::Grouped);
+}
+
+TEST(ExpertParallel, Bf16MatchesAllExpertsOnOneRank) {
+  expert_parallel_matches_one_rank(ExpertGemm::PerExpert, Precision::Bf16);
+  expert_parallel_matches_one_rank(ExpertGemm::Grouped, Precision::Bf16);
 }
 
 TEST(EngramSharding, MatchesTheReplicatedTable) {

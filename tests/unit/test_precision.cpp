@@ -10,6 +10,7 @@
 
 #include "core/gemm.hpp"
 #include "core/kept_operand.hpp"
+#include "modules/mlp/swiglu.hpp"
 #include "modules/model/stage.hpp"
 #include "modules/moe/moe.hpp"
 
@@ -78,6 +79,24 @@ void keep_values(const View1F& src, const KeptOut& out) {
       "test::keep", Range(0, int(src.extent(0))), KOKKOS_LAMBDA(int i) { out.set(i, src(i)); });
 }
 
+// A kept operand's first n values, as fp32.
+View1F read_kept(const KeptOperand& k, int n) {
+  View1F out("read_kept", n);
+  const KeptIn in = k.in();
+  Kokkos::parallel_for(
+      "test::read_kept", Range(0, n), KOKKOS_LAMBDA(int i) { out(i) = in.get(i); });
+  return out;
+}
+
+// The SwiGLU activation with bf16-kept pre-activations, and its backward from them.
+void swiglu_kept(const View1F& a, const View1F& b, int N, int F, const KeptOperand& ka,
+                 const KeptOperand& kb, const KeptOperand& act, const View1F& dy, View1F& da,
+                 View1F& db) {
+  swiglu_activate(a.data(), b.data(), F, N, F, act.out(), ka.out(), kb.out());
+  swiglu_activate_backward(ka.in(), kb.in(), F, as_cmat(dy.data(), N, F), da.data(), db.data(),
+                           F);
+}
+
 TEST(Precision, Bf16StageWithinBf16ToleranceOfFp32) {
   const StageRun a = run_stage(Precision::Fp32), b = run_stage(Precision::Bf16);
   EXPECT_EQ(gemm_precision(), Precision::Fp32);
@@ -124,7 +143,8 @@ TEST(Precision, RouterIsFp32InBf16Runs) {
     table.allocate();
     table.initialize(5);
     View2F y("y", N, D);
-    layer.forward(table, as_cmat(x), as_mat(y));
+    MoeScratch s(m, e, N);
+    layer.forward(table, as_cmat(x), as_mat(y), s);
     st.push_back(layer.report());
     auto hy = Kokkos::create_mirror_view_and_copy(HostSpace(), y);
     out.emplace_back(hy.data(), hy.data() + hy.size());
@@ -172,6 +192,44 @@ TEST(Precision, KeptOperandsStoreBf16InBf16Runs) {
   EXPECT_THROW(gemm(Trans::N, Trans::T, 1.0f, kept.matrix(n, k), kept.matrix(n, k), 0.0f,
                     as_mat(c1), GemmInputs::Fp32),
                Error);
+}
+
+// Pre-activations kept as bf16 (MODEL.md section 8): the activation and its backward both read
+// R(a), R(b), the values the kept buffers hold.
+TEST(Precision, SwigluPreActivationsKeptAsBf16ReadBackRounded) {
+  GemmPrecisionScope scope(Precision::Bf16);
+  const int N = 7, F = 9, n = N * F;
+  std::mt19937 gen(3);
+  std::uniform_real_distribution<float> u(-3.0f, 3.0f);
+  std::vector<float> ha(n), hb(n), hdy(n);
+  for (int i = 0; i < n; ++i) ha[i] = u(gen), hb[i] = u(gen), hdy[i] = u(gen);
+  auto dev = [](const std::vector<float>& h) {
+    View1F v("v", h.size());
+    Kokkos::deep_copy(v, Kokkos::View<const float*, HostSpace, Unmanaged>(h.data(), h.size()));
+    return v;
+  };
+  View1F a = dev(ha), b = dev(hb), dy = dev(hdy), da("da", n), db("db", n);
+  KeptOperand ka("a", n), kb("b", n), act("act", n);
+  ASSERT_TRUE(ka.is_bf16() && act.is_bf16());
+  swiglu_kept(a, b, N, F, ka, kb, act, dy, da, db);
+  auto g_act = Kokkos::create_mirror_view_and_copy(HostSpace(), read_kept(act, n));
+  auto g_da = Kokkos::create_mirror_view_and_copy(HostSpace(), da);
+  auto g_db = Kokkos::create_mirror_view_and_copy(HostSpace(), db);
+  int rounded_differs = 0;
+  for (int i = 0; i < n; ++i) {
+    const double ra = round_bf16(ha[i]), rb = round_bf16(hb[i]);
+    const double s = 1.0 / (1.0 + std::exp(-ra));
+    const double want_act = round_bf16(static_cast<float>(ra * s * rb));
+    EXPECT_NEAR(g_act(i), want_act, 1e-2 * std::fabs(want_act) + 1e-6) << i;
+    const double want_da = hdy[i] * rb * s * (1.0 + ra * (1.0 - s)), want_db = hdy[i] * ra * s;
+    EXPECT_NEAR(g_da(i), want_da, 1e-5 * (1.0 + std::fabs(want_da))) << i;
+    EXPECT_NEAR(g_db(i), want_db, 1e-5 * (1.0 + std::fabs(want_db))) << i;
+    // The same backward from the unrounded values falls outside the tolerance above.
+    const double s0 = 1.0 / (1.0 + std::exp(-double(ha[i])));
+    if (std::fabs(hdy[i] * ha[i] * s0 - want_db) > 1e-5 * (1.0 + std::fabs(want_db)))
+      ++rounded_differs;
+  }
+  EXPECT_GT(rounded_differs, n / 4);
 }
 
 }  // namespace

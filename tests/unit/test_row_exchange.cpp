@@ -1,9 +1,10 @@
 // RowExchange (src/parallel/row_exchange.hpp) at 1, 2 and 4 ranks: rows reach their
 // destinations source-major in sending order, reverse() returns each answer to its original
-// row, grouped plans carry the block counts, and members that send or receive nothing take
+// row, bf16 rows travel bit for bit, grouped plans carry the block counts, and members that send or receive nothing take
 // part like the others.
 #include <gtest/gtest.h>
 
+#include <cstdint>
 #include <functional>
 #include <vector>
 
@@ -29,6 +30,17 @@ std::vector<typename V::value_type> host(const V& v, std::int64_t n) {
 }
 
 float value(int r, int i, int c) { return 1000.0f * r + 10.0f * i + c; }
+
+// A bf16 bit pattern per (rank, row, column); column 0 pairs with column 1 into a 4-byte word
+// that is a signalling NaN as fp32, column 2 is a NaN, column 3 anything: nothing may convert.
+std::uint16_t bits(int r, int i, int c) {
+  switch (c) {
+    case 0: return static_cast<std::uint16_t>(0x0001 + r * 64 + i);
+    case 1: return 0x7F81;
+    case 2: return static_cast<std::uint16_t>(0xFFC0 | (i & 0x3F));
+    default: return static_cast<std::uint16_t>((r * 977 + i * 131 + c * 7919) & 0xFFFF);
+  }
+}
 
 // Who sends what: rows(r) local rows on rank r, row i going to member dest(r, i).
 struct Scenario {
@@ -76,6 +88,21 @@ void exchange_and_answer(RowExchange& ex, const Scenario& sc, int P, int me) {
   ex.forward(d_rows.data(), got_rows.data(), W);
   EXPECT_EQ(host(got_ids, m), want_ids);
   EXPECT_EQ(host(got_rows, std::int64_t(m) * W), want_rows);
+
+  // bf16 rows (4 wide) arrive bit for bit; an odd width cannot travel as word pairs.
+  const int W16 = 4;
+  std::vector<std::uint16_t> rows16(std::max(n, 1) * W16), want16;
+  for (int i = 0; i < n; ++i)
+    for (int c = 0; c < W16; ++c) rows16[i * W16 + c] = bits(me, i, c);
+  for (int q = 0; q < P; ++q)
+    for (int i = 0; i < sc.rows(q); ++i)
+      if (sc.dest(q, i) == me)
+        for (int c = 0; c < W16; ++c) want16.push_back(bits(q, i, c));
+  auto d_rows16 = device(rows16);
+  Kokkos::View<std::uint16_t*, Layout, MemSpace> got16("got16", std::max(m, 1) * W16);
+  ex.forward(d_rows16.data(), got16.data(), W16);
+  EXPECT_EQ(host(got16, std::int64_t(m) * W16), want16);
+  EXPECT_THROW(ex.forward(d_rows16.data(), got16.data(), 3), Error);
 
   // Answers: each received row negated and tagged with the answering member; back in place.
   auto answers = host(got_rows, std::int64_t(m) * W);

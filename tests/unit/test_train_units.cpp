@@ -647,6 +647,13 @@ TEST(ModelSize, RankShareMatchesTheStagesTable) {
         EXPECT_GT(mem.activation_bytes, 0);
         r.in_flight = 3;  // more micro-batches in flight keep more activations
         EXPECT_GT(rank_memory(m, e, g, 2, 16, r).activation_bytes, mem.activation_bytes);
+        r.precision = Precision::Bf16;  // bf16 keeps some of them at half the bytes
+        const RankMemory half = rank_memory(m, e, g, 2, 16, r);
+        r.precision = Precision::Fp32;
+        const RankMemory full = rank_memory(m, e, g, 2, 16, r);
+        EXPECT_EQ(half.state_bytes, full.state_bytes);
+        EXPECT_LT(half.activation_bytes, full.activation_bytes);
+        EXPECT_GT(2 * half.activation_bytes, full.activation_bytes);
       }
 }
 
