@@ -29,7 +29,8 @@ struct Args {
 const char* kUsage =
     "usage: kmoe-train -i DECK [--dry-run | --print-grid] [--section.key=value ...]\n"
     "  -i, --input DECK   input deck (INI); keys may be overridden on the command line\n"
-    "  --dry-run          resolve the deck, print sizes, check the grid and data, exit\n"
+    "  --dry-run          resolve the deck, print sizes and each stage's memory per rank,\n"
+    "                     check the grid and data, exit (one process plans any grid)\n"
     "  --print-grid       print the deck's grid as 'pp P dp D ep E ranks N', then\n"
     "                     'max_steps S checkpoint_dir DIR', and exit (any number of ranks;\n"
     "                     batch scripts check their allocation and the finished run with it)\n"
@@ -73,26 +74,33 @@ std::int64_t check_tokens(const kmoe::TokenDataset& data, std::int64_t count, Ne
   return i;
 }
 
-// Everything a run would check before its first step, on rank 0, without allocating the model:
-// sizes, the grid, the data (token ids of the instances the run will use), the checkpoint it
-// would resume from. Memory is estimated for the grid, not checked against this machine.
-void print_dry_run(const kmoe::Config& cfg, const kmoe::ProcessGrid& grid) {
+// Everything a run would check before its first step, without allocating the model: sizes, the
+// grid, each pipeline stage's memory per rank, the data (token ids of the instances the run will
+// use), the checkpoint it would resume from. Needs no ranks: world rank 0 of any launch plans the
+// deck's grid (one process on a login node plans a 512-rank job); memory is estimated for that
+// grid, not checked against this machine.
+void print_dry_run(const kmoe::Config& cfg) {
   using namespace kmoe;
-  grid.world.on_root([&] {
+  int rank = 0, launched = 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &launched);
+  if (rank != 0) return;
+  {
     const ModelSize s =
         model_size(cfg.model, cfg.moe, cfg.train.micro_batch, cfg.train.seq_len, cfg.engram);
     const auto& t = cfg.train;
-    // The largest share of any rank: the stages differ, the replicas of a stage do not.
+    const ParallelCfg& p = cfg.parallel;
+    const std::vector<int> bounds = stage_bounds(p, cfg.model.n_layers);
+    const int micro = t.global_batch / t.micro_batch / (p.dp * p.ep);
+    // One row per pipeline stage: its dp*ep ranks hold the same shares.
+    std::vector<std::pair<int, RankMemory>> stages;
     RankMemory most;
-    for (int stage = 0; stage < grid.pp; ++stage) {
-      RankShare r = rank_share(cfg, grid, 1);
-      r.first_block = grid.first_block(stage);
-      r.last_block = grid.first_block(stage + 1);
-      r.embed = stage == 0;
-      r.head = stage == grid.pp - 1;
-      r.in_flight = max_in_flight(pipeline_schedule(
-          cfg.parallel.schedule, grid.pp, stage, t.global_batch / t.micro_batch / grid.replicas()));
-      const RankMemory m = rank_memory(cfg.model, cfg.moe, cfg.engram, t.micro_batch, t.seq_len, r);
+    for (int stage = 0; stage < p.pp; ++stage) {
+      const int in_flight =
+          max_in_flight(pipeline_schedule(p.schedule, p.pp, stage, micro));
+      const RankMemory m = rank_memory(cfg.model, cfg.moe, cfg.engram, t.micro_batch,
+                                       t.seq_len, rank_share(cfg, stage, in_flight));
+      stages.emplace_back(in_flight, m);
       if (m.total() > most.total()) most = m;
     }
     TrainState from;
@@ -121,16 +129,42 @@ void print_dry_run(const kmoe::Config& cfg, const kmoe::ProcessGrid& grid) {
           v, evaluated, [](std::int64_t i) { return i; }, budget);
     }
     const double mib = 1024.0 * 1024.0;
-    std::printf("dry run: grid pp %d x dp %d x ep %d = %d ranks\n", grid.pp, grid.dp, grid.ep,
-                grid.world.size());
+    std::printf("dry run: grid pp %d x dp %d x ep %d = %d ranks (planned on one process; this "
+                "launch has %d)\n",
+                p.pp, p.dp, p.ep, p.world(), launched);
     std::printf("  parameters: total %lld, active %lld (embedding %lld)\n",
                 (long long)s.total_params, (long long)s.active_params,
                 (long long)s.embedding_params);
-    std::printf("  model FLOPs per token: %.4g (forward + backward)\n", s.flops_per_token);
+    const double tokens = double(t.global_batch) * t.seq_len;
+    std::printf("  model FLOPs per token: %.4g (forward + backward); per step %.4g (%.0f tokens)\n",
+                s.flops_per_token, s.flops_per_token * tokens, tokens);
     std::printf(
-        "  memory per rank (estimate, the largest share): %.1f MiB state + %.1f MiB "
-        "activations = %.1f MiB\n",
-        most.state_bytes / mib, most.activation_bytes / mib, most.total() / mib);
+        "  memory per rank (estimate, %s activations; every dp and ep rank of a stage alike):\n"
+        "    stage  blocks   tensor elements  params+grads MiB  AdamW MiB  in flight  "
+        "activations MiB  runtime MiB  total MiB\n",
+        choice_name(t.precision));
+    for (int stage = 0; stage < p.pp; ++stage) {
+      const auto& [in_flight, m] = stages[stage];
+      std::printf("    %5d  %3d-%-3d  %15lld  %16.1f  %9.1f  %9d  %15.1f  %11.1f  %9.1f\n", stage,
+                  bounds[stage], bounds[stage + 1] - 1, (long long)m.elements,
+                  8.0 * m.elements / mib, 8.0 * m.elements / mib, in_flight,
+                  m.activation_bytes / mib, kRuntimeBytes / mib,
+                  (m.total() + kRuntimeBytes) / mib);
+    }
+    std::printf(
+        "  sent per rank and step (MiB; ring all-reduces, a balanced all-to-all, %s rows):\n"
+        "    stage  gradients/stage  gradients/dp  all-to-all  pipeline     total\n",
+        choice_name(t.precision));
+    for (int stage = 0; stage < p.pp; ++stage) {
+      const StepTraffic x = step_traffic(cfg, stage);
+      std::printf("    %5d  %15.1f  %12.1f  %10.1f  %8.1f  %8.1f\n", stage, x.stage_grads / mib,
+                  x.dp_grads / mib, x.all_to_all / mib, x.pipeline / mib, x.total() / mib);
+    }
+    std::printf(
+        "  memory per rank (estimate, the largest share, %s activations): %.1f MiB state + "
+        "%.1f MiB activations = %.1f MiB, %.1f MiB with the runtime\n",
+        choice_name(t.precision), most.state_bytes / mib, most.activation_bytes / mib,
+        most.total() / mib, (most.total() + kRuntimeBytes) / mib);
     std::printf(
         "  data: %lld training instances of %d tokens (%d steps use %lld), %lld "
         "validation\n",
@@ -146,7 +180,7 @@ void print_dry_run(const kmoe::Config& cfg, const kmoe::ProcessGrid& grid) {
     else
       std::printf("  resumes %s after step %d%s%s\n", resume.c_str(), from.step,
                   changes.empty() ? "" : "; deck changes since:", changes.c_str());
-  });
+  }
 }
 
 }  // namespace
@@ -168,11 +202,11 @@ int main(int argc, char** argv) {
                         p.ep, p.world(), cfg.train.max_steps, cfg.checkpoint.dir.c_str());
           return;
         }
-        kmoe::ProcessGrid grid(cfg.parallel, cfg.model.n_layers, MPI_COMM_WORLD);
         if (args.dry_run) {
-          print_dry_run(cfg, grid);
+          print_dry_run(cfg);
           return;
         }
+        kmoe::ProcessGrid grid(cfg.parallel, cfg.model.n_layers, MPI_COMM_WORLD);
         if (grid.is_root()) std::cout << cfg.resolved_text << std::endl;
         kmoe::Trainer trainer(cfg, grid);
         trainer.run();

@@ -20,6 +20,17 @@ Communicator split(const Communicator& parent, int color, int key, const char* n
 }
 }  // namespace
 
+std::vector<int> stage_bounds(const ParallelCfg& cfg, int n_layers) {
+  const int pp = cfg.pp;
+  std::vector<int> b(pp + 1, 0);
+  for (int s = 0; s < pp; ++s)
+    b[s + 1] = b[s] + (cfg.pp_layers.empty() ? n_layers / pp + (s < n_layers % pp ? 1 : 0)
+                                             : cfg.pp_layers[s]);
+  KMOE_REQUIRE(b[pp] == n_layers,
+               "parallel.pp_layers covers " << b[pp] << " blocks, model.n_layers is " << n_layers);
+  return b;
+}
+
 ProcessGrid::ProcessGrid(const ParallelCfg& cfg, int n_layers, MPI_Comm world_comm)
     : pp(cfg.pp), dp(cfg.dp), ep(cfg.ep), world(world_comm, "world", cfg.watchdog_seconds) {
   KMOE_REQUIRE(world.size() == cfg.world(),
@@ -38,14 +49,7 @@ ProcessGrid::ProcessGrid(const ParallelCfg& cfg, int n_layers, MPI_Comm world_co
   const bool tied_end = pp > 1 && (first_stage() || last_stage());
   tie = split(world, tied_end ? replica() : MPI_UNDEFINED, pp_rank, "tied-embedding", wd);
 
-  bounds_.assign(pp + 1, 0);
-  for (int s = 0; s < pp; ++s)
-    bounds_[s + 1] =
-        bounds_[s] +
-        (cfg.pp_layers.empty() ? n_layers / pp + (s < n_layers % pp ? 1 : 0) : cfg.pp_layers[s]);
-  KMOE_REQUIRE(bounds_[pp] == n_layers, "parallel.pp_layers covers "
-                                            << bounds_[pp] << " blocks, model.n_layers is "
-                                            << n_layers);
+  bounds_ = stage_bounds(cfg, n_layers);
   build_data_plane(cfg);
 }
 

@@ -13,6 +13,11 @@
 
 namespace kmoe {
 
+// Blocks [b[s], b[s + 1]) form stage s of a parallel.pp-stage pipeline: parallel.pp_layers, or
+// an even split with the first L % pp stages one block longer. An error when pp_layers does
+// not cover model.n_layers.
+std::vector<int> stage_bounds(const ParallelCfg& cfg, int n_layers);
+
 class ProcessGrid {
  public:
   // Throws kmoe::Error (before any allocation) if the world size is not pp*dp*ep. Collective
@@ -30,8 +35,7 @@ class ProcessGrid {
   bool is_root() const { return world.rank() == 0; }
   bool first_stage() const { return pp_rank == 0; }
   bool last_stage() const { return pp_rank == pp - 1; }
-  // Blocks [first_block(s), first_block(s + 1)) form stage s (parallel.pp_layers or an even
-  // split, the first L % pp stages one block longer).
+  // Blocks [first_block(s), first_block(s + 1)) form stage s (stage_bounds).
   int first_block(int s) const { return bounds_[s]; }
 
   Communicator world;

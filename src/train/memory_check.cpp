@@ -9,13 +9,11 @@
 #include "core/error.hpp"
 #include "core/kokkos_types.hpp"
 #include "core/memory.hpp"
+#include "modules/engram/engram_hash.hpp"
 
 namespace kmoe {
 
 namespace {
-// Per rank, beyond its tensors and activations: MPI, Kokkos, BLAS and the program itself.
-constexpr std::int64_t kRuntimeBytes = std::int64_t(256) << 20;
-
 std::string gib(double bytes) {
   std::ostringstream os;
   os << std::fixed << std::setprecision(2) << bytes / double(std::int64_t(1) << 30) << " GiB";
@@ -23,27 +21,80 @@ std::string gib(double bytes) {
 }
 }  // namespace
 
-RankShare rank_share(const Config& cfg, const ProcessGrid& grid, int in_flight) {
+RankShare rank_share(const Config& cfg, int stage, int in_flight) {
+  const ParallelCfg& p = cfg.parallel;
+  const std::vector<int> bounds = stage_bounds(p, cfg.model.n_layers);
   RankShare r;
-  r.first_block = grid.first_block(grid.pp_rank);
-  r.last_block = grid.first_block(grid.pp_rank + 1);
-  r.embed = grid.first_stage();
-  r.head = grid.last_stage();
-  r.ep = grid.ep;
-  switch (cfg.parallel.engram_shard) {
+  r.first_block = bounds[stage];
+  r.last_block = bounds[stage + 1];
+  r.embed = stage == 0;
+  r.head = stage == p.pp - 1;
+  r.ep = p.ep;
+  switch (p.engram_shard) {
     case EngramShardGroup::None:
       r.engram_members = 1;
       break;
     case EngramShardGroup::Ep:
-      r.engram_members = grid.ep;
+      r.engram_members = p.ep;
       break;
     case EngramShardGroup::Stage:
-      r.engram_members = grid.replicas();
+      r.engram_members = p.dp * p.ep;
       break;
   }
   r.in_flight = in_flight;
   r.precision = cfg.train.precision;
   return r;
+}
+
+StepTraffic step_traffic(const Config& cfg, int stage) {
+  const ParallelCfg& p = cfg.parallel;
+  const TrainCfg& t = cfg.train;
+  const MoeCfg& e = cfg.moe;
+  const std::vector<int> bounds = stage_bounds(p, cfg.model.n_layers);
+  // Everything the stage's ranks hold (the same RankShare as the memory estimate) splits into
+  // the experts (reduced over dp), sharded Engram rows (over dp when sharded over ep, not at all
+  // over the stage) and the rest (replicated over the stage).
+  const RankShare r = rank_share(cfg, stage, 1);
+  const RankMemory mem = rank_memory(cfg.model, e, cfg.engram, t.micro_batch, t.seq_len, r);
+  double experts = 0, moe_layers = 0;
+  for (int l = bounds[stage]; l < bounds[stage + 1]; ++l)
+    if (e.is_moe_layer(l)) {
+      moe_layers += 1;
+      experts += 3.0 * (e.experts / p.ep) * double(e.expert_hidden) * cfg.model.d_model;
+    }
+  double sharded = 0;  // this rank's row blocks of its stage's sharded Engram tables
+  if (r.engram_members > 1) {
+    const EngramCfg& g = cfg.engram;
+    for (const auto& plan :
+         engram_hash_plans(g, load_engram_compression(g, cfg.model.vocab_size).vocab_c))
+      if (plan.layer >= bounds[stage] && plan.layer < bounds[stage + 1])
+        sharded += double((plan.rows + r.engram_members - 1) / r.engram_members) *
+                   (g.embed_per_ngram / g.heads);
+  }
+  const double dense = double(mem.elements) - experts - sharded;
+  auto ring = [](double bytes, int members) {
+    return members > 1 ? bytes * 2.0 * (members - 1) / members : 0.0;
+  };
+  StepTraffic out;
+  out.stage_grads = ring(4.0 * dense, p.dp * p.ep);
+  const bool ep_rows = p.engram_shard == EngramShardGroup::Ep;
+  out.dp_grads = ring(4.0 * (experts + (ep_rows ? sharded : 0.0)), p.dp);
+  const double micro = double(t.global_batch) / t.micro_batch / (p.dp * p.ep);
+  const double tokens = double(t.micro_batch) * t.seq_len;
+  if (p.ep > 1) {
+    const int D = cfg.model.d_model;
+    const double out_bytes = t.precision == Precision::Bf16 && D % 2 == 0 ? 2.0 : 4.0;
+    const double rows = tokens * e.top_k * (p.ep - 1) / p.ep;
+    // Forward: rows out, outputs back; backward: output gradients out, input gradients back.
+    out.all_to_all = micro * moe_layers * rows * D * (2.0 * out_bytes + 2.0 * 4.0);
+  }
+  const double boundary = 4.0 * tokens * cfg.model.d_model;
+  out.pipeline = micro * boundary * ((stage + 1 < p.pp ? 1 : 0) + (stage > 0 ? 1 : 0));
+  return out;
+}
+
+RankShare rank_share(const Config& cfg, const ProcessGrid& grid, int in_flight) {
+  return rank_share(cfg, grid.pp_rank, in_flight);
 }
 
 void check_memory(const Config& cfg, const ProcessGrid& grid, int in_flight) {

@@ -11,8 +11,32 @@
 
 namespace kmoe {
 
-// What this rank of `grid` holds, with `in_flight` Stage instances.
+// Per rank, beyond its tensors and activations: MPI, Kokkos, BLAS and the program itself.
+constexpr std::int64_t kRuntimeBytes = std::int64_t(256) << 20;
+
+// What a rank of pipeline stage `stage` of the deck's grid holds, with `in_flight` Stage
+// instances (every ep and dp rank of a stage alike; an Engram table's row blocks differ by at
+// most one row, the first the largest, which this counts). Needs no ranks: the dry run plans
+// any grid on one process.
+RankShare rank_share(const Config& cfg, int stage, int in_flight);
+// The same for this rank of `grid`.
 RankShare rank_share(const Config& cfg, const ProcessGrid& grid, int in_flight);
+
+// Bytes a rank of pipeline stage `stage` sends per optimizer step, per axis (RUNTIME.md
+// section 1), for the dry run's plan: ring all-reduces (2 (R-1)/R of the buffer), the
+// all-to-all at a balanced load without drops ((ep-1)/ep of the kept rows leave, in the run's
+// precision: bf16 rows and output gradients in bf16 runs), the pipeline's activations and their
+// gradients. Not counted: the sharded Engram tables' row fetches, the tied embedding's
+// all-reduce between the first and last stage, metrics.
+struct StepTraffic {
+  double stage_grads = 0;   // dense gradients over the stage's dp*ep replicas
+  double dp_grads = 0;      // what is sharded over ep (experts; Engram rows with
+                            // parallel.engram_shard = ep) over its dp replicas
+  double all_to_all = 0;    // expert rows out and back, forward and backward
+  double pipeline = 0;      // activations to the next stage, gradients to the previous one
+  double total() const { return stage_grads + dp_grads + all_to_all + pipeline; }
+};
+StepTraffic step_traffic(const Config& cfg, int stage);
 
 // Collective over grid.world; throws the same SharedError on every rank when a node or device
 // cannot hold its ranks' shares.

@@ -18,9 +18,11 @@
 #include "core/error.hpp"
 #include "core/stop_signal.hpp"
 #include "core/tensor_table.hpp"
+#include "io/deck.hpp"
 #include "modules/model/model_size.hpp"
 #include "modules/model/stage.hpp"
 #include "parallel/pipeline_schedule.hpp"
+#include "train/memory_check.hpp"
 #include "train/optimizer.hpp"
 
 namespace kmoe {
@@ -655,6 +657,54 @@ TEST(ModelSize, RankShareMatchesTheStagesTable) {
         EXPECT_LT(half.activation_bytes, full.activation_bytes);
         EXPECT_GT(2 * half.activation_bytes, full.activation_bytes);
       }
+}
+
+// The dry run's bytes sent per step (train/memory_check.hpp step_traffic), from its formulas.
+TEST(StepTraffic, FollowsTheGridAndThePrecision) {
+  const char* deck = R"([model]
+vocab_size = 320
+d_model = 64
+n_layers = 4
+n_heads = 4
+ffn_hidden = 128
+[moe]
+experts = 4
+top_k = 2
+expert_hidden = 32
+[train]
+seq_len = 32
+micro_batch = 2
+global_batch = 16
+max_steps = 1
+[optimizer]
+lr = 1e-3
+[data]
+paths = a.bin
+)";
+  auto cfg = [&](const std::vector<std::string>& o) { return parse_deck(deck, "t.deck", o); };
+  EXPECT_EQ(step_traffic(cfg({}), 0).total(), 0.0);  // one rank sends nothing
+  // dp 2: every gradient once around the ring (2 (2 - 1) / 2 = one buffer), 4 bytes each.
+  const Config dp2 = cfg({"--parallel.dp=2"});
+  const RankMemory m =
+      rank_memory(dp2.model, dp2.moe, dp2.engram, 2, 32, rank_share(dp2, 0, 1));
+  const StepTraffic a = step_traffic(dp2, 0);
+  EXPECT_DOUBLE_EQ(a.stage_grads + a.dp_grads, 4.0 * m.elements);
+  EXPECT_GT(a.dp_grads, 0.0);  // the experts
+  EXPECT_EQ(a.all_to_all, 0.0);
+  EXPECT_EQ(a.pipeline, 0.0);
+  // ep 2: 4 micro-batches per replica x 4 MoE layers x 64 of the 128 rows leaving x D 64, out
+  // and back, forward and backward, 4 bytes each; bf16 halves the rows and output gradients.
+  const StepTraffic f = step_traffic(cfg({"--parallel.ep=2"}), 0);
+  const StepTraffic b = step_traffic(cfg({"--parallel.ep=2", "--train.precision=bf16"}), 0);
+  EXPECT_DOUBLE_EQ(f.all_to_all, 4.0 * 4 * 64 * 64 * 16);
+  EXPECT_DOUBLE_EQ(b.all_to_all, 0.75 * f.all_to_all);
+  EXPECT_EQ(f.dp_grads, 0.0);  // dp 1: experts are not reduced
+  // pp 2: 8 micro-batches, each stage sending one boundary (64 tokens x 64 x 4 bytes) each way
+  // it has a neighbour.
+  const Config pp2 = cfg({"--parallel.pp=2"});
+  EXPECT_DOUBLE_EQ(step_traffic(pp2, 0).pipeline, 8.0 * 64 * 64 * 4);
+  EXPECT_DOUBLE_EQ(step_traffic(pp2, 1).pipeline, 8.0 * 64 * 64 * 4);
+  EXPECT_EQ(step_traffic(pp2, 0).stage_grads, 0.0);
 }
 
 // Sizes beyond 64 bits are an error naming the keys, not a negative estimate.
