@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <iostream>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -15,6 +16,7 @@
 #include "parallel/pipeline_schedule.hpp"
 #include "parallel/process_grid.hpp"
 #include "train/memory_check.hpp"
+#include "train/planner.hpp"
 #include "train/trainer.hpp"
 
 namespace {
@@ -23,24 +25,58 @@ struct Args {
   std::string deck;
   bool dry_run = false;
   bool print_grid = false;
+  int plan = 0;                // --plan N: list the layouts of N ranks
+  double memory_gib = 0;       // --memory-per-rank GiB (0: no limit)
   std::vector<std::string> overrides;
 };
 
 const char* kUsage =
-    "usage: kmoe-train -i DECK [--dry-run | --print-grid] [--section.key=value ...]\n"
+    "usage: kmoe-train -i DECK [--dry-run | --plan N [--memory-per-rank GiB] | --print-grid]\n"
+    "                  [--section.key=value ...]\n"
     "  -i, --input DECK   input deck (INI); keys may be overridden on the command line\n"
     "  --dry-run          resolve the deck, print sizes and each stage's memory per rank,\n"
     "                     check the grid and data, exit (one process plans any grid)\n"
+    "  --plan N           list the grids of N ranks the deck accepts (one process), their\n"
+    "                     memory per rank and bytes sent per step, best first by the cost\n"
+    "                     model it prints; --memory-per-rank GiB keeps those that fit\n"
     "  --print-grid       print the deck's grid as 'pp P dp D ep E ranks N', then\n"
     "                     'max_steps S checkpoint_dir DIR', and exit (any number of ranks;\n"
     "                     batch scripts check their allocation and the finished run with it)\n"
     "  -h, --help         this text and every deck key\n";
 
+// The value of option `name` at argv[i] ("--name V" or "--name=V"), as a number.
+double option_number(int argc, char** argv, int& i, const std::string& name) {
+  const std::string s = argv[i];
+  std::string v;
+  if (s == name) {
+    KMOE_REQUIRE(i + 1 < argc, name << " needs a value\n" << kUsage);
+    v = argv[++i];
+  } else {
+    v = s.substr(name.size() + 1);
+  }
+  std::size_t used = 0;
+  double x = 0;
+  try {
+    x = std::stod(v, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  KMOE_REQUIRE(used == v.size() && !v.empty() && x > 0,
+               name << " " << v << ": expected a positive number");
+  return x;
+}
+
 Args parse_args(int argc, char** argv) {
   Args a;
   for (int i = 1; i < argc; ++i) {
     const std::string s = argv[i];
-    if (s == "-i" || s == "--input") {
+    if (s == "--plan" || s.rfind("--plan=", 0) == 0) {
+      const double n = option_number(argc, argv, i, "--plan");
+      KMOE_REQUIRE(n == static_cast<int>(n), "--plan " << n << ": expected a rank count");
+      a.plan = static_cast<int>(n);
+    } else if (s == "--memory-per-rank" || s.rfind("--memory-per-rank=", 0) == 0) {
+      a.memory_gib = option_number(argc, argv, i, "--memory-per-rank");
+    } else if (s == "-i" || s == "--input") {
       KMOE_REQUIRE(i + 1 < argc, s << " needs a deck file\n" << kUsage);
       a.deck = argv[++i];
     } else if (s.rfind("--input=", 0) == 0) {
@@ -56,6 +92,9 @@ Args parse_args(int argc, char** argv) {
     }
   }
   KMOE_REQUIRE(!a.deck.empty(), "no input deck\n" << kUsage);
+  KMOE_REQUIRE(a.memory_gib == 0 || a.plan > 0, "--memory-per-rank is a --plan option");
+  KMOE_REQUIRE(!(a.plan > 0 && (a.dry_run || a.print_grid)),
+               "--plan, --dry-run and --print-grid are separate modes: choose one");
   return a;
 }
 
@@ -183,6 +222,60 @@ void print_dry_run(const kmoe::Config& cfg) {
   }
 }
 
+// --plan N: the layouts of N ranks, on world rank 0 of any launch.
+void print_plan(const Args& args) {
+  using namespace kmoe;
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  if (rank != 0) return;
+  PlanOptions o;
+  o.ranks = args.plan;
+  o.memory_per_rank = args.memory_gib * double(std::int64_t(1) << 30);
+  const LayoutSearch found = plan_layouts(
+      [&](int pp, int dp, int ep) {
+        std::vector<std::string> over = args.overrides;
+        over.push_back("--parallel.pp=" + std::to_string(pp));
+        over.push_back("--parallel.dp=" + std::to_string(dp));
+        over.push_back("--parallel.ep=" + std::to_string(ep));
+        return read_deck(args.deck, over);
+      },
+      o);
+  const double gib = double(std::int64_t(1) << 30);
+  if (found.fit.empty()) {
+    std::ostringstream why;
+    if (!found.too_large.empty()) {
+      const LayoutPlan& s = found.too_large.front();
+      why << "--memory-per-rank " << args.memory_gib << ": none of the "
+          << found.too_large.size() << " layouts of " << o.ranks
+          << " ranks the deck accepts fits; the smallest, pp " << s.pp << " dp " << s.dp
+          << " ep " << s.ep << ", needs " << s.memory / gib << " GiB per rank";
+    } else {
+      why << "--plan " << o.ranks << ": the deck accepts no layout of " << o.ranks << " ranks";
+      for (std::size_t i = 0; i < found.rejected.size() && i < 6; ++i)
+        why << (i ? "; " : ": ") << found.rejected[i];
+    }
+    KMOE_FAIL(why.str());
+  }
+  std::printf("plan: %d ranks, %zu layouts the deck accepts, %zu fit", o.ranks,
+              found.fit.size() + found.too_large.size(), found.fit.size());
+  if (o.memory_per_rank > 0) std::printf(" %.1f GiB per rank", args.memory_gib);
+  std::printf(
+      "\n  cost model: step = model FLOPs / (ranks x %.3g FLOP/s) x (1 + (pp - 1) / "
+      "micro-batches per replica) + the busiest rank's bytes sent / %.3g B/s (not overlapped)\n"
+      "  %4s %5s %5s  %15s  %13s  %9s\n",
+      o.flops_per_rank, o.link_bytes_per_s, "pp", "dp", "ep", "memory/rank GiB",
+      "sent/step GiB", "step s");
+  for (const LayoutPlan& l : found.fit)
+    std::printf("  %4d %5d %5d  %15.2f  %13.3f  %9.4f\n", l.pp, l.dp, l.ep, l.memory / gib,
+                l.sent / gib, l.seconds);
+  if (!found.too_large.empty())
+    std::printf("  %zu more need more memory per rank (the smallest %.2f GiB)\n",
+                found.too_large.size(), found.too_large.front().memory / gib);
+  if (!found.rejected.empty())
+    std::printf("  %zu rejected by the deck, e.g. %s\n", found.rejected.size(),
+                found.rejected.front().c_str());
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -204,6 +297,10 @@ int main(int argc, char** argv) {
         }
         if (args.dry_run) {
           print_dry_run(cfg);
+          return;
+        }
+        if (args.plan > 0) {
+          print_plan(args);
           return;
         }
         kmoe::ProcessGrid grid(cfg.parallel, cfg.model.n_layers, MPI_COMM_WORLD);

@@ -2,7 +2,8 @@
 # Every deck in inputs/ resolves, fits its grid and finds its data (kmoe-train --dry-run, on one
 # process whatever the deck's pp*dp*ep: the dry run plans the grid without its ranks, with the
 # fortunes corpus prepared by kmoe-prep); a 512-rank grid is planned on one process in seconds,
-# its expert state divided by ep.
+# its expert state divided by ep; --plan lists the layouts of N ranks, best first by its cost
+# model, keeps those within --memory-per-rank, and its bad inputs are clear errors.
 # Usage: decks_dry_run.sh BIN_DIR WORK_DIR MPIEXEC INPUTS_DIR
 set -euo pipefail
 bin=$1 work=$2 mpiexec=$3 inputs=$4
@@ -49,4 +50,49 @@ else
   echo "FAIL the 512-rank plan (${took} s; stage 0 elements at ep 8: '$e8', at ep 1: '$e1')"
   status=1
 fi
+
+# --plan 8 on the main deck with 64 sequences a step: pp 1, 2, 4 (pp 8 exceeds its 4 blocks)
+# times every dp x ep; step times non-decreasing; a limit keeps only the layouts within it.
+main="$inputs/tiny_moe_engram.deck"
+plan() {  # plan LOG [arguments...]
+  local log=$1
+  shift
+  "$mpiexec" --allow-run-as-root --oversubscribe -n 1 -x OPENBLAS_NUM_THREADS=1 \
+    "$bin/kmoe-train" -i "$main" --train.global_batch=64 "$@" > "$log" 2>&1
+}
+rows() { awk '/step s$/ { on = 1; next } on && NF == 6 && $1 ~ /^[0-9]+$/ { print } on && NF != 6 { on = 0 }' "$1"; }
+if plan plan8.log --plan 8 && [ "$(rows plan8.log | wc -l)" -eq 9 ] &&
+   rows plan8.log | awk '{ if (NR > 1 && $6 < last) exit 1; last = $6 }' &&
+   grep -q "1 rejected by the deck, e.g. pp 8 dp 1 ep 1" plan8.log; then
+  echo "ok   --plan 8: 9 layouts, best first"
+else
+  echo "FAIL --plan 8:"; cat plan8.log; status=1
+fi
+# The 5th smallest memory, printed to 0.01 GiB: half a print step above it.
+limit=$(rows plan8.log | sort -k4 -n | awk 'NR == 5 { printf "%.3f", $4 + 0.005 }')
+if plan plan8_limit.log --plan 8 --memory-per-rank "$limit" &&
+   [ "$(rows plan8_limit.log | wc -l)" -ge 5 ] && [ "$(rows plan8_limit.log | wc -l)" -lt 9 ] &&
+   rows plan8_limit.log | awk -v m="$limit" '{ if ($4 > m) exit 1 }'; then
+  echo "ok   --plan 8 --memory-per-rank $limit keeps $(rows plan8_limit.log | wc -l) layouts"
+else
+  echo "FAIL --memory-per-rank $limit:"; cat plan8_limit.log; status=1
+fi
+expect_error() {  # expect_error TEXT [arguments...]: exit 1 and TEXT in the message
+  local text=$1
+  shift
+  if plan bad.log "$@"; then
+    echo "FAIL $*: accepted"; status=1
+  elif grep -qF -- "$text" bad.log; then
+    echo "ok   $*: $(grep -F -- "$text" bad.log | head -1 | cut -c1-110)"
+  else
+    echo "FAIL $*: no '$text' in:"; cat bad.log; status=1
+  fi
+}
+expect_error "the deck accepts no layout of 7 ranks" --plan 7
+expect_error "--memory-per-rank 0.01: none of the 9 layouts of 8 ranks" --plan 8 --memory-per-rank 0.01
+expect_error "--plan 0: expected a positive number" --plan 0
+expect_error "--plan x: expected a positive number" --plan x
+expect_error "--plan 2.5: expected a rank count" --plan 2.5
+expect_error "--memory-per-rank is a --plan option" --memory-per-rank 10
+expect_error "separate modes" --plan 8 --dry-run
 exit $status
