@@ -119,7 +119,8 @@ int main(int argc, char** argv) {
   report("attention backward",
          time_it(reps, [&] { attn.backward(table, rope, as_cmat(x), as_cmat(dx), as_mat(y), as); }),
          2 * (attn_proj + attn_core));
-  report("mlp forward", time_it(reps, [&] { mlp.forward(table, as_cmat(x), as_mat(y), ms); }), mlp_f);
+  report("mlp forward", time_it(reps, [&] { mlp.forward(table, as_cmat(x), as_mat(y), ms); }),
+         mlp_f);
   report("mlp backward",
          time_it(reps, [&] { mlp.backward(table, as_cmat(x), as_cmat(dx), as_mat(y), ms); }),
          2 * mlp_f);

@@ -407,7 +407,8 @@ void MoeLayer::backward(TensorTable& table, ConstMat x, ConstMat dy, Mat dx, Moe
   // the expert side would round them anyway); otherwise they are d_rows.
   const bool wire = dispatch_ && rows_in_.is_bf16();
   if (wire) ensure_size(s.wire_out, std::int64_t(std::max(R, 1)) * D, "moe::wire_out");
-  const KeptOut g_rows = wire ? KeptOut{nullptr, s.wire_out.data()} : KeptOut{d_rows.data(), nullptr};
+  const KeptOut g_rows =
+      wire ? KeptOut{nullptr, s.wire_out.data()} : KeptOut{d_rows.data(), nullptr};
   Kokkos::parallel_for(
       "moe::row_grads", row_policy(R), KOKKOS_LAMBDA(const TeamMember& tm) {
         const int r = tm.league_rank();

@@ -60,7 +60,11 @@ plan() {  # plan LOG [arguments...]
   "$mpiexec" --allow-run-as-root --oversubscribe -n 1 -x OPENBLAS_NUM_THREADS=1 \
     "$bin/kmoe-train" -i "$main" --train.global_batch=64 "$@" > "$log" 2>&1
 }
-rows() { awk '/step s$/ { on = 1; next } on && NF == 6 && $1 ~ /^[0-9]+$/ { print } on && NF != 6 { on = 0 }' "$1"; }
+rows() {  # the layout rows of a plan's table
+  awk '/step s$/ { on = 1; next }
+       on && NF == 6 && $1 ~ /^[0-9]+$/ { print }
+       on && NF != 6 { on = 0 }' "$1"
+}
 if plan plan8.log --plan 8 && [ "$(rows plan8.log | wc -l)" -eq 9 ] &&
    rows plan8.log | awk '{ if (NR > 1 && $6 < last) exit 1; last = $6 }' &&
    grep -q "1 rejected by the deck, e.g. pp 8 dp 1 ep 1" plan8.log; then

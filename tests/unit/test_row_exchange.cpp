@@ -1,7 +1,7 @@
-// RowExchange (src/parallel/row_exchange.hpp) at 1, 2 and 4 ranks: rows reach their
-// destinations source-major in sending order, reverse() returns each answer to its original
-// row, bf16 rows travel bit for bit, grouped plans carry the block counts, and members that send or receive nothing take
-// part like the others.
+// RowExchange (src/parallel/row_exchange.hpp) at 1, 2 and 4 ranks: rows reach their destinations
+// source-major in sending order, reverse() returns each answer to its original row, bf16 rows
+// travel bit for bit, grouped plans carry the block counts, and members that send or receive
+// nothing take part like the others.
 #include <gtest/gtest.h>
 
 #include <cstdint>
