@@ -19,7 +19,7 @@ namespace {
 // Activations are counted in bytes: 4 per fp32 value, `kb` per value a bf16 run keeps as bf16
 // (MODEL.md section 8; 4 in other runs).
 struct Shapes {
-  Size V, D, F, L, qd, kd, attn, E, Fe, k, shared, N, H, W, probs, kb;
+  Size V, D, F, L, qd, kd, attn, E, Fe, k, shared, Fs, N, H, W, probs, kb;
   bool tied, pre;
   Shapes(const ModelCfg& m, const MoeCfg& e, int b, int T, Precision precision)
       : V(m.vocab_size),
@@ -33,6 +33,7 @@ struct Shapes {
         Fe(e.expert_hidden),
         k(e.top_k),
         shared(Size(3) * e.shared_experts * e.shared_hidden * D),
+        Fs(Size(e.shared_experts) * e.shared_hidden),
         N(Size(b) * T),
         H(m.n_heads),
         W(qd + Size(2) * kd),
@@ -53,11 +54,24 @@ struct Shapes {
     return Size(4) *
            (Size(2) * N * qd + probs + Size(2) * N * kd + N * W + N * 3 * F + Size(3) * N * D);
   }
-  // An MoE layer saves logits/probs (N, E) and up to N*k rows of inputs (kept at ep 1),
-  // outputs and hiddens (kept).
+  // An MoE layer saves logits/probs (N, E), up to N*k rows of inputs (kept unless ep > 1 with
+  // d_model odd), outputs and hiddens (kept), and its shared experts' pre-activations and
+  // activation (kept). With expert parallelism come the expert side's buffers (received rows
+  // kept, outputs and gradients, hiddens kept), sized for twice a balanced share of the rows,
+  // and the dispatch's transfer buffer (a balanced share and a quarter).
   Size moe_saved(int ep) const {
-    return Size(4) * (Size(2) * N * E + N + Size(3) * N * k + N * k * D) +
-           (ep == 1 ? kb : Size(4)) * N * k * D + kb * N * k * Size(3) * Fe;
+    const Size slots = N * k, rows_kb = ep == 1 || D.get() % 2 == 0 ? kb : Size(4);
+    Size bytes = Size(4) * (Size(2) * N * E + N + Size(3) * slots + slots * D) +
+                 rows_kb * slots * D + kb * slots * Size(3) * Fe + kb * N * Size(3) * Fs;
+    if (ep > 1)
+      bytes = bytes + Size(2) * slots * (rows_kb * D + Size(8) * D + kb * Size(3) * Fe) +
+              Size(5) * slots * D;
+    return bytes;
+  }
+  // The backward temporaries a stage's MoE layers share (fp32): row gradients, hidden
+  // gradients, weight and logit gradients, the shared experts' MLP scratch.
+  Size moe_scratch() const {
+    return Size(4) * (N * k * D + Size(3) * N * k * Fe + N * k + N * E + Size(3) * N * Fs);
   }
 };
 
@@ -116,7 +130,7 @@ ModelSize model_size(const ModelCfg& m, const MoeCfg& e, int b, int T, const Eng
     const Size stage =
         (L + 1) * s.N * D + Size(2) * s.N * D + Size(2) * s.N * D + s.N * V + Size(3) * s.N;
     out.activation_bytes = (L * s.block_saved() + moe_layers * s.moe_saved(1) + s.scratch() +
-                            Size(4) * stage)
+                            (moe_layers.get() > 0 ? s.moe_scratch() : Size(0)) + Size(4) * stage)
                                .get();
     return out;
   });
@@ -130,6 +144,7 @@ RankMemory rank_memory(const ModelCfg& m, const MoeCfg& e, const EngramCfg& g, i
     const auto plans = engram_hash_plans(g, load_engram_compression(g, m.vocab_size).vocab_c);
     Size elements = 0, saved = 0;  // parameters and buffers; one instance's activations (bytes)
     Size blocks = 0;
+    bool has_moe = false;
     for (int l = r.first_block; l < r.last_block; ++l) {
       blocks += 1;
       elements += s.attn;
@@ -139,6 +154,7 @@ RankMemory rank_memory(const ModelCfg& m, const MoeCfg& e, const EngramCfg& g, i
         elements += s.E * D + Size(3) * local_experts * s.Fe * D + s.shared +
                     (e.bias_update_rate > 0 ? s.E : Size(0));
         saved += s.moe_saved(r.ep);
+        has_moe = true;
       } else {
         elements += Size(3) * s.F * D;
         saved += s.mlp_saved();
@@ -158,8 +174,9 @@ RankMemory rank_memory(const ModelCfg& m, const MoeCfg& e, const EngramCfg& g, i
     RankMemory out;
     out.elements = elements.get();
     out.state_bytes = (Size(16) * elements).get();
-    out.activation_bytes =
-        (Size(r.in_flight) * (saved + Size(4) * stage) + s.scratch()).get();
+    out.activation_bytes = (Size(r.in_flight) * (saved + Size(4) * stage) + s.scratch() +
+                            (has_moe ? s.moe_scratch() : Size(0)))
+                               .get();
     return out;
   });
 }

@@ -109,7 +109,7 @@ void check_memory(const Config& cfg, const ProcessGrid& grid, int in_flight) {
             "MPI_Comm_split_type");
   const Communicator node(node_comm, "node", cfg.parallel.watchdog_seconds);
   MPI_Comm_free(&node_comm);
-  double need[2] = {double(kRuntimeBytes) + (host_memory ? double(mine.total()) : 0.0), 1.0};
+  double need[2] = {double(kCheckMarginBytes) + (host_memory ? double(mine.total()) : 0.0), 1.0};
   node.allreduce_sum(need, 2);
   std::ostringstream error;
   const std::int64_t host = host_available_bytes();

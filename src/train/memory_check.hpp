@@ -11,8 +11,13 @@
 
 namespace kmoe {
 
-// Per rank, beyond its tensors and activations: MPI, Kokkos, BLAS and the program itself.
-constexpr std::int64_t kRuntimeBytes = std::int64_t(256) << 20;
+// Per rank, beyond its tensors and activations, in the estimates: MPI, Kokkos, BLAS and the
+// program itself (a 1-block d_model 32 model's memory high-water is 31 MiB on 1 and on 2
+// ranks here).
+constexpr std::int64_t kRuntimeBytes = std::int64_t(32) << 20;
+// What the memory check before a run adds per rank to the estimate: the runtime and a margin
+// for what the estimate leaves out (allocator slack, libraries' buffers, device contexts).
+constexpr std::int64_t kCheckMarginBytes = std::int64_t(256) << 20;
 
 // What a rank of pipeline stage `stage` of the deck's grid holds, with `in_flight` Stage
 // instances (every ep and dp rank of a stage alike; an Engram table's row blocks differ by at
