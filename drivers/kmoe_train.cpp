@@ -1,6 +1,7 @@
 // kmoe-train -i DECK [--dry-run | --print-grid] [--section.key=value ...]
 //   1. MPI + Kokkos (driver_main.hpp), 2. deck, 3. process grid, 4. data + model, 5. train.
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <iostream>
 #include <sstream>
@@ -13,7 +14,6 @@
 #include "io/deck.hpp"
 #include "io/token_data.hpp"
 #include "modules/model/model_size.hpp"
-#include "parallel/pipeline_schedule.hpp"
 #include "parallel/process_grid.hpp"
 #include "train/memory_check.hpp"
 #include "train/planner.hpp"
@@ -72,7 +72,8 @@ Args parse_args(int argc, char** argv) {
     const std::string s = argv[i];
     if (s == "--plan" || s.rfind("--plan=", 0) == 0) {
       const double n = option_number(argc, argv, i, "--plan");
-      KMOE_REQUIRE(n == static_cast<int>(n), "--plan " << n << ": expected a rank count");
+      KMOE_REQUIRE(n <= double(1 << 30) && n == std::floor(n),
+                   "--plan " << n << ": expected a rank count");
       a.plan = static_cast<int>(n);
     } else if (s == "--memory-per-rank" || s.rfind("--memory-per-rank=", 0) == 0) {
       a.memory_gib = option_number(argc, argv, i, "--memory-per-rank");
@@ -124,102 +125,97 @@ void print_dry_run(const kmoe::Config& cfg) {
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &launched);
   if (rank != 0) return;
-  {
-    const ModelSize s =
-        model_size(cfg.model, cfg.moe, cfg.train.micro_batch, cfg.train.seq_len, cfg.engram);
-    const auto& t = cfg.train;
-    const ParallelCfg& p = cfg.parallel;
-    const std::vector<int> bounds = stage_bounds(p, cfg.model.n_layers);
-    const int micro = t.global_batch / t.micro_batch / (p.dp * p.ep);
-    // One row per pipeline stage: its dp*ep ranks hold the same shares.
-    std::vector<std::pair<int, RankMemory>> stages;
-    RankMemory most;
-    for (int stage = 0; stage < p.pp; ++stage) {
-      const int in_flight =
-          max_in_flight(pipeline_schedule(p.schedule, p.pp, stage, micro));
-      const RankMemory m = rank_memory(cfg.model, cfg.moe, cfg.engram, t.micro_batch,
-                                       t.seq_len, rank_share(cfg, stage, in_flight));
-      stages.emplace_back(in_flight, m);
-      if (m.total() > most.total()) most = m;
-    }
-    TrainState from;
-    std::string resume = resume_file(cfg.checkpoint), changes;
-    if (!resume.empty()) from = check_checkpoint(resume, cfg, &changes);
-    TokenDataset train(cfg.data.paths, cfg.data.dtype, t.seq_len, cfg.model.vocab_size,
-                       "data.paths");
-    KMOE_REQUIRE(train.num_instances() >= t.global_batch,
-                 "data.paths: " << train.num_instances() << " instances, fewer than one "
-                                << "train.global_batch (" << t.global_batch << ")");
-    InstanceStream stream(train.num_instances(), t.seed);
-    const std::int64_t used =
-        std::max<std::int64_t>(0, std::int64_t(t.max_steps - from.step)) * t.global_batch;
-    std::int64_t budget = kDryRunTokens;
-    const std::int64_t read = check_tokens(
-        train, used, [&](std::int64_t i) { return stream.instance_at(from.next_position + i); },
-        budget);
-    std::int64_t val = 0, val_read = 0;
-    if (!cfg.data.val_paths.empty()) {
-      TokenDataset v(cfg.data.val_paths, cfg.data.dtype, t.seq_len, cfg.model.vocab_size,
-                     "data.val_paths");
-      val = v.num_instances();
-      const std::int64_t evaluated =
-          t.eval_instances > 0 ? std::min<std::int64_t>(val, t.eval_instances) : val;
-      val_read = check_tokens(
-          v, evaluated, [](std::int64_t i) { return i; }, budget);
-    }
-    const double mib = 1024.0 * 1024.0;
-    std::printf("dry run: grid pp %d x dp %d x ep %d = %d ranks (planned on one process; this "
-                "launch has %d)\n",
-                p.pp, p.dp, p.ep, p.world(), launched);
-    std::printf("  parameters: total %lld, active %lld (embedding %lld)\n",
-                (long long)s.total_params, (long long)s.active_params,
-                (long long)s.embedding_params);
-    const double tokens = double(t.global_batch) * t.seq_len;
-    std::printf("  model FLOPs per token: %.4g (forward + backward); per step %.4g (%.0f tokens)\n",
-                s.flops_per_token, s.flops_per_token * tokens, tokens);
-    std::printf(
-        "  memory per rank (estimate, %s activations; every dp and ep rank of a stage alike):\n"
-        "    stage  blocks   tensor elements  params+grads MiB  AdamW MiB  in flight  "
-        "activations MiB  runtime MiB  total MiB\n",
-        choice_name(t.precision));
-    for (int stage = 0; stage < p.pp; ++stage) {
-      const auto& [in_flight, m] = stages[stage];
-      std::printf("    %5d  %3d-%-3d  %15lld  %16.1f  %9.1f  %9d  %15.1f  %11.1f  %9.1f\n", stage,
-                  bounds[stage], bounds[stage + 1] - 1, (long long)m.elements,
-                  8.0 * m.elements / mib, 8.0 * m.elements / mib, in_flight,
-                  m.activation_bytes / mib, kRuntimeBytes / mib,
-                  (m.total() + kRuntimeBytes) / mib);
-    }
-    std::printf(
-        "  sent per rank and step (MiB; ring all-reduces, a balanced all-to-all, %s rows):\n"
-        "    stage  gradients/stage  gradients/dp  all-to-all  pipeline     total\n",
-        choice_name(t.precision));
-    for (int stage = 0; stage < p.pp; ++stage) {
-      const StepTraffic x = step_traffic(cfg, stage);
-      std::printf("    %5d  %15.1f  %12.1f  %10.1f  %8.1f  %8.1f\n", stage, x.stage_grads / mib,
-                  x.dp_grads / mib, x.all_to_all / mib, x.pipeline / mib, x.total() / mib);
-    }
-    std::printf(
-        "  memory per rank (estimate, the largest share, %s activations): %.1f MiB state + "
-        "%.1f MiB activations = %.1f MiB, %.1f MiB with the runtime\n",
-        choice_name(t.precision), most.state_bytes / mib, most.activation_bytes / mib,
-        most.total() / mib, (most.total() + kRuntimeBytes) / mib);
-    std::printf(
-        "  data: %lld training instances of %d tokens (%d steps use %lld), %lld "
-        "validation\n",
-        (long long)train.num_instances(), t.seq_len, t.max_steps,
-        (long long)t.max_steps * t.global_batch, (long long)val);
-    std::printf(
-        "  token ids checked: %lld of the %lld training instances the run reads and %lld "
-        "validation instances (a dry run reads at most %lld tokens)\n",
-        (long long)read, (long long)used, (long long)val_read, (long long)kDryRunTokens);
-    if (resume.empty())
-      std::printf("  a fresh run: nothing to resume in checkpoint.dir = %s\n",
-                  cfg.checkpoint.dir.c_str());
-    else
-      std::printf("  resumes %s after step %d%s%s\n", resume.c_str(), from.step,
-                  changes.empty() ? "" : "; deck changes since:", changes.c_str());
+  const ModelSize s =
+      model_size(cfg.model, cfg.moe, cfg.train.micro_batch, cfg.train.seq_len, cfg.engram);
+  const auto& t = cfg.train;
+  const ParallelCfg& p = cfg.parallel;
+  const std::vector<int> bounds = stage_bounds(p, cfg.model.n_layers);
+  // One row per pipeline stage: its dp*ep ranks hold the same shares.
+  std::vector<std::pair<int, RankMemory>> stages;
+  RankMemory most;
+  for (int stage = 0; stage < p.pp; ++stage) {
+    int in_flight = 0;
+    const RankMemory m = stage_memory(cfg, stage, &in_flight);
+    stages.emplace_back(in_flight, m);
+    if (m.total() > most.total()) most = m;
   }
+  TrainState from;
+  std::string resume = resume_file(cfg.checkpoint), changes;
+  if (!resume.empty()) from = check_checkpoint(resume, cfg, &changes);
+  TokenDataset train(cfg.data.paths, cfg.data.dtype, t.seq_len, cfg.model.vocab_size,
+                     "data.paths");
+  KMOE_REQUIRE(train.num_instances() >= t.global_batch,
+               "data.paths: " << train.num_instances() << " instances, fewer than one "
+                              << "train.global_batch (" << t.global_batch << ")");
+  InstanceStream stream(train.num_instances(), t.seed);
+  const std::int64_t used =
+      std::max<std::int64_t>(0, std::int64_t(t.max_steps - from.step)) * t.global_batch;
+  std::int64_t budget = kDryRunTokens;
+  const std::int64_t read = check_tokens(
+      train, used, [&](std::int64_t i) { return stream.instance_at(from.next_position + i); },
+      budget);
+  std::int64_t val = 0, val_read = 0;
+  if (!cfg.data.val_paths.empty()) {
+    TokenDataset v(cfg.data.val_paths, cfg.data.dtype, t.seq_len, cfg.model.vocab_size,
+                   "data.val_paths");
+    val = v.num_instances();
+    const std::int64_t evaluated =
+        t.eval_instances > 0 ? std::min<std::int64_t>(val, t.eval_instances) : val;
+    val_read = check_tokens(
+        v, evaluated, [](std::int64_t i) { return i; }, budget);
+  }
+  const double mib = 1024.0 * 1024.0;
+  std::printf("dry run: grid pp %d x dp %d x ep %d = %d ranks (planned on one process; this "
+              "launch has %d)\n",
+              p.pp, p.dp, p.ep, p.world(), launched);
+  std::printf("  parameters: total %lld, active %lld (embedding %lld)\n",
+              (long long)s.total_params, (long long)s.active_params,
+              (long long)s.embedding_params);
+  const double tokens = double(t.global_batch) * t.seq_len;
+  std::printf("  model FLOPs per token: %.4g (forward + backward); per step %.4g (%.0f tokens)\n",
+              s.flops_per_token, s.flops_per_token * tokens, tokens);
+  std::printf(
+      "  memory per rank (estimate, %s activations; every dp and ep rank of a stage alike):\n"
+      "    stage  blocks   tensor elements  params+grads MiB  AdamW MiB  in flight  "
+      "activations MiB  runtime MiB  total MiB\n",
+      choice_name(t.precision));
+  for (int stage = 0; stage < p.pp; ++stage) {
+    const auto& [in_flight, m] = stages[stage];
+    std::printf("    %5d  %3d-%-3d  %15lld  %16.1f  %9.1f  %9d  %15.1f  %11.1f  %9.1f\n", stage,
+                bounds[stage], bounds[stage + 1] - 1, (long long)m.elements,
+                8.0 * m.elements / mib, 8.0 * m.elements / mib, in_flight,
+                m.activation_bytes / mib, kRuntimeBytes / mib,
+                (m.total() + kRuntimeBytes) / mib);
+  }
+  std::printf(
+      "  sent per rank and step (MiB; ring all-reduces, a balanced all-to-all, %s rows):\n"
+      "    stage  gradients/stage  gradients/dp  all-to-all  pipeline     total\n",
+      choice_name(t.precision));
+  for (int stage = 0; stage < p.pp; ++stage) {
+    const StepTraffic x = step_traffic(cfg, stage);
+    std::printf("    %5d  %15.1f  %12.1f  %10.1f  %8.1f  %8.1f\n", stage, x.stage_grads / mib,
+                x.dp_grads / mib, x.all_to_all / mib, x.pipeline / mib, x.total() / mib);
+  }
+  std::printf(
+      "  memory per rank (estimate, the largest share, %s activations): %.1f MiB state + "
+      "%.1f MiB activations = %.1f MiB, %.1f MiB with the runtime\n",
+      choice_name(t.precision), most.state_bytes / mib, most.activation_bytes / mib,
+      most.total() / mib, (most.total() + kRuntimeBytes) / mib);
+  std::printf(
+      "  data: %lld training instances of %d tokens (%d steps use %lld), %lld "
+      "validation\n",
+      (long long)train.num_instances(), t.seq_len, t.max_steps,
+      (long long)t.max_steps * t.global_batch, (long long)val);
+  std::printf(
+      "  token ids checked: %lld of the %lld training instances the run reads and %lld "
+      "validation instances (a dry run reads at most %lld tokens)\n",
+      (long long)read, (long long)used, (long long)val_read, (long long)kDryRunTokens);
+  if (resume.empty())
+    std::printf("  a fresh run: nothing to resume in checkpoint.dir = %s\n",
+                cfg.checkpoint.dir.c_str());
+  else
+    std::printf("  resumes %s after step %d%s%s\n", resume.c_str(), from.step,
+                changes.empty() ? "" : "; deck changes since:", changes.c_str());
 }
 
 // --plan N: the layouts of N ranks, on world rank 0 of any launch.

@@ -143,6 +143,7 @@ RankMemory rank_memory(const ModelCfg& m, const MoeCfg& e, const EngramCfg& g, i
     const Size V = s.V, D = s.D, N = s.N;
     const auto plans = engram_hash_plans(g, load_engram_compression(g, m.vocab_size).vocab_c);
     Size elements = 0, saved = 0;  // parameters and buffers; one instance's activations (bytes)
+    Size experts = 0, sharded = 0;  // of the elements: routed experts, sharded Engram rows
     Size blocks = 0;
     bool has_moe = false;
     for (int l = r.first_block; l < r.last_block; ++l) {
@@ -151,8 +152,9 @@ RankMemory rank_memory(const ModelCfg& m, const MoeCfg& e, const EngramCfg& g, i
       saved += s.attn_saved();
       if (e.is_moe_layer(l)) {
         const Size local_experts = s.E.get() / std::max(1, r.ep);
-        elements += s.E * D + Size(3) * local_experts * s.Fe * D + s.shared +
-                    (e.bias_update_rate > 0 ? s.E : Size(0));
+        const Size mine = Size(3) * local_experts * s.Fe * D;
+        experts += mine;
+        elements += s.E * D + mine + s.shared + (e.bias_update_rate > 0 ? s.E : Size(0));
         saved += s.moe_saved(r.ep);
         has_moe = true;
       } else {
@@ -162,7 +164,9 @@ RankMemory rank_memory(const ModelCfg& m, const MoeCfg& e, const EngramCfg& g, i
       for (const auto& plan : plans) {
         if (plan.layer != l) continue;
         const int members = std::max(1, r.engram_members);
-        elements += engram_params(g, D, (plan.rows + members - 1) / members);
+        const Size rows = (plan.rows + members - 1) / members;
+        elements += engram_params(g, D, rows);
+        if (members > 1) sharded += rows * (g.embed_per_ngram / g.heads);
         saved += engram_saved(g, D, N, s.kb, members > 1);
       }
     }
@@ -173,6 +177,8 @@ RankMemory rank_memory(const ModelCfg& m, const MoeCfg& e, const EngramCfg& g, i
     if (r.head) stage += N * V + Size(2) * N * D;  // logits, the normed input and its gradient
     RankMemory out;
     out.elements = elements.get();
+    out.expert_elements = experts.get();
+    out.sharded_elements = sharded.get();
     out.state_bytes = (Size(16) * elements).get();
     out.activation_bytes = (Size(r.in_flight) * (saved + Size(4) * stage) + s.scratch() +
                             (has_moe ? s.moe_scratch() : Size(0)))

@@ -41,6 +41,8 @@ struct RankShare {
 
 struct RankMemory {
   std::int64_t elements = 0;          // this rank's TensorTable (parameters and buffers)
+  std::int64_t expert_elements = 0;   // of which its routed experts' weights
+  std::int64_t sharded_elements = 0;  // of which its row blocks of sharded Engram tables
   std::int64_t state_bytes = 0;       // its four flat buffers
   std::int64_t activation_bytes = 0;  // every instance's saved activations and scratch
   std::int64_t total() const { return state_bytes + activation_bytes; }

@@ -525,8 +525,7 @@ void MoeLayer::experts_forward(const TensorTable& table, const Operand& in,
     return;
   }
   if (staged) {
-    int most = 0;
-    for (int le = 0; le < El_; ++le) most = std::max(most, off[le + 1] - off[le]);
+    const int most = largest_block(off);
     for (View1F* v : {&s.d_up1, &s.d_up3})
       ensure_size(*v, std::int64_t(most) * Fe, "moe::d_hidden");
   }
@@ -566,8 +565,7 @@ void MoeLayer::experts_backward(TensorTable& table, const Operand& g_rows, float
     grouped_->rows(Trans::N, 1.0f, du3, Fe, table.param(w3_), wsz, 1.0f, g_out, D);
     return;
   }
-  int most = 0;
-  for (int le = 0; le < El_; ++le) most = std::max(most, off[le + 1] - off[le]);
+  const int most = largest_block(off);
   for (View1F* v : {&s.d_act, &s.d_up1, &s.d_up3})
     ensure_size(*v, std::int64_t(most) * Fe, "moe::d_hidden");
   for (int le = 0; le < El_; ++le) {

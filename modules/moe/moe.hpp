@@ -11,6 +11,7 @@
 // expert takes every row it receives.
 #pragma once
 
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <vector>
@@ -120,6 +121,12 @@ class MoeLayer {
                         const KeptOperand& up1,
                         const KeptOperand& up3, const KeptOperand& act,
                         const std::vector<int>& off, std::int64_t rows, MoeScratch& s) const;
+  // The most rows of one local expert in `off` (El+1 bounds).
+  int largest_block(const std::vector<int>& off) const {
+    int most = 0;
+    for (int le = 0; le < El_; ++le) most = std::max(most, off[le + 1] - off[le]);
+    return most;
+  }
   int D_, E_, k_, Fe_;
   int P_ = 1, El_, e0_ = 0;  // ep group size, experts per rank, first local expert
   MoeCfg cfg_;

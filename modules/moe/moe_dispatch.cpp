@@ -67,32 +67,29 @@ void ExpertDispatch::plan(const std::vector<int>& offsets) {
   ensure_size(xfer_, std::max<std::int64_t>(Rx, offsets[E_]) * D_, "moe::dispatch_xfer");
 }
 
-void ExpertDispatch::dispatch(const float* rows, float* ex) {
-  const int D = D_, Rx = local_rows();
-  exchange_.forward(rows, xfer_.data(), D);
-  auto perm = perm_;
-  auto from = ConstMat(xfer_.data(), Rx, D);
-  auto to = Mat(ex, Rx, D);
+namespace {
+// Received rows (Rx, D) into expert-major order: to[r] = from[perm[r]] (fp32 or bf16 values).
+template <class T>
+void regroup(const View1I& perm, const T* from, T* to, int Rx, int D) {
   Kokkos::parallel_for(
       "moe::dispatch_regroup", row_policy(Rx), KOKKOS_LAMBDA(const TeamMember& tm) {
         const int r = tm.league_rank(), src = perm(r);
-        Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, D),
-                             [&](int d) { to(r, d) = from(src, d); });
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, D), [&](int d) {
+          to[std::int64_t(r) * D + d] = from[std::int64_t(src) * D + d];
+        });
       });
+}
+}  // namespace
+
+void ExpertDispatch::dispatch(const float* rows, float* ex) {
+  exchange_.forward(rows, xfer_.data(), D_);
+  regroup(perm_, xfer_.data(), ex, local_rows(), D_);
 }
 
 void ExpertDispatch::dispatch(const std::uint16_t* rows, std::uint16_t* ex) {
-  const int D = D_, Rx = local_rows();
-  auto* words = reinterpret_cast<std::uint16_t*>(xfer_.data());
-  exchange_.forward(rows, words, D);
-  auto perm = perm_;
-  Kokkos::parallel_for(
-      "moe::dispatch_regroup_bf16", row_policy(Rx), KOKKOS_LAMBDA(const TeamMember& tm) {
-        const int r = tm.league_rank(), src = perm(r);
-        Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, D), [&](int d) {
-          ex[std::int64_t(r) * D + d] = words[std::int64_t(src) * D + d];
-        });
-      });
+  auto* words = reinterpret_cast<std::uint16_t*>(xfer_.data());  // bf16 in half the buffer
+  exchange_.forward(rows, words, D_);
+  regroup(perm_, static_cast<const std::uint16_t*>(words), ex, local_rows(), D_);
 }
 
 void ExpertDispatch::combine(const float* ex, float* rows) {

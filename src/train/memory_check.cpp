@@ -9,7 +9,7 @@
 #include "core/error.hpp"
 #include "core/kokkos_types.hpp"
 #include "core/memory.hpp"
-#include "modules/engram/engram_hash.hpp"
+#include "parallel/pipeline_schedule.hpp"
 
 namespace kmoe {
 
@@ -46,31 +46,31 @@ RankShare rank_share(const Config& cfg, int stage, int in_flight) {
   return r;
 }
 
+int micro_batches_per_replica(const Config& cfg) {
+  const TrainCfg& t = cfg.train;
+  return t.global_batch / t.micro_batch / (cfg.parallel.dp * cfg.parallel.ep);
+}
+
+RankMemory stage_memory(const Config& cfg, int stage, int* in_flight) {
+  const ParallelCfg& p = cfg.parallel;
+  const int n =
+      max_in_flight(pipeline_schedule(p.schedule, p.pp, stage, micro_batches_per_replica(cfg)));
+  if (in_flight) *in_flight = n;
+  return rank_memory(cfg.model, cfg.moe, cfg.engram, cfg.train.micro_batch, cfg.train.seq_len,
+                     rank_share(cfg, stage, n));
+}
+
 StepTraffic step_traffic(const Config& cfg, int stage) {
   const ParallelCfg& p = cfg.parallel;
   const TrainCfg& t = cfg.train;
-  const MoeCfg& e = cfg.moe;
-  const std::vector<int> bounds = stage_bounds(p, cfg.model.n_layers);
-  // Everything the stage's ranks hold (the same RankShare as the memory estimate) splits into
-  // the experts (reduced over dp), sharded Engram rows (over dp when sharded over ep, not at all
-  // over the stage) and the rest (replicated over the stage).
+  // What the stage's ranks hold (the memory estimate's RankShare) splits into the experts
+  // (reduced over dp), sharded Engram rows (over dp when sharded over ep, not at all over the
+  // stage) and the rest (replicated over the stage).
   const RankShare r = rank_share(cfg, stage, 1);
-  const RankMemory mem = rank_memory(cfg.model, e, cfg.engram, t.micro_batch, t.seq_len, r);
-  double experts = 0, moe_layers = 0;
-  for (int l = bounds[stage]; l < bounds[stage + 1]; ++l)
-    if (e.is_moe_layer(l)) {
-      moe_layers += 1;
-      experts += 3.0 * (e.experts / p.ep) * double(e.expert_hidden) * cfg.model.d_model;
-    }
-  double sharded = 0;  // this rank's row blocks of its stage's sharded Engram tables
-  if (r.engram_members > 1) {
-    const EngramCfg& g = cfg.engram;
-    for (const auto& plan :
-         engram_hash_plans(g, load_engram_compression(g, cfg.model.vocab_size).vocab_c))
-      if (plan.layer >= bounds[stage] && plan.layer < bounds[stage + 1])
-        sharded += double((plan.rows + r.engram_members - 1) / r.engram_members) *
-                   (g.embed_per_ngram / g.heads);
-  }
+  const RankMemory mem = rank_memory(cfg.model, cfg.moe, cfg.engram, t.micro_batch, t.seq_len, r);
+  const double experts = double(mem.expert_elements), sharded = double(mem.sharded_elements);
+  double moe_layers = 0;
+  for (int l = r.first_block; l < r.last_block; ++l) moe_layers += cfg.moe.is_moe_layer(l);
   const double dense = double(mem.elements) - experts - sharded;
   auto ring = [](double bytes, int members) {
     return members > 1 ? bytes * 2.0 * (members - 1) / members : 0.0;
@@ -79,12 +79,12 @@ StepTraffic step_traffic(const Config& cfg, int stage) {
   out.stage_grads = ring(4.0 * dense, p.dp * p.ep);
   const bool ep_rows = p.engram_shard == EngramShardGroup::Ep;
   out.dp_grads = ring(4.0 * (experts + (ep_rows ? sharded : 0.0)), p.dp);
-  const double micro = double(t.global_batch) / t.micro_batch / (p.dp * p.ep);
+  const double micro = micro_batches_per_replica(cfg);
   const double tokens = double(t.micro_batch) * t.seq_len;
   if (p.ep > 1) {
     const int D = cfg.model.d_model;
     const double out_bytes = t.precision == Precision::Bf16 && D % 2 == 0 ? 2.0 : 4.0;
-    const double rows = tokens * e.top_k * (p.ep - 1) / p.ep;
+    const double rows = tokens * cfg.moe.top_k * (p.ep - 1) / p.ep;
     // Forward: rows out, outputs back; backward: output gradients out, input gradients back.
     out.all_to_all = micro * moe_layers * rows * D * (2.0 * out_bytes + 2.0 * 4.0);
   }

@@ -27,6 +27,12 @@ RankShare rank_share(const Config& cfg, int stage, int in_flight);
 // The same for this rank of `grid`.
 RankShare rank_share(const Config& cfg, const ProcessGrid& grid, int in_flight);
 
+// Micro-batches per replica and step (train.global_batch / (micro_batch * dp * ep)).
+int micro_batches_per_replica(const Config& cfg);
+// What a rank of pipeline stage `stage` holds with the schedule's in-flight micro-batches
+// (their count in *in_flight when given).
+RankMemory stage_memory(const Config& cfg, int stage, int* in_flight = nullptr);
+
 // Bytes a rank of pipeline stage `stage` sends per optimizer step, per axis (RUNTIME.md
 // section 1), for the dry run's plan: ring all-reduces (2 (R-1)/R of the buffer), the
 // all-to-all at a balanced load without drops ((ep-1)/ep of the kept rows leave, in the run's

@@ -5,7 +5,6 @@
 
 #include "core/error.hpp"
 #include "modules/model/model_size.hpp"
-#include "parallel/pipeline_schedule.hpp"
 #include "train/memory_check.hpp"
 
 namespace kmoe {
@@ -20,17 +19,13 @@ LayoutPlan plan_one(const Config& cfg, const PlanOptions& o) {
   out.pp = p.pp;
   out.dp = p.dp;
   out.ep = p.ep;
-  const int micro = t.global_batch / t.micro_batch / (p.dp * p.ep);
   for (int stage = 0; stage < p.pp; ++stage) {
-    const int in_flight = max_in_flight(pipeline_schedule(p.schedule, p.pp, stage, micro));
-    const RankMemory m = rank_memory(cfg.model, cfg.moe, cfg.engram, t.micro_batch, t.seq_len,
-                                     rank_share(cfg, stage, in_flight));
-    out.memory = std::max(out.memory, double(m.total() + kRuntimeBytes));
+    out.memory = std::max(out.memory, double(stage_memory(cfg, stage).total() + kRuntimeBytes));
     out.sent = std::max(out.sent, step_traffic(cfg, stage).total());
   }
   const ModelSize s = model_size(cfg.model, cfg.moe, t.micro_batch, t.seq_len, cfg.engram);
   const double flops = s.flops_per_token * double(t.global_batch) * t.seq_len;
-  const double bubble = double(p.pp - 1) / micro;
+  const double bubble = double(p.pp - 1) / micro_batches_per_replica(cfg);
   out.seconds = flops / (double(o.ranks) * o.flops_per_rank) * (1.0 + bubble) +
                 out.sent / o.link_bytes_per_s;
   return out;
