@@ -169,11 +169,16 @@ void save_checkpoint(const Config& cfg, const ProcessGrid& grid, const TensorTab
       f.write_rows_f32("/model/" + p, g.shape, r0, nr, params.data() + off, writer);
     });
     if (!g.trainable) continue;  // buffers have no moments
+    // The moments this rank keeps (a slice of the tensor with optimizer.shard).
+    const MomentRows mr = e ? moment_rows(table, local, grid) : MomentRows();
+    const std::int64_t at = e ? table.moments(local).offset : 0;
     out.step([&](H5File& f) {
-      f.write_rows_f32("/optimizer/exp_avg/" + p, g.shape, r0, nr, m.data() + off, writer);
+      f.write_rows_f32("/optimizer/exp_avg/" + p, g.shape, mr.first, mr.rows, m.data() + at,
+                       mr.write);
     });
     out.step([&](H5File& f) {
-      f.write_rows_f32("/optimizer/exp_avg_sq/" + p, g.shape, r0, nr, v.data() + off, writer);
+      f.write_rows_f32("/optimizer/exp_avg_sq/" + p, g.shape, mr.first, mr.rows, v.data() + at,
+                       mr.write);
     });
   }
   // The format attribute goes last: a file without it was never finished.
@@ -288,11 +293,11 @@ TrainState load_checkpoint(const std::string& path, const Config& cfg, const Pro
   auto v = Kokkos::create_mirror_view(table.exp_avg_sq);
   // Each rank reads exactly its own hyperslabs, whatever layout wrote the file, and refuses
   // non-finite values: trained on, a NaN would spread into every later checkpoint.
-  auto read = [&](const std::string& dataset, const TensorEntry& e, float* out) {
-    const std::int64_t r0 = e.spec.row_begin, nr = e.spec.local_rows();
+  auto read = [&](const std::string& dataset, const TensorEntry& e, std::int64_t r0,
+                  std::int64_t nr, float* out) {
     f.read_rows_f32(dataset, e.spec.shape, r0, nr, out);
     watchdog.progress();
-    for (std::int64_t i = 0; i < e.size; ++i) {
+    for (std::int64_t i = 0; i < nr * e.spec.row_elements(); ++i) {
       if (std::isfinite(out[i])) continue;
       const std::int64_t row_len = std::max<std::int64_t>(1, e.spec.row_elements());
       KMOE_FAIL(path << ": dataset " << dataset << " holds " << out[i] << " at row "
@@ -300,12 +305,15 @@ TrainState load_checkpoint(const std::string& path, const Config& cfg, const Pro
                      << " (a non-finite value in " << e.spec.name << "): refusing to load it");
     }
   };
-  for (const auto& e : table.entries()) {
+  for (int t = 0; t < table.size(); ++t) {
+    const TensorEntry& e = table.entry(t);
     const std::string p = tensor_path(e.spec.name);
-    read("/model/" + p, e, params.data() + e.offset);
-    if (with_optimizer && e.spec.trainable) {
-      read("/optimizer/exp_avg/" + p, e, m.data() + e.offset);
-      read("/optimizer/exp_avg_sq/" + p, e, v.data() + e.offset);
+    read("/model/" + p, e, e.spec.row_begin, e.spec.local_rows(), params.data() + e.offset);
+    if (with_optimizer && e.spec.trainable) {  // the moments this rank keeps
+      const MomentSlice& s = table.moments(t);
+      const std::int64_t r0 = e.spec.row_begin + s.first;
+      read("/optimizer/exp_avg/" + p, e, r0, s.rows, m.data() + s.offset);
+      read("/optimizer/exp_avg_sq/" + p, e, r0, s.rows, v.data() + s.offset);
     }
   }
   Kokkos::deep_copy(table.params, params);

@@ -301,6 +301,10 @@ Schema::Schema(Config& c) : options_("kmoe input deck") {
       "GEMM inputs (MODEL.md section 8): fp32 | tf32 (TF32 tensor cores through cuBLAS; GPUs "
       "only) | bf16 (inputs rounded to bf16, fp32 sums, fp32 weights and optimizer; on CPUs "
       "emulated with the same numbers); the router stays fp32");
+  key(c.train.recompute, "recompute", Recompute::None,
+      "activation recompute: none | block (a block keeps only its input and runs its forward "
+      "again just before its backward; bit-identical results, the blocks share one set of "
+      "activation buffers)");
 
   section("optimizer", "AdamW and the learning-rate schedule");
   required(c.optimizer.lr, "lr", "peak learning rate");
@@ -314,6 +318,9 @@ Schema::Schema(Config& c) : options_("kmoe input deck") {
   key(c.optimizer.warmup_steps, "warmup_steps", 0, "linear warmup steps");
   key(c.optimizer.final_lr_ratio, "final_lr_ratio", 0.1, "final lr as a fraction of lr");
   key(c.optimizer.decay_steps, "decay_steps", 0, "wsd: length of the final linear decay");
+  key(c.optimizer.shard, "shard", OptimizerShard::None,
+      "AdamW moments: none (every replica keeps all) | replicas (ZeRO-1: split over the ranks "
+      "that hold the tensor; gradients reduce-scattered, parameters all-gathered)");
 
   section("data", "token files (headerless arrays or .npy)");
   required(c.data.paths, "paths", "training token files, comma-separated; globs allowed");
@@ -353,7 +360,8 @@ Schema::Schema(Config& c) : options_("kmoe input deck") {
   section("output", "logging, metrics and dumps");
   key(c.output.dir, "dir", "run", "directory of metrics.csv, the resolved deck and dumps");
   key(c.output.log_every, "log_every", 1, "steps between log lines");
-  key(c.output.peak_flops, "peak_flops", 0.0, "peak FLOP/s per rank for MFU, the device's dense peak for train.precision "
+  key(c.output.peak_flops, "peak_flops", 0.0,
+      "peak FLOP/s per rank for MFU, the device's dense peak for train.precision "
       "(H100/H200 SXM: fp32 67e12, tf32 494e12, bf16 989e12); 0 = no MFU");
   key(c.output.phase_timing, "phase_timing", false,
       "time the step's phases (data, forward, backward, ...): the host waits for the device "

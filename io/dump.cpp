@@ -35,10 +35,12 @@ void write_step_dump(const Config& cfg, const ProcessGrid& grid, const TensorTab
     if (!g.trainable || !out.ok()) continue;  // buffers have no gradient
     const int i = table.find(g.name);
     const TensorEntry* e = i >= 0 ? &table.entry(i) : nullptr;
+    // The reduced rows: with optimizer.shard each replica holds those of its moment slice.
+    const MomentRows r = e ? moment_rows(table, i, grid) : MomentRows();
+    const std::int64_t at = e ? e->offset + r.local_first * e->spec.row_elements() : 0;
     out.step([&](H5File& f) {
-      f.write_rows_f32("/grad/" + tensor_path(g.name), g.shape, e ? e->spec.row_begin : 0,
-                       e ? e->spec.local_rows() : 0, grads.data() + (e ? e->offset : 0),
-                       e && owns(e->spec, grid));
+      f.write_rows_f32("/grad/" + tensor_path(g.name), g.shape, r.first, r.rows, grads.data() + at,
+                       r.write);
     });
   }
   out.finish("step dump " + path + " not written");

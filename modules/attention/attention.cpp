@@ -39,9 +39,9 @@ Attention::Attention(const ModelCfg& m, const std::string& prefix, int max_seqs,
     k_norm_ = table.add(TensorSpec::gain(prefix + "k_norm.weight", kd));
   }
   const std::int64_t N = static_cast<std::int64_t>(max_seqs) * T_;
-  qkv_ = View1F("attn::qkv", N * (qd + 2 * kd));
-  rstd_q_ = View1F("attn::rstd_q", N);
-  rstd_k_ = View1F("attn::rstd_k", N);
+  qkv_ = saved_floats("attn::qkv", N * (qd + 2 * kd));
+  rstd_q_ = saved_floats("attn::rstd_q", N);
+  rstd_k_ = saved_floats("attn::rstd_k", N);
   q_ = KeptOperand("attn::q", N * qd);
   k_ = KeptOperand("attn::k", N * kd);
   v_ = KeptOperand("attn::v", N * kd);
@@ -75,8 +75,8 @@ void merge_heads(const float* heads, KeptOut merged, int N, int T, int H, int dh
 // One row of the causal softmax backward in place: g = P * (g - sum_j P g) * scale over keys
 // [0, t], 0 beyond, with P as kept (fp32 or bf16 pointer, row start applied).
 template <class P>
-KOKKOS_INLINE_FUNCTION void softmax_row_backward(const TeamMember& tm, int t, int T, P pr,
-                                                 float* g, float scale) {
+KOKKOS_INLINE_FUNCTION void softmax_row_backward(const TeamMember& tm, int t, int T, P pr, float* g,
+                                                 float scale) {
   float dot = 0.0f;
   Kokkos::parallel_reduce(
       Kokkos::TeamThreadRange(tm, t + 1), [&](int j, float& s) { s += kept_load(pr, j) * g[j]; },
@@ -178,9 +178,8 @@ void Attention::forward(const TensorTable& table, const RopeTables& rope, ConstM
             Kokkos::TeamThreadRange(tm, t + 1), [&](int j, float& s) { s += row[j]; }, sum);
         const float inv = 1.0f / sum;
         const std::int64_t base = std::int64_t(r) * T;
-        Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, T), [&](int j) {
-          p.set(base + j, j <= t ? row[j] * inv : 0.0f);
-        });
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, T),
+                             [&](int j) { p.set(base + j, j <= t ? row[j] * inv : 0.0f); });
       });
 
   float* heads = scratch.d_heads.data();  // (nseq, H, T, dh) head outputs
@@ -215,8 +214,7 @@ void Attention::backward(TensorTable& table, const RopeTables& rope, ConstMat a,
   gemm_strided_batched(Trans::N, Trans::T, 1.0f, {d_heads, G * T, dh, G * Tdh},
                        v_.strided(T, dh, Tdh), 0.0f, d_probs, G * T, T, G * TT, groups);
   gemm_strided_batched(Trans::T, Trans::N, 1.0f, probs_.strided(G * T, T, G * TT),
-                       {d_heads, G * T, dh, G * Tdh}, 0.0f, scratch.d_v.data(), T, dh, Tdh,
-                       groups);
+                       {d_heads, G * T, dh, G * Tdh}, 0.0f, scratch.d_v.data(), T, dh, Tdh, groups);
 
   // Softmax backward in place: dS = P * (dP - sum_j P dP) * scale (P as kept: R(P) in bf16).
   const KeptIn p = probs_.in();

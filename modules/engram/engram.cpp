@@ -71,18 +71,18 @@ EngramLayer::EngramLayer(const ModelCfg& m, const EngramCfg& g, const EngramHash
   // Kept as bf16 in bf16 runs, unless the sharded lookup fills it (its rows arrive as fp32).
   mem_ = KeptOperand("engram::mem", N * d_mem_, /*may_be_bf16=*/!shard_);
   for (View1F* v : {&key_, &val_, &kn_, &qn_, &v_, &u_, &c_, &d_a_, &d_b_})
-    *v = View1F("engram::act", N * D_);
+    *v = saved_floats("engram::act", N * D_);
   for (View1F* v : {&rstd_k_, &rstd_q_, &rstd_c_, &score_, &gate_, &d_gate_})
-    *v = View1F("engram::row", N);
-  d_mem_buf_ = View1F("engram::d_mem", N * d_mem_);
+    *v = saved_floats("engram::row", N);
+  d_mem_buf_ = saved_floats("engram::d_mem", N * d_mem_);
   gate_now_ = Kokkos::View<double, MemSpace>("engram::gate_now");
 }
 
-Operand EngramLayer::lookup(const TensorTable& table, ConstIVec tokens) {
+Operand EngramLayer::lookup(const TensorTable& table, ConstIVec tokens, bool count) {
   const int N = tokens.extent(0), dh = dh_;
   auto rows = Kokkos::subview(rows_, Kokkos::make_pair(0, N), Kokkos::ALL);
   hasher_.rows(tokens, T_, rows_);
-  if (stats_) {  // lookups per row, for the rows-touched metric (integer atomics: exact)
+  if (stats_ && count) {  // lookups per row, for the rows-touched metric (integer atomics: exact)
     auto touched = stats_->counters(cols_.touched, R_);
     Kokkos::parallel_for(
         "engram::count_lookups", Range2({0, 0}, {N, heads_total_}),
@@ -106,11 +106,12 @@ Operand EngramLayer::lookup(const TensorTable& table, ConstIVec tokens) {
   return mem_.matrix(N, d_mem_);
 }
 
-void EngramLayer::forward(const TensorTable& table, ConstMat x, ConstIVec tokens, Mat out) {
+void EngramLayer::forward(const TensorTable& table, ConstMat x, ConstIVec tokens, Mat out,
+                          bool count) {
   const int N = x.extent(0), D = D_, T = T_, dm = d_mem_;
   const int Nn = Nn_, ker = kernel_;
   N_ = N;
-  const Operand mem = lookup(table, tokens);
+  const Operand mem = lookup(table, tokens, count);
 
   Mat key = as_mat(key_.data(), N, D), val = as_mat(val_.data(), N, D);
   gemm(Trans::N, Trans::T, 1.0f, mem, as_cmat(table.param(wk_), D, dm), 0.0f, key);
@@ -143,7 +144,7 @@ void EngramLayer::forward(const TensorTable& table, ConstMat x, ConstIVec tokens
         gate(t) = alpha;
         for (int d = 0; d < D; ++d) v(t, d) = alpha * val(t, d);
       });
-  if (stats_) {  // the gate metric stays on the device: this forward's mean joins the sum
+  if (stats_ && count) {  // the gate metric stays on the device: this forward's mean joins the sum
     auto gsum = stats_->device(cols_.gate);
     Kokkos::parallel_reduce(
         "engram::gate_sum", Range(0, N), KOKKOS_LAMBDA(int t, double& acc) { acc += gate(t); },

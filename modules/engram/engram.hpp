@@ -47,7 +47,9 @@ class EngramLayer {
   void finish_step(StepStats& stats, const Communicator& counted_over, bool write) const;
 
   // x: (N, D) residual stream, tokens: (N) compressed ids (EngramCompression) -> out: (N, D).
-  void forward(const TensorTable& table, ConstMat x, ConstIVec tokens, Mat out);
+  // count = false: a recompute of a forward already counted (train.recompute), which adds
+  // nothing to the statistics.
+  void forward(const TensorTable& table, ConstMat x, ConstIVec tokens, Mat out, bool count = true);
   // dout: (N, D) -> dx: (N, D) gradient through the gate's RMSNorm_q(x) (assigned). Once per
   // forward: it reuses saved buffers as temporaries.
   void backward(TensorTable& table, ConstMat x, ConstMat dout, Mat dx);
@@ -55,7 +57,7 @@ class EngramLayer {
   // Steps 1-6 alone (the first part of forward): hashes the N tokens, counts the lookups and
   // gathers the rows -> (N, d_mem) (bf16 values in bf16 runs), valid until the next call.
   // Gathers N * d_mem values.
-  Operand lookup(const TensorTable& table, ConstIVec tokens);
+  Operand lookup(const TensorTable& table, ConstIVec tokens, bool count = true);
   int memory_width() const { return d_mem_; }
 
   // Mean gate value of the last forward (reads the device).

@@ -5,9 +5,9 @@
 
 namespace kmoe {
 
-BlockScratch::BlockScratch(const ModelCfg& m, const MoeCfg& e, int max_seqs, int T)
+BlockScratch::BlockScratch(const ModelCfg& m, const MoeCfg& e, int max_seqs, int T, bool dense)
     : attn(m, max_seqs, T),
-      mlp(std::int64_t(max_seqs) * T, m.ffn_hidden),
+      mlp(dense ? std::int64_t(max_seqs) * T : 0, m.ffn_hidden),
       moe(e.enabled() ? std::make_unique<MoeScratch>(m, e, std::int64_t(max_seqs) * T) : nullptr),
       d_h("block::d_h", std::int64_t(max_seqs) * T * m.d_model),
       d_a("block::d_a", std::int64_t(max_seqs) * T * m.d_model),
@@ -35,7 +35,7 @@ Block::Block(const ModelCfg& m, const MoeCfg& e, const EngramCfg& g, const Engra
     sh.data = comms.engram_data ? comms.engram_data : comms.engram;
     engram_ = std::make_unique<EngramLayer>(m, g, *plan, block_prefix(layer) + "engram.", N, T,
                                             table, sh, stats);
-    x_engram_ = View1F("block::x_engram", N * D_);
+    x_engram_ = saved_floats("block::x_engram", N * D_);
   }
   if (e.is_moe_layer(layer))
     moe_ = std::make_unique<MoeLayer>(m, e, block_prefix(layer) + "moe.", N, table, comms.ep,
@@ -44,23 +44,23 @@ Block::Block(const ModelCfg& m, const MoeCfg& e, const EngramCfg& g, const Engra
     mlp_ = std::make_unique<SwigluMlp>(block_prefix(layer) + "mlp.", D_, m.ffn_hidden, m.init_std,
                                        N, table);
   if (!reordered_) {
-    attn_in_ = View1F("block::attn_in", N * D_);
-    ffn_in_ = View1F("block::ffn_in", N * D_);
+    attn_in_ = saved_floats("block::attn_in", N * D_);
+    ffn_in_ = saved_floats("block::ffn_in", N * D_);
   }
-  attn_out_ = View1F("block::attn_out", N * D_);
-  h_ = View1F("block::h", N * D_);
-  ffn_out_ = View1F("block::ffn_out", N * D_);
-  rstd_attn_ = View1F("block::rstd_attn", N);
-  rstd_ffn_ = View1F("block::rstd_ffn", N);
+  attn_out_ = saved_floats("block::attn_out", N * D_);
+  h_ = saved_floats("block::h", N * D_);
+  ffn_out_ = saved_floats("block::ffn_out", N * D_);
+  rstd_attn_ = saved_floats("block::rstd_attn", N);
+  rstd_ffn_ = saved_floats("block::rstd_ffn", N);
 }
 
 void Block::forward(const TensorTable& table, const RopeTables& rope, ConstMat x_block,
-                    ConstIVec tokens, Mat x_out, BlockScratch& s) {
+                    ConstIVec tokens, Mat x_out, BlockScratch& s, bool count) {
   const int N = x_block.extent(0);
   ConstMat x_in = x_block;
   if (engram_) {  // x_in = x + Engram(x, tokens)
     Mat xe = buf(x_engram_, N);
-    engram_->forward(table, x_block, tokens, xe);
+    engram_->forward(table, x_block, tokens, xe, count);
     add(x_block, as_cmat(xe), xe);
     x_in = as_cmat(xe);
   }
@@ -70,7 +70,7 @@ void Block::forward(const TensorTable& table, const RopeTables& rope, ConstMat x
   if (reordered_) {
     attn_.forward(table, rope, x_in, attn_out, s.attn);
     rmsnorm_forward(as_cmat(attn_out), g_attn, eps_, x_in, h, rstd_attn);
-    ffn_forward(table, as_cmat(h), ffn_out, s);
+    ffn_forward(table, as_cmat(h), ffn_out, s, count);
     rmsnorm_forward(as_cmat(ffn_out), g_ffn, eps_, as_cmat(h), x_out, rstd_ffn);
   } else {
     Mat attn_in = buf(attn_in_, N), ffn_in = buf(ffn_in_, N);
@@ -78,14 +78,15 @@ void Block::forward(const TensorTable& table, const RopeTables& rope, ConstMat x
     attn_.forward(table, rope, as_cmat(attn_in), attn_out, s.attn);
     add(x_in, as_cmat(attn_out), h);
     rmsnorm_forward(as_cmat(h), g_ffn, eps_, ConstMat(), ffn_in, rstd_ffn);
-    ffn_forward(table, as_cmat(ffn_in), ffn_out, s);
+    ffn_forward(table, as_cmat(ffn_in), ffn_out, s, count);
     add(as_cmat(h), as_cmat(ffn_out), x_out);
   }
 }
 
-void Block::ffn_forward(const TensorTable& table, ConstMat in, Mat out, BlockScratch& s) {
+void Block::ffn_forward(const TensorTable& table, ConstMat in, Mat out, BlockScratch& s,
+                        bool count) {
   if (moe_)
-    moe_->forward(table, in, out, *s.moe, s.moe_aux);
+    moe_->forward(table, in, out, *s.moe, s.moe_aux, count);
   else
     mlp_->forward(table, in, out, s.mlp);
 }

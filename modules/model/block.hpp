@@ -24,7 +24,8 @@ struct BlockScratch {
   // The micro-batch's MoE loss terms (lb_coef * LB + z_coef * RZ), summed on the device by the
   // MoE blocks' forwards in block order; the stage zeroes it before the first.
   View1D moe_aux{"block::moe_aux", 1};
-  BlockScratch(const ModelCfg& m, const MoeCfg& e, int max_seqs, int seq_len);
+  // dense: the stage has a block with the dense MLP (mlp sized for it, else empty).
+  BlockScratch(const ModelCfg& m, const MoeCfg& e, int max_seqs, int seq_len, bool dense);
 };
 
 class Block {
@@ -37,9 +38,10 @@ class Block {
         const LayerComms& comms = LayerComms(), StepStats* stats = nullptr);
 
   // x_in, x_out: (N, D); tokens: (N) ids (Engram). Saves what backward needs (x_in itself is
-  // kept by the caller).
+  // kept by the caller). count = false: the recompute of a forward already run (statistics and
+  // the MoE loss terms were counted then).
   void forward(const TensorTable& table, const RopeTables& rope, ConstMat x_in, ConstIVec tokens,
-               Mat x_out, BlockScratch& s);
+               Mat x_out, BlockScratch& s, bool count = true);
   // dx_out -> dx_in (assigned; may not alias dx_out); parameter gradients accumulate.
   // aux_scale: the weight of this micro-batch's MoE auxiliary losses in the step loss.
   void backward(TensorTable& table, const RopeTables& rope, ConstMat x_in, ConstMat dx_out,
@@ -57,7 +59,7 @@ class Block {
 
  private:
   Mat buf(const View1F& v, int rows) const { return as_mat(v.data(), rows, D_); }
-  void ffn_forward(const TensorTable& table, ConstMat in, Mat out, BlockScratch& s);
+  void ffn_forward(const TensorTable& table, ConstMat in, Mat out, BlockScratch& s, bool count);
   void ffn_backward(TensorTable& table, ConstMat in, ConstMat dy, Mat dx, BlockScratch& s,
                     float aux_scale);
 

@@ -50,9 +50,11 @@ struct Shapes {
   }
   Size mlp_saved() const { return kb * N * 3 * F; }
   Size block_saved() const { return attn_saved() + mlp_saved(); }
-  Size scratch() const {
-    return Size(4) *
-           (Size(2) * N * qd + probs + Size(2) * N * kd + N * W + N * 3 * F + Size(3) * N * D);
+  // The backward temporaries a stage's blocks share (fp32); the dense MLP's only on a stage with
+  // a dense block.
+  Size scratch(bool dense) const {
+    return Size(4) * (Size(2) * N * qd + probs + Size(2) * N * kd + N * W +
+                      (dense ? N * 3 * F : Size(0)) + Size(3) * N * D);
   }
   // An MoE layer saves logits/probs (N, E), up to N*k rows of inputs (kept unless ep > 1 with
   // d_model odd), outputs and hiddens (kept), and its shared experts' pre-activations and
@@ -129,9 +131,10 @@ ModelSize model_size(const ModelCfg& m, const MoeCfg& e, int b, int T, const Eng
     out.state_bytes = (Size(16) * total).get();
     const Size stage =
         (L + 1) * s.N * D + Size(2) * s.N * D + Size(2) * s.N * D + s.N * V + Size(3) * s.N;
-    out.activation_bytes = (L * s.block_saved() + moe_layers * s.moe_saved(1) + s.scratch() +
-                            (moe_layers.get() > 0 ? s.moe_scratch() : Size(0)) + Size(4) * stage)
-                               .get();
+    out.activation_bytes =
+        (L * s.block_saved() + moe_layers * s.moe_saved(1) + s.scratch(moe_layers.get() < L.get()) +
+         (moe_layers.get() > 0 ? s.moe_scratch() : Size(0)) + Size(4) * stage)
+            .get();
     return out;
   });
 }
@@ -142,24 +145,30 @@ RankMemory rank_memory(const ModelCfg& m, const MoeCfg& e, const EngramCfg& g, i
     const Shapes s(m, e, b, T, r.precision);
     const Size V = s.V, D = s.D, N = s.N;
     const auto plans = engram_hash_plans(g, load_engram_compression(g, m.vocab_size).vocab_c);
-    Size elements = 0, saved = 0;  // parameters and buffers; one instance's activations (bytes)
+    Size elements = 0, saved = 0;   // parameters and buffers; one instance's activations (bytes)
     Size experts = 0, sharded = 0;  // of the elements: routed experts, sharded Engram rows
     Size blocks = 0;
-    bool has_moe = false;
+    bool has_moe = false, has_dense = false;
+    // Under recompute the blocks share one pool: each kind of saved buffer once (the largest).
+    Size pool_attn = 0, pool_mlp = 0, pool_moe = 0, pool_engram = 0;
     for (int l = r.first_block; l < r.last_block; ++l) {
       blocks += 1;
       elements += s.attn;
       saved += s.attn_saved();
+      pool_attn = s.attn_saved();
       if (e.is_moe_layer(l)) {
         const Size local_experts = s.E.get() / std::max(1, r.ep);
         const Size mine = Size(3) * local_experts * s.Fe * D;
         experts += mine;
         elements += s.E * D + mine + s.shared + (e.bias_update_rate > 0 ? s.E : Size(0));
         saved += s.moe_saved(r.ep);
+        pool_moe = s.moe_saved(r.ep);
         has_moe = true;
       } else {
         elements += Size(3) * s.F * D;
         saved += s.mlp_saved();
+        pool_mlp = s.mlp_saved();
+        has_dense = true;
       }
       for (const auto& plan : plans) {
         if (plan.layer != l) continue;
@@ -168,6 +177,8 @@ RankMemory rank_memory(const ModelCfg& m, const MoeCfg& e, const EngramCfg& g, i
         elements += engram_params(g, D, rows);
         if (members > 1) sharded += rows * (g.embed_per_ngram / g.heads);
         saved += engram_saved(g, D, N, s.kb, members > 1);
+        const Size mine = engram_saved(g, D, N, s.kb, members > 1);
+        if (mine.get() > pool_engram.get()) pool_engram = mine;
       }
     }
     if (r.embed) elements += V * D;
@@ -179,10 +190,20 @@ RankMemory rank_memory(const ModelCfg& m, const MoeCfg& e, const EngramCfg& g, i
     out.elements = elements.get();
     out.expert_elements = experts.get();
     out.sharded_elements = sharded.get();
-    out.state_bytes = (Size(16) * elements).get();
-    out.activation_bytes = (Size(r.in_flight) * (saved + Size(4) * stage) + s.scratch() +
-                            (has_moe ? s.moe_scratch() : Size(0)))
-                               .get();
+    // Sharded moments: each replicated tensor's over its replicas (rounded up).
+    const Size dense = elements - experts - sharded;
+    const Size dr = std::max(1, r.dense_replicas), er = std::max(1, r.expert_replicas);
+    const Size moments = (dense + dr - Size(1)).get() / dr.get() +
+                         Size((experts + er - Size(1)).get() / er.get()) + sharded;
+    out.moment_elements = moments.get();
+    out.state_bytes = (Size(8) * elements + Size(8) * moments).get();
+    // Recompute: every instance keeps its residual streams; the pool, and the buffer a block's
+    // second forward writes its output to, once.
+    const Size kept = r.recompute ? Size(r.in_flight) * Size(4) * stage + pool_attn + pool_mlp +
+                                        pool_moe + pool_engram + Size(4) * N * D
+                                  : Size(r.in_flight) * (saved + Size(4) * stage);
+    out.activation_bytes =
+        (kept + s.scratch(has_dense) + (has_moe ? s.moe_scratch() : Size(0))).get();
     return out;
   });
 }

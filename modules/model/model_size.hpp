@@ -37,12 +37,17 @@ struct RankShare {
   int in_flight = 1;       // Stage instances (max_in_flight of the pipeline schedule)
   // train.precision: bf16 keeps the activations MODEL.md section 8 lists as bf16 (2 bytes).
   Precision precision = Precision::Fp32;
+  bool recompute = false;  // train.recompute = block: the blocks share one pool of saved buffers
+  // optimizer.shard = replicas: the ranks a dense tensor's and an expert's AdamW moments are
+  // split over (the stage's dp*ep replicas, the dp group); 1 unsharded.
+  int dense_replicas = 1, expert_replicas = 1;
 };
 
 struct RankMemory {
   std::int64_t elements = 0;          // this rank's TensorTable (parameters and buffers)
   std::int64_t expert_elements = 0;   // of which its routed experts' weights
   std::int64_t sharded_elements = 0;  // of which its row blocks of sharded Engram tables
+  std::int64_t moment_elements = 0;   // the AdamW moments it keeps (fewer when sharded)
   std::int64_t state_bytes = 0;       // its four flat buffers
   std::int64_t activation_bytes = 0;  // every instance's saved activations and scratch
   std::int64_t total() const { return state_bytes + activation_bytes; }

@@ -17,10 +17,19 @@ void declare_model_stats(StepStats& stats, const ModelCfg& m, const MoeCfg& e, c
     if (std::find(g.layers.begin(), g.layers.end(), l) != g.layers.end())
       EngramLayer::declare_stats(stats, l);
 }
+
+// Whether the plan's blocks include one with the dense MLP.
+bool has_dense_block(const ModelCfg& m, const MoeCfg& e, const StagePlan& plan) {
+  const int last = plan.last_block < 0 ? m.n_layers : plan.last_block;
+  for (int l = plan.first_block; l < last; ++l)
+    if (!e.is_moe_layer(l)) return true;
+  return false;
+}
 }  // namespace
 
 Stage::Stage(const ModelCfg& m, const MoeCfg& e, int max_seqs, int T, TensorTable& table,
-             const EngramCfg& g, const StagePlan& plan, const LayerComms& comms, StepStats* stats)
+             const EngramCfg& g, const StagePlan& plan, const LayerComms& comms, StepStats* stats,
+             ActivationPool* recompute)
     : D_(m.d_model),
       T_(T),
       max_seqs_(max_seqs),
@@ -29,10 +38,11 @@ Stage::Stage(const ModelCfg& m, const MoeCfg& e, int max_seqs, int T, TensorTabl
       has_head_(plan.head),
       rope_(T, m.head_dim(), m.rope_theta),
       compression_(load_engram_compression(g, m.vocab_size)),
-      scratch_(m, e, max_seqs, T),
+      scratch_(m, e, max_seqs, T, has_dense_block(m, e, plan)),
       tokens_("stage::tokens", max_seqs * T),
       d_x_("stage::d_x", std::int64_t(max_seqs) * T * m.d_model),
       d_y_("stage::d_y", std::int64_t(max_seqs) * T * m.d_model),
+      recompute_(recompute != nullptr),
       top_k_(e.top_k) {
   if (stats) declare_model_stats(*stats, m, e, g);
   const int last = plan.last_block < 0 ? m.n_layers : plan.last_block;
@@ -50,6 +60,7 @@ Stage::Stage(const ModelCfg& m, const MoeCfg& e, int max_seqs, int T, TensorTabl
     const EngramHashPlan* ep = nullptr;
     for (const auto& p : plans)
       if (p.layer == l) ep = &p;
+    const ActivationPool::Block pooled(recompute);  // null: the block's own buffers
     blocks_.push_back(std::make_unique<Block>(m, e, g, ep, l, max_seqs, T, table, comms, stats));
   }
   if (has_head_) {
@@ -68,6 +79,7 @@ Stage::Stage(const ModelCfg& m, const MoeCfg& e, int max_seqs, int T, TensorTabl
   }
   for (std::size_t l = 0; l <= blocks_.size(); ++l)
     resid_.emplace_back("stage::resid", std::int64_t(max_seqs) * T * m.d_model);
+  if (recompute_) recomputed_ = View1F("stage::recomputed", std::int64_t(max_seqs) * T * m.d_model);
 }
 
 LossSums Stage::forward(const TensorTable& table, const std::int32_t* tokens, int nseq,
@@ -82,22 +94,20 @@ LossSums Stage::forward(const TensorTable& table, const std::int32_t* tokens, in
   ConstIVec tok(tokens_.data(), N);
 
   if (has_embed_) embed_->forward(table, tok, resid(0, N));
-  ConstIVec engram_tok = tok;  // Engram reads compressed ids
-  if (compress_.extent(0) > 0) {
+  if (compress_.extent(0) > 0) {  // Engram reads compressed ids
     auto map = compress_;
     auto out = compressed_;
     Kokkos::parallel_for(
         "stage::compress_tokens", Range(0, N), KOKKOS_LAMBDA(int i) { out(i) = map(tok(i)); });
-    engram_tok = ConstIVec(compressed_.data(), N);
   }
+  const ConstIVec engram_tok = engram_tokens(N);
   const bool moe = has_moe();
   if (moe) Kokkos::deep_copy(ExecSpace(), scratch_.moe_aux, 0.0);
   for (std::size_t l = 0; l < blocks_.size(); ++l)
     blocks_[l]->forward(table, rope_, as_cmat(resid(l, N)), engram_tok, resid(l + 1, N), scratch_);
   LossSums sums;
   if (has_head_)
-    sums = head_->forward(table, as_cmat(resid(blocks_.size(), N)), tok, T_, grad_scale,
-                          loss_sums);
+    sums = head_->forward(table, as_cmat(resid(blocks_.size(), N)), tok, T_, grad_scale, loss_sums);
   aux_scale_ = static_cast<float>(double(grad_scale) * nseq * (T_ - 1));
   if (moe && loss_sums.extent(0) > 0) {  // stays on the device with the CE and z sums
     auto aux = scratch_.moe_aux;
@@ -140,6 +150,9 @@ const float* Stage::backward(TensorTable& table, const std::function<void(int)>&
     if (ready) ready(head_->first_tensor());
   }
   for (int l = static_cast<int>(blocks_.size()) - 1; l >= 0; --l) {
+    if (recompute_)  // the block's saved buffers again, from its kept input
+      blocks_[l]->forward(table, rope_, as_cmat(resid(l, N)), engram_tokens(N),
+                          as_mat(recomputed_.data(), N, D_), scratch_, /*count=*/false);
     blocks_[l]->backward(table, rope_, as_cmat(resid(l, N)), as_cmat(dy), dx, scratch_, aux_scale_);
     std::swap(dx, dy);
     if (ready) ready(l > 0 || has_embed_ ? blocks_[l]->first_tensor() : 0);

@@ -40,9 +40,14 @@ class Stage {
   // the embedding but with tied embeddings declares a tied copy of embed.weight for the head.
   // With `stats`, it declares the statistics columns of every block of the model (all
   // stages, so that every rank has the same columns) and its own blocks add into them.
+  // With `recompute` (train.recompute = block) the blocks take their saved buffers from that
+  // pool, shared with every block of every instance built on it, keep only their inputs (the
+  // residual streams), and backward() runs each block's forward again just before its
+  // backward, counting no statistics the second time.
   Stage(const ModelCfg& m, const MoeCfg& e, int max_seqs, int seq_len, TensorTable& table,
         const EngramCfg& g = EngramCfg(), const StagePlan& plan = StagePlan::whole(),
-        const LayerComms& comms = LayerComms(), StepStats* stats = nullptr);
+        const LayerComms& comms = LayerComms(), StepStats* stats = nullptr,
+        ActivationPool* recompute = nullptr);
 
   // The (N, D) buffer a stage without the embedding receives its input into before forward().
   float* input_buffer() { return resid_[0].data(); }
@@ -59,8 +64,8 @@ class Stage {
   // the head (0 on a stage without it), and the MoE terms those of this stage's MoE blocks; or,
   // given `loss_sums` (3 doubles on the device: CE, z, MoE terms), added there instead
   // (LmHead::forward) and nothing is read to the host.
-  LossSums forward(const TensorTable& table, const std::int32_t* tokens, int nseq,
-                   float grad_scale, View1D loss_sums = View1D());
+  LossSums forward(const TensorTable& table, const std::int32_t* tokens, int nseq, float grad_scale,
+                   View1D loss_sums = View1D());
   // Accumulates parameter gradients of the last forward()'s micro-batch; returns d loss / d
   // input (N, D) for the previous stage (null on a stage with the embedding). `ready(k)`, when
   // given, hears as backward goes that every tensor with table index >= k is done (the
@@ -83,6 +88,11 @@ class Stage {
 
  private:
   Mat resid(int i, int N) { return as_mat(resid_[i].data(), N, D_); }
+  // The ids Engram reads (compressed when a compression map is given) of the last forward.
+  ConstIVec engram_tokens(int N) const {
+    return compress_.extent(0) > 0 ? ConstIVec(compressed_.data(), N)
+                                   : ConstIVec(tokens_.data(), N);
+  }
 
   int D_, T_, max_seqs_, first_;
   bool has_embed_, has_head_;
@@ -97,6 +107,8 @@ class Stage {
   View1I compress_, compressed_;  // Engram: (V) canonical ids, (max_seqs * T) compressed ids
   std::vector<View1F> resid_;     // blocks+1 residual streams (N, D): block inputs and output
   View1F d_x_, d_y_;              // (N, D) backward ping-pong
+  bool recompute_ = false;
+  View1F recomputed_;  // (N, D) recompute: a block's output again (discarded)
   int nseq_ = 0;
   float aux_scale_ = 0.0f;
   int top_k_;

@@ -98,13 +98,13 @@ MoeLayer::MoeLayer(const ModelCfg& m, const MoeCfg& e, const std::string& prefix
     shared_ = std::make_unique<SwigluMlp>(
         prefix + "shared.", D_, e.shared_experts * e.shared_hidden, std, max_tokens, table);
   const std::int64_t slots = max_tokens * k_;
-  logits_ = View1F("moe::logits", max_tokens * E_);
-  probs_ = View1F("moe::probs", max_tokens * E_);
-  lse_ = View1F("moe::lse", max_tokens);
+  logits_ = saved_floats("moe::logits", max_tokens * E_);
+  probs_ = saved_floats("moe::probs", max_tokens * E_);
+  lse_ = saved_floats("moe::lse", max_tokens);
   sel_ = View1I("moe::sel", slots);
-  weights_ = View1F("moe::weights", slots);
-  slot_row_ = View1I("moe::slot_row", slots);
-  row_slot_ = View1I("moe::row_slot", slots);
+  weights_ = saved_floats("moe::weights", slots);
+  slot_row_ = saved_ints("moe::slot_row", slots);
+  row_slot_ = saved_ints("moe::row_slot", slots);
   row_offsets_ = View1I("moe::row_offsets", E_ + 1);
   if (P_ > 1) {
     dispatch_ = std::make_unique<ExpertDispatch>(*ep, ep_data ? *ep_data : *ep, E_, D_);
@@ -112,8 +112,8 @@ MoeLayer::MoeLayer(const ModelCfg& m, const MoeCfg& e, const std::string& prefix
     // balanced share, grown in a step only beyond that.
     const std::int64_t rows = 2 * slots;
     ex_in_ = KeptOperand("moe::ex_in", rows * D_, /*may_be_bf16=*/D_ % 2 == 0);
-    ex_out_ = View1F("moe::ex_out", rows * D_);
-    ex_grad_ = View1F("moe::ex_grad", rows * D_);
+    ex_out_ = KeptOperand("moe::ex_out", rows * D_, /*may_be_bf16=*/false);
+    ex_grad_ = KeptOperand("moe::ex_grad", rows * D_, /*may_be_bf16=*/false);
     ex_up1_ = KeptOperand("moe::ex_up1", rows * Fe_);
     ex_up3_ = KeptOperand("moe::ex_up3", rows * Fe_);
     ex_act_ = KeptOperand("moe::ex_act", rows * Fe_);
@@ -127,7 +127,7 @@ MoeLayer::MoeLayer(const ModelCfg& m, const MoeCfg& e, const std::string& prefix
     up3_ = KeptOperand("moe::up3", slots * Fe_);
     act_ = KeptOperand("moe::act", slots * Fe_);
   }
-  rows_out_ = View1F("moe::rows_out", slots * D_);
+  rows_out_ = saved_floats("moe::rows_out", slots * D_);
   aux_sums_ = View1D("moe::aux_sums", E_ + 1);
   report_ = View1D("moe::report", E_ + 3);
   aux_partial_ = View1D("moe::aux_partial", ((max_tokens + kAuxChunk - 1) / kAuxChunk) * (E_ + 1));
@@ -155,8 +155,8 @@ MoeStats MoeLayer::report() const {
   return st;
 }
 
-void MoeLayer::forward(const TensorTable& table, ConstMat x, Mat y, MoeScratch& s,
-                       View1D aux) {
+void MoeLayer::forward(const TensorTable& table, ConstMat x, Mat y, MoeScratch& s, View1D aux,
+                       bool count) {
   const int N = x.extent(0), E = E_, k = k_, D = D_, Fe = Fe_;
   N_ = N;
   const bool softmax = cfg_.score == RouterScore::Softmax, normalize = cfg_.normalize_topk;
@@ -179,11 +179,11 @@ void MoeLayer::forward(const TensorTable& table, ConstMat x, Mat y, MoeScratch& 
         const int t = tm.league_rank();
         float mx = 0.0f, sum = 0.0f;
         Kokkos::parallel_reduce(
-            Kokkos::TeamThreadRange(tm, E),
-            [&](int e, float& m) { m = z(t, e) > m ? z(t, e) : m; }, Kokkos::Max<float>(mx));
+            Kokkos::TeamThreadRange(tm, E), [&](int e, float& m) { m = z(t, e) > m ? z(t, e) : m; },
+            Kokkos::Max<float>(mx));
         Kokkos::parallel_reduce(
-            Kokkos::TeamThreadRange(tm, E),
-            [&](int e, float& s) { s += math::exp(z(t, e) - mx); }, sum);
+            Kokkos::TeamThreadRange(tm, E), [&](int e, float& s) { s += math::exp(z(t, e) - mx); },
+            sum);
         const float l = mx + math::log(sum);
         Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, E), [&](int e) {
           p(t, e) = softmax ? math::exp(z(t, e) - l) : 1.0f / (1.0f + math::exp(-z(t, e)));
@@ -255,7 +255,10 @@ void MoeLayer::forward(const TensorTable& table, ConstMat x, Mat y, MoeScratch& 
         int lo = 0, hi = E;  // off(lo) <= a < off(hi)
         while (hi - lo > 1) {
           const int mid = (lo + hi) / 2;
-          if (off(mid) <= a) lo = mid; else hi = mid;
+          if (off(mid) <= a)
+            lo = mid;
+          else
+            hi = mid;
         }
         const int e = lo, rank = a - off(e), slot = ord(a);
         if (rank < cap) {
@@ -287,7 +290,7 @@ void MoeLayer::forward(const TensorTable& table, ConstMat x, Mat y, MoeScratch& 
     dispatch_->plan(host_offsets_);
     const std::int64_t Rx = dispatch_->local_rows();
     ex_in_.ensure(Rx * D);
-    ensure_size(ex_out_, Rx * D, "moe::ex_out");
+    ex_out_.ensure(Rx * D);
     for (KeptOperand* v : {&ex_up1_, &ex_up3_, &ex_act_}) v->ensure(Rx * Fe);
     if (grouped_) {
       const std::vector<int>& lo = dispatch_->local_offsets();
@@ -299,17 +302,17 @@ void MoeLayer::forward(const TensorTable& table, ConstMat x, Mat y, MoeScratch& 
       dispatch_->dispatch(rows_in_.b16(), ex_in_.b16());
     else
       dispatch_->dispatch(rows_in_.f32(), ex_in_.f32());
-    experts_forward(table, ex_in_.matrix(static_cast<int>(Rx), D), dispatch_->local_offsets(),
-                    Rx, ex_up1_, ex_up3_, ex_act_, ex_out_.data(), s);
-    dispatch_->combine(ex_out_.data(), rows_out_.data());
+    experts_forward(table, ex_in_.matrix(static_cast<int>(Rx), D), dispatch_->local_offsets(), Rx,
+                    ex_up1_, ex_up3_, ex_act_, ex_out_.f32(), s);
+    dispatch_->combine(ex_out_.f32(), rows_out_.data());
   }
 
   // Combine: y = shared(x) + sum_j w_j expert_j(x), slots in order (dropped ones give 0).
   if (shared_)
     shared_->forward(table, x, y, s.shared);
   else
-    Kokkos::deep_copy(ExecSpace(), Kokkos::View<float**, Layout, MemSpace, Unmanaged>(y.data(), N, D),
-                      0.0f);
+    Kokkos::deep_copy(ExecSpace(),
+                      Kokkos::View<float**, Layout, MemSpace, Unmanaged>(y.data(), N, D), 0.0f);
   auto out = as_cmat(rows_out_.data(), std::max(R, 1), D);
   Kokkos::parallel_for(
       "moe::combine", row_policy(N), KOKKOS_LAMBDA(const TeamMember& tm) {
@@ -351,8 +354,8 @@ void MoeLayer::forward(const TensorTable& table, ConstMat x, Mat y, MoeScratch& 
     st_load = stats_->device(cols_.load);
     if (cols_.drop >= 0) st_drop = stats_->device(cols_.drop);
   }
-  const bool has_stats = stats_ != nullptr, has_drop = st_drop.extent(0) > 0;
-  const bool has_aux = aux.extent(0) > 0;
+  const bool has_stats = stats_ != nullptr && count, has_drop = st_drop.extent(0) > 0;
+  const bool has_aux = aux.extent(0) > 0 && count;
   const double lb_coef = cfg_.lb_coef, z_coef = cfg_.z_coef;
   auto rep = report_;
   Kokkos::parallel_for(
@@ -428,23 +431,22 @@ void MoeLayer::backward(TensorTable& table, ConstMat x, ConstMat dy, Mat dx, Moe
 
   // Experts backward (here or on their ep rank): d_rows then holds the input gradients.
   if (!dispatch_) {
-    experts_backward(table, operand(as_cmat(s.d_rows.data(), std::max(R, 1), D)),
-                     s.d_rows.data(), rows_in_.matrix(R, D), up1_, up3_, act_, host_offsets_, R,
-                     s);
+    experts_backward(table, operand(as_cmat(s.d_rows.data(), std::max(R, 1), D)), s.d_rows.data(),
+                     rows_in_.matrix(R, D), up1_, up3_, act_, host_offsets_, R, s);
   } else {
     const int Rx = static_cast<int>(dispatch_->local_rows());
-    ensure_size(ex_grad_, std::int64_t(Rx) * D, "moe::ex_grad");
-    Operand g{ex_grad_.data(), nullptr, Rx, D};
+    ex_grad_.ensure(std::int64_t(Rx) * D);
+    Operand g{ex_grad_.f32(), nullptr, Rx, D};
     if (wire) {
       ensure_size(s.wire_in, std::int64_t(std::max(Rx, 1)) * D, "moe::wire_in");
       dispatch_->dispatch(s.wire_out.data(), s.wire_in.data());
       g = Operand{nullptr, s.wire_in.data(), Rx, D};
     } else {
-      dispatch_->dispatch(s.d_rows.data(), ex_grad_.data());
+      dispatch_->dispatch(s.d_rows.data(), ex_grad_.f32());
     }
-    experts_backward(table, g, ex_grad_.data(), ex_in_.matrix(Rx, D), ex_up1_, ex_up3_, ex_act_,
+    experts_backward(table, g, ex_grad_.f32(), ex_in_.matrix(Rx, D), ex_up1_, ex_up3_, ex_act_,
                      dispatch_->local_offsets(), Rx, s);
-    dispatch_->combine(ex_grad_.data(), s.d_rows.data());
+    dispatch_->combine(ex_grad_.f32(), s.d_rows.data());
   }
   Kokkos::parallel_for(
       "moe::scatter_inputs", row_policy(N), KOKKOS_LAMBDA(const TeamMember& tm) {
@@ -470,9 +472,8 @@ void MoeLayer::backward(TensorTable& table, ConstMat x, ConstMat dy, Mat dx, Moe
   Kokkos::parallel_for(
       "moe::router_backward", row_policy(N), KOKKOS_LAMBDA(const TeamMember& tm) {
         const int t = tm.league_rank();
-        Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, E), [&](int e) {
-          dz(t, e) = lb_scale * float(off(e + 1) - off(e));
-        });
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, E),
+                             [&](int e) { dz(t, e) = lb_scale * float(off(e + 1) - off(e)); });
         tm.team_barrier();
         Kokkos::single(Kokkos::PerTeam(tm), [&]() {  // the k weights, in slot order
           if (normalize) {
@@ -490,8 +491,8 @@ void MoeLayer::backward(TensorTable& table, ConstMat x, ConstMat dy, Mat dx, Moe
         float dot = 0.0f;
         if (softmax)
           Kokkos::parallel_reduce(
-              Kokkos::TeamThreadRange(tm, E),
-              [&](int e, float& acc) { acc += p(t, e) * dz(t, e); }, dot);
+              Kokkos::TeamThreadRange(tm, E), [&](int e, float& acc) { acc += p(t, e) * dz(t, e); },
+              dot);
         tm.team_barrier();  // every thread has read dz before any rewrites it
         Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, E), [&](int e) {
           float g = softmax ? p(t, e) * (dz(t, e) - dot) : dz(t, e) * (p(t, e) * (1.0f - p(t, e)));

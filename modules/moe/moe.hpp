@@ -50,8 +50,8 @@ struct MoeScratch {
   // Expert parallelism in bf16 runs: the output gradients as they leave (N*k, D) and arrive
   // (expert side), as bf16; grown on demand.
   Kokkos::View<std::uint16_t*, Layout, MemSpace> wire_out, wire_in;
-  View1F d_weights;     // (N*k)
-  View1F d_logits;      // (N, E)
+  View1F d_weights;  // (N*k)
+  View1F d_logits;   // (N, E)
   MlpScratch shared;
   MoeScratch(const ModelCfg& m, const MoeCfg& e, std::int64_t max_tokens);
 };
@@ -89,8 +89,10 @@ class MoeLayer {
   // to aux(0) when given: nothing is read back to the host (with moe.expert_gemm = per_expert
   // or expert parallelism, the expert row counts are). s: the stage's scratch (in bf16 runs
   // the up-projections pass through it before they are kept as bf16).
-  void forward(const TensorTable& table, ConstMat x, Mat y, MoeScratch& s,
-               View1D aux = View1D());
+  // count = false: a recompute of a forward already counted (train.recompute), which adds to
+  // neither the statistics nor aux.
+  void forward(const TensorTable& table, ConstMat x, Mat y, MoeScratch& s, View1D aux = View1D(),
+               bool count = true);
   // The last forward's report, read from the device (a host wait: for tests and tools).
   MoeStats report() const;
   // dy: (N, D) -> dx: (N, D) (assigned). aux_scale weights this micro-batch's LB and RZ terms in
@@ -118,8 +120,7 @@ class MoeLayer {
   // g: (rows, D) output gradients in; g_out: (rows, D) input gradients out (may be g's fp32
   // storage); weight gradients accumulate.
   void experts_backward(TensorTable& table, const Operand& g, float* g_out, const Operand& in,
-                        const KeptOperand& up1,
-                        const KeptOperand& up3, const KeptOperand& act,
+                        const KeptOperand& up1, const KeptOperand& up3, const KeptOperand& act,
                         const std::vector<int>& off, std::int64_t rows, MoeScratch& s) const;
   // The most rows of one local expert in `off` (El+1 bounds).
   int largest_block(const std::vector<int>& off) const {
@@ -152,15 +153,15 @@ class MoeLayer {
   // activations as bf16 in bf16 runs.
   KeptOperand rows_in_, up1_, up3_, act_;
   View1F rows_out_;
-  View1D aux_sums_;                              // (E+1): sum_t p_te, then sum_t lse_t^2
-  static constexpr int kAuxChunk = 256;          // tokens per first-stage partial sum
-  View1D aux_partial_;                           // (chunks, E+1): the first stage
+  View1D aux_sums_;                      // (E+1): sum_t p_te, then sum_t lse_t^2
+  static constexpr int kAuxChunk = 256;  // tokens per first-stage partial sum
+  View1D aux_partial_;                   // (chunks, E+1): the first stage
   int N_ = 0;
   // Expert parallelism (P > 1): the row traffic, and the expert side's buffers (the local
   // experts' rows from every rank), grown on demand. In bf16 runs (d_model even) the rows and
   // the output gradients travel as bf16, the products' inputs (rows_in_ and ex_in_ bf16).
   std::unique_ptr<ExpertDispatch> dispatch_;
-  View1F ex_out_, ex_grad_;
+  KeptOperand ex_out_, ex_grad_;  // fp32 (KeptOperand: pooled under recompute, grown together)
   KeptOperand ex_in_, ex_up1_, ex_up3_, ex_act_;
 };
 

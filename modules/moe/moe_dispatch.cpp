@@ -15,7 +15,8 @@ ExpertDispatch::ExpertDispatch(const Communicator& ep, const DataComm& ep_data, 
       El_(experts / ep.size()),
       D_(d_model),
       local_off_(El_ + 1, 0),
-      blocks_("moe::dispatch_blocks", 2 * P_ * El_ + 1) {
+      blocks_("moe::dispatch_blocks", 2 * P_ * El_ + 1),
+      xfer_("moe::dispatch_xfer", 0, /*may_be_bf16=*/false) {
   KMOE_REQUIRE(E_ % P_ == 0,
                "moe.experts (" << E_ << ") must be divisible by parallel.ep (" << P_ << ")");
 }
@@ -64,7 +65,7 @@ void ExpertDispatch::plan(const std::vector<int>& offsets) {
         }
         perm(blocks(B + 1 + lo) + i - blocks(lo)) = i;
       });
-  ensure_size(xfer_, std::max<std::int64_t>(Rx, offsets[E_]) * D_, "moe::dispatch_xfer");
+  xfer_.ensure(std::max<std::int64_t>(Rx, offsets[E_]) * D_);
 }
 
 namespace {
@@ -82,12 +83,12 @@ void regroup(const View1I& perm, const T* from, T* to, int Rx, int D) {
 }  // namespace
 
 void ExpertDispatch::dispatch(const float* rows, float* ex) {
-  exchange_.forward(rows, xfer_.data(), D_);
-  regroup(perm_, xfer_.data(), ex, local_rows(), D_);
+  exchange_.forward(rows, xfer_.f32(), D_);
+  regroup(perm_, xfer_.f32(), ex, local_rows(), D_);
 }
 
 void ExpertDispatch::dispatch(const std::uint16_t* rows, std::uint16_t* ex) {
-  auto* words = reinterpret_cast<std::uint16_t*>(xfer_.data());  // bf16 in half the buffer
+  auto* words = reinterpret_cast<std::uint16_t*>(xfer_.f32());  // bf16 in half the buffer
   exchange_.forward(rows, words, D_);
   regroup(perm_, static_cast<const std::uint16_t*>(words), ex, local_rows(), D_);
 }
@@ -96,14 +97,14 @@ void ExpertDispatch::combine(const float* ex, float* rows) {
   const int D = D_, Rx = local_rows();
   auto perm = perm_;
   auto from = ConstMat(ex, Rx, D);
-  auto to = Mat(xfer_.data(), Rx, D);
+  auto to = Mat(xfer_.f32(), Rx, D);
   Kokkos::parallel_for(
       "moe::dispatch_ungroup", row_policy(Rx), KOKKOS_LAMBDA(const TeamMember& tm) {
         const int r = tm.league_rank(), dst = perm(r);
         Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, D),
                              [&](int d) { to(dst, d) = from(r, d); });
       });
-  exchange_.reverse(xfer_.data(), rows, D);
+  exchange_.reverse(xfer_.f32(), rows, D);
 }
 
 }  // namespace kmoe

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "core/kept_operand.hpp"
 #include "core/kokkos_types.hpp"
 #include "parallel/row_exchange.hpp"
 
@@ -39,7 +40,9 @@ class ExpertDispatch {
   std::vector<int> local_off_;
   View1I blocks_;  // (2*P*El + 1): received block starts, then their expert-major starts
   View1I perm_;    // (local rows): expert-major row -> received row
-  View1F xfer_;    // (max(kept, received) rows, D): rows as they travel (bf16: half of it)
+  // (max(kept, received) rows, D): rows as they travel (bf16: half of it); fp32, a KeptOperand
+  // so that the MoE layers' dispatches share one under recompute.
+  KeptOperand xfer_;
 };
 
 }  // namespace kmoe

@@ -12,16 +12,18 @@ namespace kmoe {
 
 // Every choice a deck spells as a word is an enum here; Choices<E>::all gives the deck
 // spellings, in the order --help and error messages list them.
-enum class BlockNorm { Reordered, Pre };          // model.block_norm
-enum class RouterScore { Softmax, Sigmoid };      // moe.score
-enum class EngramGate { Sigmoid, SignedSqrt };    // engram.gate
-enum class LrSchedule { Cosine, Constant, Wsd };  // optimizer.schedule
-enum class PipeSchedule { OneFOneB, GPipe };      // parallel.schedule
-enum class EngramShardGroup { None, Ep, Stage };  // parallel.engram_shard
-enum class CommBackend { Mpi, Nccl };             // parallel.backend
-enum class CudaAwareMpi { Auto, Yes, No };        // parallel.cuda_aware_mpi
+enum class BlockNorm { Reordered, Pre };             // model.block_norm
+enum class RouterScore { Softmax, Sigmoid };         // moe.score
+enum class EngramGate { Sigmoid, SignedSqrt };       // engram.gate
+enum class LrSchedule { Cosine, Constant, Wsd };     // optimizer.schedule
+enum class PipeSchedule { OneFOneB, GPipe };         // parallel.schedule
+enum class EngramShardGroup { None, Ep, Stage };     // parallel.engram_shard
+enum class CommBackend { Mpi, Nccl };                // parallel.backend
+enum class CudaAwareMpi { Auto, Yes, No };           // parallel.cuda_aware_mpi
 enum class ExpertGemm { Auto, Grouped, PerExpert };  // moe.expert_gemm
-enum class Precision { Fp32, Tf32, Bf16 };        // train.precision
+enum class Precision { Fp32, Tf32, Bf16 };           // train.precision
+enum class Recompute { None, Block };                // train.recompute
+enum class OptimizerShard { None, Replicas };        // optimizer.shard
 
 template <class E>
 struct Choice {
@@ -76,6 +78,16 @@ template <>
 struct Choices<Precision> {
   static constexpr Choice<Precision> all[] = {
       {Precision::Fp32, "fp32"}, {Precision::Tf32, "tf32"}, {Precision::Bf16, "bf16"}};
+};
+template <>
+struct Choices<Recompute> {
+  static constexpr Choice<Recompute> all[] = {{Recompute::None, "none"},
+                                              {Recompute::Block, "block"}};
+};
+template <>
+struct Choices<OptimizerShard> {
+  static constexpr Choice<OptimizerShard> all[] = {{OptimizerShard::None, "none"},
+                                                   {OptimizerShard::Replicas, "replicas"}};
 };
 template <>
 struct Choices<CudaAwareMpi> {
@@ -186,10 +198,11 @@ struct TrainCfg {
   int micro_batch = 0;
   int max_steps = 0;
   std::uint64_t seed = 0;
-  int eval_every = 0;        // 0: evaluate at the end only
-  int eval_instances = 0;    // 0: all validation instances
-  bool check_memory = true;  // refuse a run its node or device cannot hold
+  int eval_every = 0;                     // 0: evaluate at the end only
+  int eval_instances = 0;                 // 0: all validation instances
+  bool check_memory = true;               // refuse a run its node or device cannot hold
   Precision precision = Precision::Fp32;  // GEMM inputs: fp32, TF32 (GPUs) or bf16 (MODEL.md 8)
+  Recompute recompute = Recompute::None;  // block: keep block inputs, run forward again
 };
 
 struct OptimizerCfg {
@@ -203,6 +216,7 @@ struct OptimizerCfg {
   int warmup_steps = 0;
   double final_lr_ratio = 0.1;
   int decay_steps = 0;
+  OptimizerShard shard = OptimizerShard::None;  // replicas: moments split over a tensor's replicas
 };
 
 struct DataCfg {
@@ -239,7 +253,7 @@ struct CheckpointCfg {
 struct OutputCfg {
   std::string dir = "run";
   int log_every = 1;
-  double peak_flops = 0.0;  // per rank, FLOP/s; 0: MFU not reported
+  double peak_flops = 0.0;    // per rank, FLOP/s; 0: MFU not reported
   bool phase_timing = false;  // time the step's phases (a fence at each phase boundary)
   std::vector<int> dump_step;
 };

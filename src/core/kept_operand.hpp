@@ -12,7 +12,10 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
+#include <memory>
 #include <string>
+#include <vector>
 
 #include "core/bf16.hpp"
 #include "core/gemm.hpp"
@@ -48,6 +51,55 @@ struct KeptIn {
   }
 };
 
+// The buffers of one kept operand; shared by the blocks of an ActivationPool.
+struct KeptStorage {
+  View1F f32;
+  Kokkos::View<std::uint16_t*, Layout, MemSpace> b16;
+};
+
+// What the blocks of a stage keep from a forward for its backward. Without a pool every buffer
+// is its own allocation. Under train.recompute = block a block keeps only its input and runs
+// its forward again just before its backward, so the blocks of every Stage instance on a rank
+// can share their buffers: while a pool's Block scope is open (one block's construction),
+// saved_floats / saved_ints and every KeptOperand built return the pool's buffer for (label,
+// i), the block's i-th request with that label, so blocks of the same kind use the same memory.
+// A request larger than the pool's buffer grows it (blocks built earlier keep their own, so
+// nothing is ever too small); a kept operand's storage is shared, so its growth (ensure) is
+// everyone's.
+class ActivationPool {
+ public:
+  class Block {
+   public:
+    explicit Block(ActivationPool* pool);
+    ~Block();
+    Block(const Block&) = delete;
+    Block& operator=(const Block&) = delete;
+
+   private:
+    ActivationPool* previous_;
+  };
+  // Bytes the pool's buffers hold.
+  std::int64_t bytes() const;
+
+  // The pool of the open Block scope, or null.
+  static ActivationPool* current();
+  std::shared_ptr<KeptStorage> kept(const std::string& label, std::int64_t n, bool bf16);
+  View1F floats(const std::string& label, std::int64_t n);
+  View1I ints(const std::string& label, std::int64_t n);
+
+ private:
+  std::string key(const std::string& label);
+  std::map<std::string, int> seen_;  // requests per label in the open block
+  std::map<std::string, std::shared_ptr<KeptStorage>> kept_;
+  std::map<std::string, View1F> floats_;
+  std::map<std::string, View1I> ints_;
+};
+
+// A block's saved buffer of n values: pooled inside an ActivationPool::Block scope, else its
+// own allocation.
+View1F saved_floats(const std::string& label, std::int64_t n);
+View1I saved_ints(const std::string& label, std::int64_t n);
+
 class KeptOperand {
  public:
   KeptOperand() = default;
@@ -58,24 +110,23 @@ class KeptOperand {
 
   // Where the producing kernel writes, from element `offset` on.
   KeptOut out(std::int64_t offset = 0) const {
-    return {bf16_ ? nullptr : f32_.data() + offset, bf16_ ? b16_.data() + offset : nullptr};
+    return {bf16_ ? nullptr : f32p() + offset, bf16_ ? b16p() + offset : nullptr};
   }
   KeptIn in(std::int64_t offset = 0) const {
-    return {bf16_ ? nullptr : f32_.data() + offset, bf16_ ? b16_.data() + offset : nullptr};
+    return {bf16_ ? nullptr : f32p() + offset, bf16_ ? b16p() + offset : nullptr};
   }
   // Where a product writes the values this operand will keep, from element `offset` on: the
   // fp32 buffer itself, or (bf16) `staging`, which the producing kernel rounds in from.
   float* product_target(float* staging, std::int64_t offset = 0) const {
-    return bf16_ ? staging : f32_.data() + offset;
+    return bf16_ ? staging : f32p() + offset;
   }
   // The (rows, cols) matrix at element `offset`.
   Operand matrix(int rows, int cols, std::int64_t offset = 0) const {
-    return {bf16_ ? nullptr : f32_.data() + offset, bf16_ ? b16_.data() + offset : nullptr, rows,
-            cols};
+    return {bf16_ ? nullptr : f32p() + offset, bf16_ ? b16p() + offset : nullptr, rows, cols};
   }
   // A strided batch of (rows, cols) matrices `stride` elements apart.
   Strided strided(int rows, int cols, std::int64_t stride) const {
-    return {bf16_ ? nullptr : f32_.data(), rows, cols, stride, bf16_ ? b16_.data() : nullptr};
+    return {bf16_ ? nullptr : f32p(), rows, cols, stride, bf16_ ? b16p() : nullptr};
   }
   bool is_bf16() const { return bf16_; }
   // The fp32 values of a buffer built with may_be_bf16 = false (or in a run without bf16).
@@ -84,10 +135,11 @@ class KeptOperand {
   std::uint16_t* b16() const;
 
  private:
+  float* f32p() const { return s_->f32.data(); }
+  std::uint16_t* b16p() const { return s_->b16.data(); }
   std::string label_;
   bool bf16_ = false;
-  View1F f32_;
-  Kokkos::View<std::uint16_t*, Layout, MemSpace> b16_;
+  std::shared_ptr<KeptStorage> s_ = std::make_shared<KeptStorage>();
 };
 
 }  // namespace kmoe

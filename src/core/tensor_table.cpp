@@ -100,12 +100,29 @@ int TensorTable::add(TensorSpec spec) {
   return size() - 1;
 }
 
-void TensorTable::allocate() {
+void TensorTable::allocate(const std::vector<MomentSlice>* moments) {
   KMOE_REQUIRE(!allocated_, "TensorTable: allocated twice");
   params = View1F("params", total_);
   grads = View1F("grads", total_);
-  exp_avg = View1F("exp_avg", total_);
-  exp_avg_sq = View1F("exp_avg_sq", total_);
+  std::int64_t n = total_;
+  if (moments) {
+    KMOE_REQUIRE(moments->size() == entries_.size(),
+                 "TensorTable: " << moments->size() << " moment slices for " << entries_.size()
+                                 << " tensors");
+    n = 0;
+    for (std::size_t i = 0; i < moments->size(); ++i) {
+      const MomentSlice& s = (*moments)[i];
+      KMOE_REQUIRE(s.first >= 0 && s.rows >= 0 &&
+                       s.first + s.rows <= entries_[i].spec.local_rows() && s.offset == n,
+                   "TensorTable: moment slice of " << entries_[i].spec.name << " out of range");
+      n += s.rows * entries_[i].spec.row_elements();
+    }
+    moments_ = *moments;
+  } else {
+    for (const auto& e : entries_) moments_.push_back({0, e.spec.local_rows(), e.offset, false});
+  }
+  exp_avg = View1F("exp_avg", n);
+  exp_avg_sq = View1F("exp_avg_sq", n);
   allocated_ = true;
 }
 

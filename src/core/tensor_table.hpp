@@ -69,6 +69,15 @@ struct TensorEntry {
   std::int64_t size = 0;    // local elements
 };
 
+// The rows of a tensor whose AdamW moments this rank keeps: local rows [first, first + rows)
+// at element `offset` of exp_avg / exp_avg_sq. Without optimizer.shard every tensor whole, at
+// its own offset; with it, a replicated tensor's replicas keep disjoint row ranges (`split`:
+// each writes its own to checkpoints and counts its own in the gradient norm).
+struct MomentSlice {
+  std::int64_t first = 0, rows = 0, offset = 0;
+  bool split = false;
+};
+
 class TensorTable {
  public:
   // Declares a tensor; returns its index. Tensors declared back to back are adjacent in every
@@ -77,14 +86,22 @@ class TensorTable {
   // required): further instances of a module (one Stage per micro-batch in flight) share the
   // parameters of the first.
   int add(TensorSpec spec);
-  // Allocates the four flat buffers (zeroed). No new tensors after this.
-  void allocate();
+  // Allocates the four flat buffers (zeroed). No new tensors after this. With `moments` (one
+  // slice per tensor, in table order, offsets packed: optimizer.shard) exp_avg and exp_avg_sq
+  // hold only those slices.
+  void allocate(const std::vector<MomentSlice>* moments = nullptr);
 
   int size() const { return static_cast<int>(entries_.size()); }
   const TensorEntry& entry(int i) const { return entries_[i]; }
   const std::vector<TensorEntry>& entries() const { return entries_; }
   int find(const std::string& name) const;  // -1 if absent
   std::int64_t total_elements() const { return total_; }
+
+  const MomentSlice& moments(int i) const { return moments_[i]; }
+  // The moments' first element in the flat parameter / gradient buffers.
+  std::int64_t moment_begin(int i) const {
+    return entries_[i].offset + moments_[i].first * entries_[i].spec.row_elements();
+  }
 
   float* param(int i) const { return params.data() + entries_[i].offset; }
   float* grad(int i) const { return grads.data() + entries_[i].offset; }
@@ -93,10 +110,12 @@ class TensorTable {
   // `name` depends only on (seed, name, j).
   void initialize(std::uint64_t seed);
 
-  View1F params, grads, exp_avg, exp_avg_sq;  // flat, total_elements() long
+  View1F params, grads;        // flat, total_elements() long
+  View1F exp_avg, exp_avg_sq;  // flat over the moment slices (total_elements() unsharded)
 
  private:
   std::vector<TensorEntry> entries_;
+  std::vector<MomentSlice> moments_;
   std::int64_t total_ = 0;
   bool allocated_ = false;
 };

@@ -4,8 +4,8 @@
 #include <algorithm>
 #include <chrono>
 #include <climits>
-#include <cstdlib>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <iostream>
 #include <sstream>
@@ -28,8 +28,7 @@ void init_mpi(int* argc, char*** argv) {
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
     if (rank == 0)
       std::cerr << "kmoe: note: this MPI provides thread level " << provided
-                << " < MPI_THREAD_FUNNELED; multi-threaded (OpenMP) ranks rely on it"
-                << std::endl;
+                << " < MPI_THREAD_FUNNELED; multi-threaded (OpenMP) ranks rely on it" << std::endl;
   }
 }
 
@@ -251,6 +250,46 @@ Pending Communicator::start_allreduce_sum(float* data, std::int64_t n) const {
   return start_reduce(data, n, MPI_FLOAT, MPI_SUM, "allreduce_sum(float)");
 }
 
+Pending Communicator::start_reduce_scatter_sum(float* data,
+                                               const std::vector<std::int64_t>& counts) const {
+  return start_rooted(data, counts, true);
+}
+
+Pending Communicator::start_allgather(float* data, const std::vector<std::int64_t>& counts) const {
+  return start_rooted(data, counts, false);
+}
+
+Pending Communicator::start_rooted(float* data, const std::vector<std::int64_t>& counts,
+                                   bool reduce) const {
+  KMOE_REQUIRE(static_cast<int>(counts.size()) == size_,
+               name_ << " axis: " << counts.size() << " block counts for " << size_ << " members");
+  if (size_ == 1) return nullptr;
+  const char* op = reduce ? "reduce_scatter_sum(float)" : "allgather(float)";
+  host_sync(reduce ? "mpi reduce_scatter" : "mpi allgather");
+  std::int64_t n = 0;
+  for (std::int64_t c : counts) n += c;
+  auto p = begin(op, true, -1, n);
+  // Member q's block: a reduction to q (MPI_Ireduce_scatter would leave each result at the
+  // start of the buffer, not in its block) or a broadcast from q, in place.
+  std::int64_t at = 0;
+  for (int q = 0; q < size_; ++q) {
+    for (std::int64_t off = 0; off < counts[q]; off += kChunk) {
+      float* block = data + at + off;
+      const int len = static_cast<int>(std::min(kChunk, counts[q] - off));
+      p->reqs.emplace_back();
+      if (reduce)
+        mpi_check(MPI_Ireduce(q == rank_ ? MPI_IN_PLACE : block, block, len, MPI_FLOAT, MPI_SUM, q,
+                              comm_, &p->reqs.back()),
+                  "MPI_Ireduce");
+      else
+        mpi_check(MPI_Ibcast(block, len, MPI_FLOAT, q, comm_, &p->reqs.back()), "MPI_Ibcast");
+    }
+    at += counts[q];
+  }
+  post_notices(*p);
+  return Pending(std::move(p));
+}
+
 void Communicator::allreduce_sum(float* data, std::int64_t n) const {
   Pending p = start_allreduce_sum(data, n);
   complete(p);
@@ -389,8 +428,8 @@ Pending Communicator::start_send(const float* data, std::int64_t n, int peer) co
   return Pending(std::move(p));
 }
 
-Pending Communicator::start_send_recv(const float* send, std::int64_t n_send, int to,
-                                      float* recv, std::int64_t n_recv, int from) const {
+Pending Communicator::start_send_recv(const float* send, std::int64_t n_send, int to, float* recv,
+                                      std::int64_t n_recv, int from) const {
   if (rendezvous_) {  // both posted together, as one NCCL group
     send_recv(send, n_send, to, recv, n_recv, from);
     return nullptr;

@@ -55,6 +55,14 @@ class DataComm {
   virtual const char* backend() const = 0;
   // Nonblocking: a sum in place over the members (a gradient bucket), a send of n floats.
   virtual Pending start_allreduce_sum(float* data, std::int64_t n) const = 0;
+  // Nonblocking, in place over data[0, sum(counts)) split into member blocks (member q's
+  // counts[q] floats, in member order): the sum of each block kept by its member only (the
+  // other blocks' contents afterwards are unspecified), and every member's block sent to all
+  // (optimizer.shard: gradients reduce-scattered, updated parameters all-gathered). On every
+  // backend one rooted operation per member, so each block's result stays where it is.
+  virtual Pending start_reduce_scatter_sum(float* data,
+                                           const std::vector<std::int64_t>& counts) const = 0;
+  virtual Pending start_allgather(float* data, const std::vector<std::int64_t>& counts) const = 0;
   virtual Pending start_send(const float* data, std::int64_t n, int peer) const = 0;
   // A send started together with a receive that returns complete (the pipeline's send and the
   // receive that follows it): on NCCL one group, so neither waits for the other; on MPI the
@@ -118,6 +126,9 @@ class Communicator : public DataComm {
   // Nonblocking: starts a sum in place over the members (a gradient bucket) or a send of n
   // floats to `peer`; complete() waits for it.
   Pending start_allreduce_sum(float* data, std::int64_t n) const override;
+  Pending start_reduce_scatter_sum(float* data,
+                                   const std::vector<std::int64_t>& counts) const override;
+  Pending start_allgather(float* data, const std::vector<std::int64_t>& counts) const override;
   Pending start_send(const float* data, std::int64_t n, int peer) const override;
   Pending start_send_recv(const float* send, std::int64_t n_send, int to, float* recv,
                           std::int64_t n_recv, int from) const override;
@@ -152,6 +163,8 @@ class Communicator : public DataComm {
   // Runs a blocking operation: the requests are already in p.
   void run(std::unique_ptr<MpiOp> p) const;
   // Starts an in-place reduction of n elements (split into int-sized chunks).
+  // reduce: each member's block summed to it, else broadcast from it (the two above).
+  Pending start_rooted(float* data, const std::vector<std::int64_t>& counts, bool reduce) const;
   template <class T>
   Pending start_reduce(T* data, std::int64_t n, MPI_Datatype type, MPI_Op mpi_op,
                        const char* op) const;

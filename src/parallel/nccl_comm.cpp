@@ -204,10 +204,43 @@ void NcclComm::watchdog_abort(const NcclOp& p, double waited) const {
 
 Pending NcclComm::start_allreduce_sum(float* data, std::int64_t n) const {
   if (size_ == 1 || n == 0) return nullptr;
-  nccl_check(ncclAllReduce(data, data, static_cast<std::size_t>(n), ncclFloat, ncclSum, comm_,
-                           stream_),
-             "ncclAllReduce");
+  nccl_check(
+      ncclAllReduce(data, data, static_cast<std::size_t>(n), ncclFloat, ncclSum, comm_, stream_),
+      "ncclAllReduce");
   return record("allreduce_sum(float)", -1, true);
+}
+
+Pending NcclComm::start_reduce_scatter_sum(float* data,
+                                           const std::vector<std::int64_t>& counts) const {
+  return start_rooted(data, counts, true);
+}
+
+Pending NcclComm::start_allgather(float* data, const std::vector<std::int64_t>& counts) const {
+  return start_rooted(data, counts, false);
+}
+
+Pending NcclComm::start_rooted(float* data, const std::vector<std::int64_t>& counts,
+                               bool reduce) const {
+  KMOE_REQUIRE(static_cast<int>(counts.size()) == size_,
+               name_ << " axis: " << counts.size() << " block counts for " << size_ << " members");
+  if (size_ == 1) return nullptr;
+  // ncclReduceScatter and ncclAllGather take equal blocks: one ncclReduce to (ncclBroadcast
+  // from) each member in one group, in place.
+  nccl_check(ncclGroupStart(), "ncclGroupStart");
+  ncclResult_t rc = ncclSuccess;
+  std::int64_t at = 0;
+  for (int q = 0; q < size_ && rc == ncclSuccess; ++q) {
+    float* block = data + at;
+    const std::size_t n = static_cast<std::size_t>(counts[q]);
+    if (n > 0)
+      rc = reduce ? ncclReduce(block, block, n, ncclFloat, ncclSum, q, comm_, stream_)
+                  : ncclBroadcast(block, block, n, ncclFloat, q, comm_, stream_);
+    at += counts[q];
+  }
+  const ncclResult_t end = ncclGroupEnd();  // closed even after a failure
+  nccl_check(rc, reduce ? "ncclReduce" : "ncclBroadcast");
+  nccl_check(end, "ncclGroupEnd");
+  return record(reduce ? "reduce_scatter_sum(float)" : "allgather(float)", -1, true);
 }
 
 Pending NcclComm::start_send(const float* data, std::int64_t n, int peer) const {

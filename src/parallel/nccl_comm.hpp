@@ -43,6 +43,9 @@ class NcclComm : public DataComm {
   const char* backend() const override { return "nccl"; }
 
   Pending start_allreduce_sum(float* data, std::int64_t n) const override;
+  Pending start_reduce_scatter_sum(float* data,
+                                   const std::vector<std::int64_t>& counts) const override;
+  Pending start_allgather(float* data, const std::vector<std::int64_t>& counts) const override;
   Pending start_send(const float* data, std::int64_t n, int peer) const override;
   Pending start_send_recv(const float* send, std::int64_t n_send, int to, float* recv,
                           std::int64_t n_recv, int from) const override;
@@ -53,6 +56,7 @@ class NcclComm : public DataComm {
 
  private:
   struct NcclOp;
+  Pending start_rooted(float* data, const std::vector<std::int64_t>& counts, bool reduce) const;
 
   // Checks that `peer` is another member (op names the transfer in the error).
   void check_peer(int peer, const char* op) const;
@@ -71,7 +75,7 @@ class NcclComm : public DataComm {
   std::vector<int> world_ranks_;
   mutable ncclComm* comm_ = nullptr;
   CUstream_st* stream_ = nullptr;  // the Kokkos execution space's
-  mutable std::int64_t seq_ = 0;  // collectives started, for the watchdog's message
+  mutable std::int64_t seq_ = 0;   // collectives started, for the watchdog's message
 };
 
 }  // namespace kmoe

@@ -61,4 +61,15 @@ std::vector<TensorSpec> global_catalog(const TensorTable& table, const ProcessGr
   return out;
 }
 
+MomentRows moment_rows(const TensorTable& table, int i, const ProcessGrid& grid) {
+  const TensorSpec& spec = table.entry(i).spec;
+  const MomentSlice& s = table.moments(i);
+  MomentRows r;
+  r.local_first = s.first;
+  r.first = spec.row_begin + s.first;
+  r.rows = s.rows;
+  r.write = s.split ? s.rows > 0 : owns(spec, grid);
+  return r;
+}
+
 }  // namespace kmoe

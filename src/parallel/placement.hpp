@@ -15,6 +15,16 @@ namespace kmoe {
 // their stage, Ep-sharded rows on dp 0, Stage-sharded rows on their holder; never a tied copy.
 bool owns(const TensorSpec& spec, const ProcessGrid& grid);
 
+// The rows of table tensor i on the optimizer's side (its AdamW moments; its reduced gradient in
+// step dumps): the tensor's moment slice as global rows [first, first + rows), at local row
+// `local_first`. `write`: this rank writes them (a split slice, which is its alone; a whole
+// tensor where it owns the tensor).
+struct MomentRows {
+  std::int64_t first = 0, rows = 0, local_first = 0;
+  bool write = false;
+};
+MomentRows moment_rows(const TensorTable& table, int i, const ProcessGrid& grid);
+
 // The communicator over which the tensor's gradient is summed (stage, dp axis), or nullptr
 // when its rows have a single holder.
 const Communicator* gradient_comm(const TensorSpec& spec, const ProcessGrid& grid);

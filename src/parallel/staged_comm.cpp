@@ -89,6 +89,31 @@ Pending StagedMpiComm::start_allreduce_sum(float* data, std::int64_t n) const {
   return Pending(std::move(op));
 }
 
+// The whole buffer travels to the host and back: a member's block is its result (reduce) or
+// every block is (gather).
+Pending StagedMpiComm::start_reduce_scatter_sum(float* data,
+                                                const std::vector<std::int64_t>& counts) const {
+  if (axis_.size() == 1) return nullptr;
+  auto op = std::make_unique<StagedOp>();
+  op->n = total(counts);
+  op->host = take(op->n);
+  op->result = data;
+  to_host(op->host, data, op->n);
+  op->inner = axis_.start_reduce_scatter_sum(op->host.data(), counts);
+  return Pending(std::move(op));
+}
+
+Pending StagedMpiComm::start_allgather(float* data, const std::vector<std::int64_t>& counts) const {
+  if (axis_.size() == 1) return nullptr;
+  auto op = std::make_unique<StagedOp>();
+  op->n = total(counts);
+  op->host = take(op->n);
+  op->result = data;
+  to_host(op->host, data, op->n);
+  op->inner = axis_.start_allgather(op->host.data(), counts);
+  return Pending(std::move(op));
+}
+
 Pending StagedMpiComm::start_send(const float* data, std::int64_t n, int peer) const {
   auto op = std::make_unique<StagedOp>();
   op->host = take(n);
@@ -97,8 +122,8 @@ Pending StagedMpiComm::start_send(const float* data, std::int64_t n, int peer) c
   return Pending(std::move(op));
 }
 
-Pending StagedMpiComm::start_send_recv(const float* send, std::int64_t n_send, int to,
-                                       float* recv, std::int64_t n_recv, int from) const {
+Pending StagedMpiComm::start_send_recv(const float* send, std::int64_t n_send, int to, float* recv,
+                                       std::int64_t n_recv, int from) const {
   auto op = std::make_unique<StagedOp>();
   op->host = take(n_send);
   to_host(op->host, send, n_send);

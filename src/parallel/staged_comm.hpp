@@ -36,6 +36,9 @@ class StagedMpiComm : public DataComm {
   const char* backend() const override { return "mpi-staged"; }
 
   Pending start_allreduce_sum(float* data, std::int64_t n) const override;
+  Pending start_reduce_scatter_sum(float* data,
+                                   const std::vector<std::int64_t>& counts) const override;
+  Pending start_allgather(float* data, const std::vector<std::int64_t>& counts) const override;
   Pending start_send(const float* data, std::int64_t n, int peer) const override;
   Pending start_send_recv(const float* send, std::int64_t n_send, int to, float* recv,
                           std::int64_t n_recv, int from) const override;

@@ -6,14 +6,17 @@
 
 namespace kmoe {
 
-GradReducer::GradReducer(TensorTable& table, const ProcessGrid& grid, double bucket_mb, bool tied)
+GradReducer::GradReducer(TensorTable& table, const ProcessGrid& grid, double bucket_mb, bool tied,
+                         bool shard)
     : table_(table), grid_(grid) {
   const std::int64_t limit =
       std::max<std::int64_t>(1, static_cast<std::int64_t>(bucket_mb * 1024 * 1024 / sizeof(float)));
-  // Every member of a communicator must issue the same all-reduces: bucket boundaries depend
-  // only on what is the same on every member (table indices, reduction groups, the sizes of
-  // tensors reduced over the group), never on tensors outside the group. A row block with no
-  // rows here stays in its bucket (it adds nothing) so the members still agree.
+  if (tied && grid.tie.valid()) tied_ = table.find("embed.weight");
+  // Every member of a communicator must issue the same reductions: bucket boundaries (and their
+  // blocks) depend only on what is the same on every member (table indices, reduction groups,
+  // the shapes of tensors reduced over the group), never on tensors outside the group. A row
+  // block with no rows here stays in its bucket (it adds nothing) so the members still agree.
+  // Sharded, the tied embedding is a bucket of its own, never split.
   int prev = -1;  // the index of the last tensor taken into a bucket
   for (int i = table.size() - 1; i >= 0; --i) {
     const TensorEntry& e = table.entry(i);
@@ -24,22 +27,68 @@ GradReducer::GradReducer(TensorTable& table, const ProcessGrid& grid, double buc
     // Declared back to back, so adjacent in the flat buffer: extend the open bucket downwards.
     Bucket* b = buckets_.empty() ? nullptr : &buckets_.back();
     const bool next = prev == i + 1;
+    const bool alone = shard && (i == tied_ || (b && b->first_tensor == tied_));
     prev = i;
-    if (b && next && b->comm == c && b->offset == e.offset + e.size && b->size < limit) {
+    if (b && next && !alone && b->comm == c && b->offset == e.offset + e.size && b->size < limit) {
       b->offset = e.offset;
       b->size += e.size;
       b->first_tensor = i;
     } else {
-      buckets_.push_back({i, e.offset, e.size, c});
+      buckets_.push_back({i, i, e.offset, e.size, c, {}});
     }
   }
-  if (tied && grid.tie.valid()) tied_ = table.find("embed.weight");
+  // The moments: whole tensors, except this rank's rows of each split bucket.
+  std::vector<std::int64_t> first(table.size(), 0), rows(table.size());
+  std::vector<char> split_here(table.size(), 0);
+  for (int i = 0; i < table.size(); ++i) rows[i] = table.entry(i).spec.local_rows();
+  if (shard)
+    for (Bucket& b : buckets_) {
+      if (b.first_tensor == tied_) continue;
+      this->split(b);
+      std::int64_t lo = b.offset;
+      for (int q = 0; q < b.comm->rank(); ++q) lo += b.blocks[q];
+      const std::int64_t hi = lo + b.blocks[b.comm->rank()];
+      for (int i = b.first_tensor; i <= b.last_tensor; ++i) {
+        const TensorEntry& e = table.entry(i);
+        const std::int64_t w = std::max<std::int64_t>(1, e.spec.row_elements());
+        const std::int64_t a = std::clamp(lo, e.offset, e.offset + e.size);
+        const std::int64_t z = std::clamp(hi, e.offset, e.offset + e.size);
+        first[i] = (a - e.offset) / w;
+        rows[i] = (z - a) / w;
+        split_here[i] = 1;
+      }
+    }
+  std::int64_t at = 0;
+  for (int i = 0; i < table.size(); ++i) {
+    slices_.push_back({first[i], rows[i], at, split_here[i] != 0});
+    at += rows[i] * table.entry(i).spec.row_elements();
+  }
+}
+
+void GradReducer::split(Bucket& b) const {
+  const int R = b.comm->size();
+  // Boundary q near offset + q*size/R, moved to the nearest row boundary of its tensor.
+  std::vector<std::int64_t> cut(R + 1, b.offset);
+  cut[R] = b.offset + b.size;
+  int t = b.first_tensor;
+  for (int q = 1; q < R; ++q) {
+    const std::int64_t target = b.offset + b.size * q / R;
+    while (t < b.last_tensor && table_.entry(t).offset + table_.entry(t).size <= target) ++t;
+    const TensorEntry& e = table_.entry(t);
+    const std::int64_t w = std::max<std::int64_t>(1, e.spec.row_elements());
+    const std::int64_t r = (target - e.offset + w / 2) / w;
+    cut[q] = std::clamp(e.offset + std::min(r * w, e.size), cut[q - 1], cut[R]);
+  }
+  b.blocks.resize(R);
+  for (int q = 0; q < R; ++q) b.blocks[q] = cut[q + 1] - cut[q];
 }
 
 void GradReducer::ready_from(int first_final) {
   while (next_ < buckets_.size() && buckets_[next_].first_tensor >= first_final) {
     const Bucket& b = buckets_[next_++];
-    pending_.push_back(b.comm->start_allreduce_sum(table_.grads.data() + b.offset, b.size));
+    float* g = table_.grads.data() + b.offset;
+    pending_.push_back(b.blocks.empty() ? b.comm->start_allreduce_sum(g, b.size)
+                                        : b.comm->start_reduce_scatter_sum(g, b.blocks));
   }
 }
 
@@ -53,6 +102,16 @@ void GradReducer::finish() {
     Pending p = tie.start_allreduce_sum(table_.grad(tied_), table_.entry(tied_).size);
     tie.complete(p);
   }
+}
+
+void GradReducer::gather_params() {
+  std::vector<Pending> started;
+  for (const Bucket& b : buckets_)
+    if (!b.blocks.empty())
+      started.push_back(b.comm->start_allgather(table_.params.data() + b.offset, b.blocks));
+  std::size_t i = 0;
+  for (const Bucket& b : buckets_)
+    if (!b.blocks.empty()) b.comm->complete(started[i++]);
 }
 
 }  // namespace kmoe

@@ -2,9 +2,15 @@
 // summed over the stage's dp*ep ranks, Ep-sharded experts over the dp ranks that hold the same
 // experts, Stage-sharded rows not at all. Tensors are grouped into buckets of about
 // parallel.bucket_mb in reverse declaration order (the order backward finalizes them); during the
-// step's last backward, a bucket's nonblocking all-reduce starts as soon as every tensor in it is
+// step's last backward, a bucket's nonblocking reduction starts as soon as every tensor in it is
 // final. Then, with tied embeddings over pp > 1, stage 0's and the last stage's embedding
 // gradients are summed.
+//
+// With optimizer.shard = replicas (ZeRO-1) each bucket is split into one block per member of
+// its group, at row boundaries of its tensors: a bucket is reduce-scattered (each member gets
+// the sum of its block), the member's AdamW updates its block with the moments it alone keeps
+// (moment_slices()), and gather_params() sends every block's updated parameters to all. The
+// tied embedding (pp > 1) stays whole: it is summed across stages after the buckets.
 #pragma once
 
 #include <vector>
@@ -16,25 +22,37 @@ namespace kmoe {
 
 class GradReducer {
  public:
-  GradReducer(TensorTable& table, const ProcessGrid& grid, double bucket_mb, bool tied);
+  GradReducer(TensorTable& table, const ProcessGrid& grid, double bucket_mb, bool tied,
+              bool shard = false);
 
   // Every tensor with table index >= first_final holds its final gradient: start the buckets
   // made only of such tensors, in bucket order.
   void ready_from(int first_final);
   // Starts what is left, waits for everything, sums the tied embedding.
   void finish();
+  // Sharded: sends each member's updated block of every split bucket to the group (after
+  // AdamW) and waits. Nothing to do unsharded.
+  void gather_params();
+
+  // The moments this rank keeps per tensor (TensorTable::shard_moments): every tensor whole
+  // unsharded; sharded, the rows of this rank's block of each split bucket.
+  const std::vector<MomentSlice>& moment_slices() const { return slices_; }
 
  private:
   struct Bucket {
-    int first_tensor;  // lowest table index in the bucket
+    int first_tensor, last_tensor;  // table indices [first, last]
     std::int64_t offset, size;
     const DataComm* comm;
+    std::vector<std::int64_t> blocks;  // split: each member's elements, in member order
   };
+  // Splits bucket b into member blocks at row boundaries, as equal as rows allow.
+  void split(Bucket& b) const;
   TensorTable& table_;
   const ProcessGrid& grid_;
   int tied_ = -1;  // embed.weight (or its tied copy) when summed across stages
   std::vector<Bucket> buckets_;
   std::vector<Pending> pending_;
+  std::vector<MomentSlice> slices_;
   std::size_t next_ = 0;
 };
 

@@ -43,6 +43,11 @@ RankShare rank_share(const Config& cfg, int stage, int in_flight) {
   }
   r.in_flight = in_flight;
   r.precision = cfg.train.precision;
+  r.recompute = cfg.train.recompute == Recompute::Block;
+  if (cfg.optimizer.shard == OptimizerShard::Replicas) {
+    r.dense_replicas = p.dp * p.ep;
+    r.expert_replicas = p.dp;
+  }
   return r;
 }
 

@@ -33,17 +33,21 @@ constexpr bool kSerialDefault = false;
 }  // namespace
 
 FlatOptimizer::FlatOptimizer(const TensorTable& table, const std::vector<char>* counted) {
-  std::vector<std::int64_t> begin, end;
+  std::vector<std::int64_t> begin, end, moment;
   std::vector<double> lr_mult;
   std::vector<int> flags;
   for (int t = 0; t < table.size(); ++t) {
     const TensorEntry& e = table.entry(t);
-    const int f = ((!counted || (*counted)[t]) ? kCounted : 0) |
+    const MomentSlice& s = table.moments(t);
+    // A split slice is this rank's alone: it counts here; a whole tensor where `counted` says.
+    const int f = ((s.split || !counted || (*counted)[t]) ? kCounted : 0) |
                   (e.spec.trainable ? kTrainable : 0) | (e.spec.weight_decay ? kDecay : 0);
-    const std::int64_t step = kSerialDefault ? std::max<std::int64_t>(e.size, 1) : kChunk;
-    for (std::int64_t a = 0; a < e.size; a += step) {
-      begin.push_back(e.offset + a);
-      end.push_back(e.offset + std::min(e.size, a + step));
+    const std::int64_t first = table.moment_begin(t), n = s.rows * e.spec.row_elements();
+    const std::int64_t step = kSerialDefault ? std::max<std::int64_t>(n, 1) : kChunk;
+    for (std::int64_t a = 0; a < n; a += step) {
+      begin.push_back(first + a);
+      end.push_back(first + std::min(n, a + step));
+      moment.push_back(s.offset + a);
       lr_mult.push_back(e.spec.lr_mult);
       flags.push_back(f);
     }
@@ -51,6 +55,7 @@ FlatOptimizer::FlatOptimizer(const TensorTable& table, const std::vector<char>* 
   chunks_ = static_cast<int>(begin.size());
   begin_ = Kokkos::View<std::int64_t*, Layout, MemSpace>("optim::chunk_begin", chunks_);
   end_ = Kokkos::View<std::int64_t*, Layout, MemSpace>("optim::chunk_end", chunks_);
+  moment_ = Kokkos::View<std::int64_t*, Layout, MemSpace>("optim::chunk_moment", chunks_);
   lr_mult_ = View1D("optim::chunk_lr_mult", chunks_);
   flags_ = View1I("optim::chunk_flags", chunks_);
   partial_ = View1D("optim::chunk_sums", chunks_ + 1);
@@ -60,6 +65,7 @@ FlatOptimizer::FlatOptimizer(const TensorTable& table, const std::vector<char>* 
   };
   up(begin, begin_);
   up(end, end_);
+  up(moment, moment_);
   up(lr_mult, lr_mult_);
   up(flags, flags_);
 }
@@ -109,7 +115,7 @@ void FlatOptimizer::adamw_step(const OptimizerCfg& o, TensorTable& table, int t,
   const float gs = clip_scale, wd_all = o.weight_decay;
   const double lr_d = lr;
   auto p = table.params, g = table.grads, m = table.exp_avg, v = table.exp_avg_sq;
-  auto begin = begin_, end = end_;
+  auto begin = begin_, end = end_, moment = moment_;
   auto flags = flags_;
   auto lr_mult = lr_mult_;
   Kokkos::parallel_for(
@@ -119,11 +125,13 @@ void FlatOptimizer::adamw_step(const OptimizerCfg& o, TensorTable& table, int t,
         // The group rate and decay exactly as the per-tensor update formed them.
         const float lr_g = lr_d * lr_mult(c);
         const float wd = (flags(c) & kDecay) ? wd_all : 0.0f;
+        const std::int64_t shift = moment(c) - begin(c);  // parameter element -> its moments
         Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, begin(c), end(c)), [&](std::int64_t i) {
           const float gi = gs * g(i);
-          m(i) = b1 * m(i) + (1.0f - b1) * gi;
-          v(i) = b2 * v(i) + (1.0f - b2) * gi * gi;
-          const float mh = m(i) / bc1, vh = v(i) / bc2;
+          const std::int64_t j = i + shift;
+          m(j) = b1 * m(j) + (1.0f - b1) * gi;
+          v(j) = b2 * v(j) + (1.0f - b2) * gi * gi;
+          const float mh = m(j) / bc1, vh = v(j) / bc2;
           p(i) -= lr_g * (wd * p(i) + mh / (math::sqrt(vh) + eps));
         });
       });

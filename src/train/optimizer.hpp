@@ -20,7 +20,9 @@ class FlatOptimizer {
   static constexpr std::int64_t kChunk = std::int64_t(1) << 16;
 
   // counted: per tensor, whether its squares join the gradient norm (the tensors this rank
-  // owns, so a sum over the grid counts each parameter once); all tensors when null.
+  // owns, so a sum over the grid counts each parameter once); all tensors when null. Only each
+  // tensor's moment slice (TensorTable::moments) is counted and updated: a split slice
+  // (optimizer.shard) always counts, being this rank's alone.
   FlatOptimizer(const TensorTable& table, const std::vector<char>* counted = nullptr);
 
   // Sum of squared gradients of the counted tensors, in double: each chunk's sum, then the
@@ -36,9 +38,10 @@ class FlatOptimizer {
 
  private:
   Kokkos::View<std::int64_t*, Layout, MemSpace> begin_, end_;  // (chunks) element ranges
+  Kokkos::View<std::int64_t*, Layout, MemSpace> moment_;       // (chunks) first moment element
   View1D lr_mult_;                                             // (chunks) of the chunk's tensor
-  View1I flags_;              // (chunks) bit 0 counted, bit 1 trainable, bit 2 weight decay
-  mutable View1D partial_;    // (chunks + 1) chunk sums, then the total
+  View1I flags_;            // (chunks) bit 0 counted, bit 1 trainable, bit 2 weight decay
+  mutable View1D partial_;  // (chunks + 1) chunk sums, then the total
   int chunks_ = 0;
 };
 

@@ -65,21 +65,25 @@ Trainer::Trainer(const Config& cfg, ProcessGrid& grid)
   check_memory(cfg, grid, max_in_flight(schedule_));
   const StagePlan plan = StagePlan::of(grid);
   const LayerComms comms = layer_comms(cfg, grid);
+  // Recompute: every block of every instance takes its saved buffers from one pool.
+  if (t.recompute == Recompute::Block) pool_ = std::make_unique<ActivationPool>();
   for (int i = 0; i < max_in_flight(schedule_); ++i) {
     stages_.push_back(std::make_unique<Stage>(cfg.model, cfg.moe, t.micro_batch, t.seq_len, table_,
-                                              cfg.engram, plan, comms, &stats_));
+                                              cfg.engram, plan, comms, &stats_, pool_.get()));
     if (i == 0) {  // later instances share the first one's tensors
-      table_.allocate();
+      // The buckets, and with optimizer.shard the moments this rank keeps, from the tensors.
+      const bool shard = cfg.optimizer.shard == OptimizerShard::Replicas;
+      reducer_ = std::make_unique<GradReducer>(table_, grid, cfg.parallel.bucket_mb,
+                                               cfg.model.tie_embeddings, shard);
+      table_.allocate(shard ? &reducer_->moment_slices() : nullptr);
       table_.initialize(t.seed);
     }
   }
-  reducer_ =
-      std::make_unique<GradReducer>(table_, grid, cfg.parallel.bucket_mb, cfg.model.tie_embeddings);
   owned_.resize(table_.size());
   for (int i = 0; i < table_.size(); ++i) owned_[i] = owns(table_.entry(i).spec, grid);
   optimizer_ = std::make_unique<FlatOptimizer>(table_, &owned_);
   host_tokens_ = decltype(host_tokens_)(Kokkos::view_alloc("trainer::host_tokens"),
-                                       std::size_t(t.global_batch) * t.seq_len);
+                                        std::size_t(t.global_batch) * t.seq_len);
 
   const std::string from = resume_file(cfg.checkpoint);
   prepare_run_directories(cfg, !from.empty(), lock_->requeued_own(), grid.world);
@@ -240,6 +244,7 @@ StepMetrics Trainer::train_step(int step) {
   const double clip = cfg_.optimizer.clip;
   const double clip_scale = clip > 0 ? std::min(1.0, clip / (m.grad_norm + 1e-6)) : 1.0;
   optimizer_->adamw_step(cfg_.optimizer, table_, step, m.lr, clip_scale);
+  reducer_->gather_params();  // sharded: every replica's updated rows to all
   stages_[0]->after_optimizer_step(table_, stats_);
   timer.stop(phases_.optimizer);
 

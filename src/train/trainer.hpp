@@ -66,11 +66,12 @@ class Trainer {
 
   const Config& cfg_;
   ProcessGrid& grid_;
-  std::unique_ptr<RunLock> lock_;  // this run's hold on checkpoint.dir
+  std::unique_ptr<RunLock> lock_;                  // this run's hold on checkpoint.dir
   std::unique_ptr<GemmPrecisionScope> precision_;  // train.precision while this run lives
   ModelSize size_;
   TensorTable table_;
   StepStats stats_;  // the layers' step statistics (metrics.csv columns after val_loss)
+  std::unique_ptr<ActivationPool> pool_;  // train.recompute = block: the blocks' shared buffers
   // The stage once per micro-batch in flight under the pipeline schedule: micro-batch i runs
   // on instance i mod size(); all share the parameters in table_ and the statistics.
   std::vector<std::unique_ptr<Stage>> stages_;
