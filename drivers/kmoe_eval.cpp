@@ -2,7 +2,9 @@
 // Validation loss of a checkpoint's weights on data.val_paths (at most train.eval_instances
 // instances, file order); the last line is `eval_loss <float> tokens <int>` (exit code 3 when
 // it is not finite). On the layout the trainer ran on it reproduces the trainer's val_loss bit
-// for bit. A checkpoint holding NaN or Inf is refused, naming the tensor.
+// for bit. Launched on another number of ranks without parallel.pp/dp/ep on the command line,
+// it runs on a layout of that many (launch_layout, said on a note line). A checkpoint holding
+// NaN or Inf is refused, naming the tensor.
 #include <cmath>
 #include <cstdio>
 #include <string>
@@ -14,12 +16,14 @@
 #include "io/deck.hpp"
 #include "parallel/layer_comms.hpp"
 #include "train/evaluate.hpp"
+#include "train/planner.hpp"
 
 namespace {
 
 const char* kUsage =
     "usage: kmoe-eval -i DECK --checkpoint FILE [--section.key=value ...]\n"
-    "  prints the validation loss of FILE's weights on the deck's data.val_paths\n";
+    "  prints the validation loss of FILE's weights on the deck's data.val_paths; on as many\n"
+    "  ranks as launched (without parallel.pp/dp/ep on the command line it chooses the layout)\n";
 
 }  // namespace
 
@@ -40,10 +44,18 @@ int main(int argc, char** argv) {
       }
     }
     KMOE_REQUIRE(!deck.empty() && !checkpoint.empty(), "need a deck and a checkpoint\n" << kUsage);
-    const kmoe::Config cfg = kmoe::read_deck(deck, overrides);
+    // The launch's rank count decides the layout when the deck's grid differs (checkpoints are
+    // layout-independent).
+    int ranks = 1;
+    MPI_Comm_size(MPI_COMM_WORLD, &ranks);
+    std::string layout_note;
+    const kmoe::Config cfg = kmoe::launch_layout(
+        [&](const std::vector<std::string>& over) { return kmoe::read_deck(deck, over); },
+        overrides, ranks, &layout_note);
     KMOE_REQUIRE(!cfg.data.val_paths.empty(),
                  deck << ": data.val_paths is empty: nothing to evaluate");
     kmoe::ProcessGrid grid(cfg.parallel, cfg.model.n_layers, MPI_COMM_WORLD);
+    if (grid.is_root() && !layout_note.empty()) std::printf("note: %s\n", layout_note.c_str());
     const kmoe::GemmPrecisionScope precision(cfg.train.precision);  // as the run evaluated
     if (grid.is_root() && !precision.note().empty())
       std::printf("note: %s\n", precision.note().c_str());

@@ -1,6 +1,7 @@
 #include "train/planner.hpp"
 
 #include <algorithm>
+#include <sstream>
 #include <tuple>
 
 #include "core/error.hpp"
@@ -26,8 +27,8 @@ LayoutPlan plan_one(const Config& cfg, const PlanOptions& o) {
   const ModelSize s = model_size(cfg.model, cfg.moe, t.micro_batch, t.seq_len, cfg.engram);
   const double flops = s.flops_per_token * double(t.global_batch) * t.seq_len;
   const double bubble = double(p.pp - 1) / micro_batches_per_replica(cfg);
-  out.seconds = flops / (double(o.ranks) * o.flops_per_rank) * (1.0 + bubble) +
-                out.sent / o.link_bytes_per_s;
+  out.seconds =
+      flops / (double(o.ranks) * o.flops_per_rank) * (1.0 + bubble) + out.sent / o.link_bytes_per_s;
   return out;
 }
 
@@ -67,6 +68,60 @@ LayoutSearch plan_layouts(const std::function<Config(int pp, int dp, int ep)>& c
   std::sort(out.too_large.begin(), out.too_large.end(),
             [](const LayoutPlan& a, const LayoutPlan& b) { return a.memory < b.memory; });
   return out;
+}
+
+Config launch_layout(const std::function<Config(const std::vector<std::string>&)>& read,
+                     const std::vector<std::string>& overrides, int ranks, std::string* note) {
+  Config cfg = read(overrides);
+  if (note) note->clear();
+  for (const std::string& o : overrides)
+    for (const char* key : {"--parallel.pp=", "--parallel.dp=", "--parallel.ep="})
+      if (o.rfind(key, 0) == 0) return cfg;
+  if (cfg.parallel.world() == ranks) return cfg;
+  auto with = [&](int pp, int dp, int ep) {
+    const TrainCfg& t = cfg.train;
+    const int unit = t.micro_batch * dp * ep;
+    std::vector<std::string> over = overrides;
+    over.push_back("--parallel.pp=" + std::to_string(pp));
+    over.push_back("--parallel.dp=" + std::to_string(dp));
+    over.push_back("--parallel.ep=" + std::to_string(ep));
+    over.push_back("--parallel.pp_layers=");
+    over.push_back("--train.global_batch=" +
+                   std::to_string((t.global_batch + unit - 1) / unit * unit));
+    return read(over);
+  };
+  int ep = 1;
+  if (cfg.moe.enabled())
+    for (int d = 1; d <= ranks; ++d)
+      if (ranks % d == 0 && cfg.moe.experts % d == 0) ep = d;
+  std::ostringstream why;
+  why << "the deck's grid pp " << cfg.parallel.pp << " x dp " << cfg.parallel.dp << " x ep "
+      << cfg.parallel.ep << " is not this launch's " << ranks << " rank(s) and no parallel.pp, "
+      << "parallel.dp or parallel.ep was given: running on ";
+  Config chosen;
+  try {
+    chosen = with(1, ranks / ep, ep);
+  } catch (const Error&) {
+    PlanOptions o;
+    o.ranks = ranks;
+    LayoutSearch s = plan_layouts(with, o);
+    std::sort(s.fit.begin(), s.fit.end(),
+              [](const LayoutPlan& a, const LayoutPlan& b) { return a.memory < b.memory; });
+    if (s.fit.empty()) {
+      std::ostringstream e;
+      e << "the deck accepts no layout of " << ranks << " ranks";
+      for (std::size_t i = 0; i < s.rejected.size() && i < 4; ++i)
+        e << (i ? "; " : ": ") << s.rejected[i];
+      KMOE_FAIL(e.str() << "; give parallel.pp, parallel.dp and parallel.ep");
+    }
+    chosen = with(s.fit[0].pp, s.fit[0].dp, s.fit[0].ep);
+  }
+  const ParallelCfg& p = chosen.parallel;
+  why << "pp " << p.pp << " x dp " << p.dp << " x ep " << p.ep
+      << (p.pp == 1 ? " (experts split as far as the ranks allow, the rest data-parallel)"
+                    : " (the accepted layout with the least memory per rank)");
+  if (note) *note = why.str();
+  return chosen;
 }
 
 }  // namespace kmoe

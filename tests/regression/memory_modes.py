@@ -11,6 +11,8 @@ save of the same layout (every row written once).
 Recompute gives bit-identical losses, MoE and Engram metrics and step dumps (every reduced
 gradient) to no recompute on (1,1,1), (1,1,2), (2,1,1) and (2,1,1) with GPipe, with capacity,
 aux-loss-free router biases and Engram on.
+kmoe-eval runs on the ranks it is launched on when the deck's grid differs and no parallel key
+is given (RUNTIME.md section 5), and refuses an explicit grid unlike the launch.
 Bad values of both keys are errors naming the key.
 Usage: memory_modes.py BIN_DIR WORK_DIR MPIEXEC
 """
@@ -128,6 +130,22 @@ for pp, dp, ep, extra in [(1, 1, 1, []), (1, 1, 2, []), (2, 1, 1, []),
     mem_off = max(float(r["mem_hwm_mib"]) for r in a)
     mem_on = max(float(r["mem_hwm_mib"]) for r in b)
     print(f"     memory per rank {tag}: {mem_off:.0f} MiB without recompute, {mem_on:.0f} with")
+
+# kmoe-eval on any launch: the (2,2,2) checkpoint on 1, 3 and 4 ranks with the deck's grid,
+# (1,1,1), left to the launch; an explicit grid that does not match the launch stays an error.
+val = h.metrics("save_sharded")[-1]["val_loss"]
+for ranks in (1, 3, 4):
+    p = h.run(["kmoe-eval", "-i", "grid.deck", "--checkpoint", "save_sharded/ckpt/step00000010.h5"],
+              ranks=ranks)
+    got = p.stdout.split()[-3] if "eval_loss" in p.stdout else "nan"
+    note = [line for line in p.stdout.splitlines() if line.startswith("note: the deck's grid")]
+    h.check(rel(got, val) <= 1e-6 and (ranks == 1) == (not note),
+            f"kmoe-eval on {ranks} rank(s): {got} vs the trainer's {val}; "
+            f"{note[0][6:120] if note else 'the deck grid'}")
+p = h.run(["kmoe-eval", "-i", "grid.deck", "--checkpoint", "save_sharded/ckpt/step00000010.h5",
+           "--parallel.ep=2"], expect_rc=1)
+h.check("2 ranks" in p.stderr and "launched on 1" in p.stderr,
+        f"kmoe-eval with an explicit grid unlike the launch: {p.stderr.strip()[:120]}")
 
 # Bad values name the key.
 for key, value in [("optimizer.shard", "all"), ("train.recompute", "full")]:
