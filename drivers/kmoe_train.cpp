@@ -175,15 +175,16 @@ void print_dry_run(const kmoe::Config& cfg) {
   std::printf("  model FLOPs per token: %.4g (forward + backward); per step %.4g (%.0f tokens)\n",
               s.flops_per_token, s.flops_per_token * tokens, tokens);
   std::printf(
-      "  memory per rank (estimate, %s activations; every dp and ep rank of a stage alike):\n"
+      "  memory per rank (estimate, %s activations, recompute %s, AdamW moments sharded %s; "
+      "every dp and ep rank of a stage alike):\n"
       "    stage  blocks   tensor elements  params+grads MiB  AdamW MiB  in flight  "
       "activations MiB  runtime MiB  total MiB\n",
-      choice_name(t.precision));
+      choice_name(t.precision), choice_name(t.recompute), choice_name(cfg.optimizer.shard));
   for (int stage = 0; stage < p.pp; ++stage) {
     const auto& [in_flight, m] = stages[stage];
     std::printf("    %5d  %3d-%-3d  %15lld  %16.1f  %9.1f  %9d  %15.1f  %11.1f  %9.1f\n", stage,
                 bounds[stage], bounds[stage + 1] - 1, (long long)m.elements,
-                8.0 * m.elements / mib, 8.0 * m.elements / mib, in_flight,
+                8.0 * m.elements / mib, 8.0 * m.moment_elements / mib, in_flight,
                 m.activation_bytes / mib, kRuntimeBytes / mib,
                 (m.total() + kRuntimeBytes) / mib);
   }

@@ -2,7 +2,7 @@
 # Every deck in inputs/ resolves, fits its grid and finds its data (kmoe-train --dry-run, on one
 # process whatever the deck's pp*dp*ep: the dry run plans the grid without its ranks, with the
 # fortunes corpus prepared by kmoe-prep); a 512-rank grid is planned on one process in seconds,
-# its expert state divided by ep; --plan lists the layouts of N ranks, best first by its cost
+# its expert state divided by ep and (optimizer.shard) its moments by the replicas; --plan lists the layouts of N ranks, best first by its cost
 # model, keeps those within --memory-per-rank, and its bad inputs are clear errors.
 # Usage: decks_dry_run.sh BIN_DIR WORK_DIR MPIEXEC INPUTS_DIR
 set -euo pipefail
@@ -48,6 +48,27 @@ if grep -q "pp 4 x dp 16 x ep 8 = 512 ranks" plan512.log && [ "$took" -le 30 ] &
        "per rank at ep 8, $e1 at ep 1"
 else
   echo "FAIL the 512-rank plan (${took} s; stage 0 elements at ep 8: '$e8', at ep 1: '$e1')"
+  status=1
+fi
+
+# The same 512 ranks with sharded moments and recompute: stage 0's AdamW column falls to about
+# 1/16 (dense over dp*ep = 128 ranks, experts over dp = 16) of its parameters+gradients column,
+# and its activations fall.
+adamw() {  # params+grads MiB, AdamW MiB and activations MiB of stage 0
+  awk '/stage  blocks/ { getline; print $4, $5, $7; exit }' "$1"
+}
+dry plan512_zero.log "$inputs/olmoe_shape.deck" --parallel.pp=4 --parallel.dp=16 \
+  --parallel.ep=8 --train.global_batch=256 --optimizer.shard=replicas --train.recompute=block ||
+  { echo "FAIL the sharded 512-rank plan:"; tail -5 plan512_zero.log; exit 1; }
+read -r pg0 m0 a0 < <(adamw plan512.log)
+read -r pg1 m1 a1 < <(adamw plan512_zero.log)
+if awk -v pg="$pg1" -v m="$m1" -v a0="$a0" -v a1="$a1" \
+     'BEGIN { exit !(m > 0 && m * 10 < pg && a1 < a0) }'; then
+  echo "ok   512 ranks, sharded moments and recompute: stage 0 AdamW $m0 -> $m1 MiB" \
+       "(params+grads $pg1 MiB), activations $a0 -> $a1 MiB"
+else
+  echo "FAIL sharded 512-rank plan: AdamW $m0 -> $m1 MiB (params+grads $pg1), activations" \
+       "$a0 -> $a1"
   status=1
 fi
 

@@ -9,8 +9,9 @@ saved sharded on (2,2,2) resumes unsharded on (1,1,1) and the reverse, within th
 against the uninterrupted single rank; the moments a sharded save writes match an unsharded
 save of the same layout (every row written once).
 Recompute gives bit-identical losses, MoE and Engram metrics and step dumps (every reduced
-gradient) to no recompute on (1,1,1), (1,1,2), (2,1,1) and (2,1,1) with GPipe, with capacity,
-aux-loss-free router biases and Engram on.
+gradient) to no recompute on (1,1,1), (1,1,2), (2,1,1), (2,1,1) with GPipe and (1,1,2) in bf16
+(whose kept operands share the pool as bf16), with capacity, aux-loss-free router biases and
+Engram on.
 kmoe-eval runs on the ranks it is launched on when the deck's grid differs and no parallel key
 is given (RUNTIME.md section 5), and refuses an explicit grid unlike the launch.
 Bad values of both keys are errors naming the key.
@@ -104,8 +105,9 @@ for src, dst, grid, extra in [("save_sharded", "resume_one", (1, 1, 1), []),
 RC = ["--moe.capacity_factor=1.0", "--moe.bias_update_rate=0.01", "--train.max_steps=6",
       "--output.dump_step=1,6"]
 for pp, dp, ep, extra in [(1, 1, 1, []), (1, 1, 2, []), (2, 1, 1, []),
-                          (2, 1, 1, ["--parallel.schedule=gpipe"])]:
-    tag = f"{pp}{dp}{ep}" + ("_gpipe" if extra else "")
+                          (2, 1, 1, ["--parallel.schedule=gpipe"]),
+                          (1, 1, 2, ["--train.precision=bf16"])]:
+    tag = f"{pp}{dp}{ep}" + "".join("_" + e.split("=")[1] for e in extra)
     train(f"rc_off{tag}", pp, dp, ep, *RC, *extra)
     train(f"rc_on{tag}", pp, dp, ep, *RC, *extra, "--train.recompute=block")
     a, b = h.metrics(f"rc_off{tag}"), h.metrics(f"rc_on{tag}")
