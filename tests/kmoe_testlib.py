@@ -71,6 +71,39 @@ def counting_documents(n):
     return [f"number {i} is {'odd' if i % 2 else 'even'}, and {i} + 1 = {i + 1}." for i in range(n)]
 
 
+def grid_harness(argv):
+    """The harness of RUNTIME.md section 2's grid tests: BIN_DIR WORK_DIR MPIEXEC from argv, the
+    counting corpus, and grid.deck (20 steps, validation at the end on 10 instances, no resume,
+    a metrics row each step)."""
+    bin_dir, work, mpiexec = argv[1:4]
+    h = Harness(bin_dir, work, mpiexec)
+    h.prepare_corpus(counting_documents(4000))
+    h.write("grid.deck", grid_test_deck("""
+max_steps = 20
+eval_every = 20
+eval_instances = 10
+""", """
+val_paths = data/val.bin
+[checkpoint]
+resume = none
+[output]
+log_every = 1
+"""))
+    return h
+
+
+def grid_train(h, name, pp=1, dp=1, ep=1, *extra, expect_rc=0, env=None):
+    """grid.deck on (pp, dp, ep) into the run directory `name`."""
+    args = ["kmoe-train", "-i", "grid.deck", f"--parallel.pp={pp}", f"--parallel.dp={dp}",
+            f"--parallel.ep={ep}", f"--output.dir={name}", f"--checkpoint.dir={name}/ckpt",
+            *extra]
+    return h.run(args, expect_rc=expect_rc, ranks=pp * dp * ep, env=env)
+
+
+def rel(a, b):
+    return abs(float(a) - float(b)) / abs(float(b))
+
+
 def grid_test_deck(train="", sections=""):
     """RUNTIME.md section 2's test deck for the process grid: the tiny MoE + Engram model
     (D 64, L 4, T 64, E 8 top-2 + a shared expert after a dense block 0, Engram at blocks 1 and

@@ -60,7 +60,8 @@ class EngramLayer {
   Operand lookup(const TensorTable& table, ConstIVec tokens, bool count = true);
   int memory_width() const { return d_mem_; }
 
-  // Mean gate value of the last forward (reads the device).
+  // Mean gate value of the last forward (reads the device; tests and tools: under recompute the
+  // gate buffer is the pool's, the last Engram block's to run).
   double mean_gate() const;
 
  private:

@@ -190,11 +190,13 @@ RankMemory rank_memory(const ModelCfg& m, const MoeCfg& e, const EngramCfg& g, i
     out.elements = elements.get();
     out.expert_elements = experts.get();
     out.sharded_elements = sharded.get();
-    // Sharded moments: each replicated tensor's over its replicas (rounded up).
-    const Size dense = elements - experts - sharded;
+    // Sharded moments: each replicated tensor's over its replicas (rounded up); the embedding
+    // tied across stages (pp > 1) stays whole.
+    const Size tied_whole = s.tied && r.embed != r.head ? V * D : Size(0);
+    const Size dense = elements - experts - sharded - tied_whole;
     const Size dr = std::max(1, r.dense_replicas), er = std::max(1, r.expert_replicas);
     const Size moments = (dense + dr - Size(1)).get() / dr.get() +
-                         Size((experts + er - Size(1)).get() / er.get()) + sharded;
+                         Size((experts + er - Size(1)).get() / er.get()) + sharded + tied_whole;
     out.moment_elements = moments.get();
     out.state_bytes = (Size(8) * elements + Size(8) * moments).get();
     // Recompute: every instance keeps its residual streams; the pool, and the buffer a block's
@@ -202,8 +204,11 @@ RankMemory rank_memory(const ModelCfg& m, const MoeCfg& e, const EngramCfg& g, i
     const Size kept = r.recompute ? Size(r.in_flight) * Size(4) * stage + pool_attn + pool_mlp +
                                         pool_moe + pool_engram + Size(4) * N * D
                                   : Size(r.in_flight) * (saved + Size(4) * stage);
+    // Each instance's backward scratch, or under recompute one the instances share.
+    const Size scratch_sets = r.recompute ? Size(1) : Size(r.in_flight);
     out.activation_bytes =
-        (kept + s.scratch(has_dense) + (has_moe ? s.moe_scratch() : Size(0))).get();
+        (kept + scratch_sets * (s.scratch(has_dense) + (has_moe ? s.moe_scratch() : Size(0))))
+            .get();
     return out;
   });
 }

@@ -49,7 +49,8 @@ struct RankMemory {
   std::int64_t sharded_elements = 0;  // of which its row blocks of sharded Engram tables
   std::int64_t moment_elements = 0;   // the AdamW moments it keeps (fewer when sharded)
   std::int64_t state_bytes = 0;       // its four flat buffers
-  std::int64_t activation_bytes = 0;  // every instance's saved activations and scratch
+  std::int64_t activation_bytes = 0;  // every instance's saved activations and scratch (one
+                                      // pool and one scratch under recompute)
   std::int64_t total() const { return state_bytes + activation_bytes; }
 };
 

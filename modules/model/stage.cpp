@@ -38,7 +38,6 @@ Stage::Stage(const ModelCfg& m, const MoeCfg& e, int max_seqs, int T, TensorTabl
       has_head_(plan.head),
       rope_(T, m.head_dim(), m.rope_theta),
       compression_(load_engram_compression(g, m.vocab_size)),
-      scratch_(m, e, max_seqs, T, has_dense_block(m, e, plan)),
       tokens_("stage::tokens", max_seqs * T),
       d_x_("stage::d_x", std::int64_t(max_seqs) * T * m.d_model),
       d_y_("stage::d_y", std::int64_t(max_seqs) * T * m.d_model),
@@ -79,7 +78,14 @@ Stage::Stage(const ModelCfg& m, const MoeCfg& e, int max_seqs, int T, TensorTabl
   }
   for (std::size_t l = 0; l <= blocks_.size(); ++l)
     resid_.emplace_back("stage::resid", std::int64_t(max_seqs) * T * m.d_model);
-  if (recompute_) recomputed_ = View1F("stage::recomputed", std::int64_t(max_seqs) * T * m.d_model);
+  const bool dense = has_dense_block(m, e, plan);
+  if (recompute) {
+    scratch_ = recompute->shared<BlockScratch>("stage::scratch", m, e, max_seqs, T, dense);
+    recomputed_ = *recompute->shared<View1F>("stage::recomputed", "stage::recomputed",
+                                             std::int64_t(max_seqs) * T * m.d_model);
+  } else {
+    scratch_ = std::make_shared<BlockScratch>(m, e, max_seqs, T, dense);
+  }
 }
 
 LossSums Stage::forward(const TensorTable& table, const std::int32_t* tokens, int nseq,
@@ -102,19 +108,19 @@ LossSums Stage::forward(const TensorTable& table, const std::int32_t* tokens, in
   }
   const ConstIVec engram_tok = engram_tokens(N);
   const bool moe = has_moe();
-  if (moe) Kokkos::deep_copy(ExecSpace(), scratch_.moe_aux, 0.0);
+  if (moe) Kokkos::deep_copy(ExecSpace(), scratch_->moe_aux, 0.0);
   for (std::size_t l = 0; l < blocks_.size(); ++l)
-    blocks_[l]->forward(table, rope_, as_cmat(resid(l, N)), engram_tok, resid(l + 1, N), scratch_);
+    blocks_[l]->forward(table, rope_, as_cmat(resid(l, N)), engram_tok, resid(l + 1, N), *scratch_);
   LossSums sums;
   if (has_head_)
     sums = head_->forward(table, as_cmat(resid(blocks_.size(), N)), tok, T_, grad_scale, loss_sums);
   aux_scale_ = static_cast<float>(double(grad_scale) * nseq * (T_ - 1));
   if (moe && loss_sums.extent(0) > 0) {  // stays on the device with the CE and z sums
-    auto aux = scratch_.moe_aux;
+    auto aux = scratch_->moe_aux;
     Kokkos::parallel_for(
         "stage::moe_aux", Range(0, 1), KOKKOS_LAMBDA(int) { loss_sums(2) += aux(0); });
   } else if (moe) {
-    sums.moe_aux = read_to_host("moe aux loss", scratch_.moe_aux)(0);
+    sums.moe_aux = read_to_host("moe aux loss", scratch_->moe_aux)(0);
   }
   return sums;
 }
@@ -152,8 +158,9 @@ const float* Stage::backward(TensorTable& table, const std::function<void(int)>&
   for (int l = static_cast<int>(blocks_.size()) - 1; l >= 0; --l) {
     if (recompute_)  // the block's saved buffers again, from its kept input
       blocks_[l]->forward(table, rope_, as_cmat(resid(l, N)), engram_tokens(N),
-                          as_mat(recomputed_.data(), N, D_), scratch_, /*count=*/false);
-    blocks_[l]->backward(table, rope_, as_cmat(resid(l, N)), as_cmat(dy), dx, scratch_, aux_scale_);
+                          as_mat(recomputed_.data(), N, D_), *scratch_, /*count=*/false);
+    blocks_[l]->backward(table, rope_, as_cmat(resid(l, N)), as_cmat(dy), dx, *scratch_,
+                         aux_scale_);
     std::swap(dx, dy);
     if (ready) ready(l > 0 || has_embed_ ? blocks_[l]->first_tensor() : 0);
   }

@@ -43,7 +43,8 @@ class Stage {
   // With `recompute` (train.recompute = block) the blocks take their saved buffers from that
   // pool, shared with every block of every instance built on it, keep only their inputs (the
   // residual streams), and backward() runs each block's forward again just before its
-  // backward, counting no statistics the second time.
+  // backward, counting no statistics the second time; the instances share their backward
+  // scratch too.
   Stage(const ModelCfg& m, const MoeCfg& e, int max_seqs, int seq_len, TensorTable& table,
         const EngramCfg& g = EngramCfg(), const StagePlan& plan = StagePlan::whole(),
         const LayerComms& comms = LayerComms(), StepStats* stats = nullptr,
@@ -102,13 +103,15 @@ class Stage {
   int embed_weight_ = -1;  // embed.weight (here or its tied copy), -1 if neither
   std::vector<std::unique_ptr<Block>> blocks_;
   std::unique_ptr<LmHead> head_;
-  BlockScratch scratch_;
+  // The blocks' backward temporaries: this instance's own, or under recompute the pool's, which
+  // every instance shares (instances never run at the same time).
+  std::shared_ptr<BlockScratch> scratch_;
   View1I tokens_;                 // (max_seqs * T) device copy of the ids
   View1I compress_, compressed_;  // Engram: (V) canonical ids, (max_seqs * T) compressed ids
   std::vector<View1F> resid_;     // blocks+1 residual streams (N, D): block inputs and output
   View1F d_x_, d_y_;              // (N, D) backward ping-pong
   bool recompute_ = false;
-  View1F recomputed_;  // (N, D) recompute: a block's output again (discarded)
+  View1F recomputed_;  // (N, D) recompute: a block's output again (discarded; shared)
   int nseq_ = 0;
   float aux_scale_ = 0.0f;
   int top_k_;

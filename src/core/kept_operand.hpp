@@ -78,12 +78,20 @@ class ActivationPool {
    private:
     ActivationPool* previous_;
   };
-  // Bytes the pool's buffers hold.
+  // Bytes the pool's saved buffers hold (shared objects not counted).
   std::int64_t bytes() const;
 
   // The pool of the open Block scope, or null.
   static ActivationPool* current();
   std::shared_ptr<KeptStorage> kept(const std::string& label, std::int64_t n, bool bf16);
+  // An object every Stage instance built on the pool shares (the blocks' backward scratch):
+  // made from `args` by the first request of `key`.
+  template <class T, class... A>
+  std::shared_ptr<T> shared(const std::string& key, A&&... args) {
+    std::shared_ptr<void>& p = objects_[key];
+    if (!p) p = std::make_shared<T>(std::forward<A>(args)...);
+    return std::static_pointer_cast<T>(p);
+  }
   View1F floats(const std::string& label, std::int64_t n);
   View1I ints(const std::string& label, std::int64_t n);
 
@@ -93,6 +101,7 @@ class ActivationPool {
   std::map<std::string, std::shared_ptr<KeptStorage>> kept_;
   std::map<std::string, View1F> floats_;
   std::map<std::string, View1I> ints_;
+  std::map<std::string, std::shared_ptr<void>> objects_;
 };
 
 // A block's saved buffer of n values: pooled inside an ActivationPool::Block scope, else its

@@ -91,27 +91,26 @@ Pending StagedMpiComm::start_allreduce_sum(float* data, std::int64_t n) const {
 
 // The whole buffer travels to the host and back: a member's block is its result (reduce) or
 // every block is (gather).
-Pending StagedMpiComm::start_reduce_scatter_sum(float* data,
-                                                const std::vector<std::int64_t>& counts) const {
+Pending StagedMpiComm::start_blocks(float* data, const std::vector<std::int64_t>& counts,
+                                    bool reduce) const {
   if (axis_.size() == 1) return nullptr;
   auto op = std::make_unique<StagedOp>();
   op->n = total(counts);
   op->host = take(op->n);
   op->result = data;
   to_host(op->host, data, op->n);
-  op->inner = axis_.start_reduce_scatter_sum(op->host.data(), counts);
+  op->inner = reduce ? axis_.start_reduce_scatter_sum(op->host.data(), counts)
+                     : axis_.start_allgather(op->host.data(), counts);
   return Pending(std::move(op));
 }
 
+Pending StagedMpiComm::start_reduce_scatter_sum(float* data,
+                                                const std::vector<std::int64_t>& counts) const {
+  return start_blocks(data, counts, true);
+}
+
 Pending StagedMpiComm::start_allgather(float* data, const std::vector<std::int64_t>& counts) const {
-  if (axis_.size() == 1) return nullptr;
-  auto op = std::make_unique<StagedOp>();
-  op->n = total(counts);
-  op->host = take(op->n);
-  op->result = data;
-  to_host(op->host, data, op->n);
-  op->inner = axis_.start_allgather(op->host.data(), counts);
-  return Pending(std::move(op));
+  return start_blocks(data, counts, false);
 }
 
 Pending StagedMpiComm::start_send(const float* data, std::int64_t n, int peer) const {

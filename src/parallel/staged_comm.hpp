@@ -51,6 +51,7 @@ class StagedMpiComm : public DataComm {
 
  private:
   struct StagedOp;
+  Pending start_blocks(float* data, const std::vector<std::int64_t>& counts, bool reduce) const;
   // A pinned buffer of at least n floats from the pool (pinned allocations are slow, and a
   // step issues the same transfer sizes every time), returned to it by give_back.
   HostBuffer take(std::int64_t n) const;

@@ -1,6 +1,7 @@
 #include "train/grad_reducer.hpp"
 
 #include <algorithm>
+#include <map>
 
 #include "parallel/placement.hpp"
 
@@ -41,10 +42,11 @@ GradReducer::GradReducer(TensorTable& table, const ProcessGrid& grid, double buc
   std::vector<std::int64_t> first(table.size(), 0), rows(table.size());
   std::vector<char> split_here(table.size(), 0);
   for (int i = 0; i < table.size(); ++i) rows[i] = table.entry(i).spec.local_rows();
+  std::map<const DataComm*, int> split_buckets;  // per group: its buckets split so far
   if (shard)
     for (Bucket& b : buckets_) {
       if (b.first_tensor == tied_) continue;
-      this->split(b);
+      this->split(b, split_buckets[b.comm]++);
       std::int64_t lo = b.offset;
       for (int q = 0; q < b.comm->rank(); ++q) lo += b.blocks[q];
       const std::int64_t hi = lo + b.blocks[b.comm->rank()];
@@ -65,9 +67,13 @@ GradReducer::GradReducer(TensorTable& table, const ProcessGrid& grid, double buc
   }
 }
 
-void GradReducer::split(Bucket& b) const {
+void GradReducer::split(Bucket& b, int k) const {
   const int R = b.comm->size();
-  // Boundary q near offset + q*size/R, moved to the nearest row boundary of its tensor.
+  // Boundary q near offset + q*size/R, moved to a row boundary of its tensor: rounded with a
+  // phase in [0, 1) of a row that differs from bucket to bucket (the k-th split bucket of the
+  // group: k times the golden ratio, mod 1), so that buckets of fewer rows than members (an
+  // expert tensor's row is a whole expert) give their rows to different members.
+  const std::int64_t phase = (std::int64_t(k) * 40503) % 65536;  // of 65536
   std::vector<std::int64_t> cut(R + 1, b.offset);
   cut[R] = b.offset + b.size;
   int t = b.first_tensor;
@@ -76,7 +82,7 @@ void GradReducer::split(Bucket& b) const {
     while (t < b.last_tensor && table_.entry(t).offset + table_.entry(t).size <= target) ++t;
     const TensorEntry& e = table_.entry(t);
     const std::int64_t w = std::max<std::int64_t>(1, e.spec.row_elements());
-    const std::int64_t r = (target - e.offset + w / 2) / w;
+    const std::int64_t r = ((target - e.offset) * 65536 + phase * w) / (w * 65536);
     cut[q] = std::clamp(e.offset + std::min(r * w, e.size), cut[q - 1], cut[R]);
   }
   b.blocks.resize(R);

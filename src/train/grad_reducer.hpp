@@ -45,8 +45,9 @@ class GradReducer {
     const DataComm* comm;
     std::vector<std::int64_t> blocks;  // split: each member's elements, in member order
   };
-  // Splits bucket b into member blocks at row boundaries, as equal as rows allow.
-  void split(Bucket& b) const;
+  // Splits bucket b, the k-th split bucket of its group, into member blocks at row boundaries,
+  // as equal as rows allow.
+  void split(Bucket& b, int k) const;
   TensorTable& table_;
   const ProcessGrid& grid_;
   int tied_ = -1;  // embed.weight (or its tied copy) when summed across stages

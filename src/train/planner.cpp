@@ -75,7 +75,8 @@ Config launch_layout(const std::function<Config(const std::vector<std::string>&)
   Config cfg = read(overrides);
   if (note) note->clear();
   for (const std::string& o : overrides)
-    for (const char* key : {"--parallel.pp=", "--parallel.dp=", "--parallel.ep="})
+    for (const char* key :
+         {"--parallel.pp=", "--parallel.dp=", "--parallel.ep=", "--parallel.pp_layers="})
       if (o.rfind(key, 0) == 0) return cfg;
   if (cfg.parallel.world() == ranks) return cfg;
   auto with = [&](int pp, int dp, int ep) {

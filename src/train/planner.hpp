@@ -42,12 +42,12 @@ LayoutSearch plan_layouts(const std::function<Config(int pp, int dp, int ep)>& c
 
 // The deck a tool that only loads a checkpoint (kmoe-eval) runs on `ranks` launched ranks
 // (RUNTIME.md section 5): the deck's own grid when it has that many ranks or the command line
-// sets a parallel.pp, parallel.dp or parallel.ep key (a mismatch then stays the grid's
-// error); otherwise pp 1, ep the largest divisor of `ranks` that divides moe.experts (1 for a
-// dense model), dp the rest, and train.global_batch raised to a multiple of micro_batch * dp *
-// ep (evaluation reads no training batch); when the deck refuses that, the accepted layout with
-// the least memory per rank. `note` says which layout was chosen and why (empty: the deck's).
-// read(overrides) reads the deck with these command-line overrides.
+// sets a parallel.pp, parallel.dp, parallel.ep or parallel.pp_layers key (a mismatch then
+// stays the grid's error); otherwise pp 1, ep the largest divisor of `ranks` that divides
+// moe.experts (1 for a dense model), dp the rest, and train.global_batch raised to a multiple of
+// micro_batch * dp * ep (evaluation reads no training batch); when the deck refuses that, the
+// accepted layout with the least memory per rank. `note` says which layout was chosen and why
+// (empty: the deck's). read(overrides) reads the deck with these command-line overrides.
 Config launch_layout(const std::function<Config(const std::vector<std::string>&)>& read,
                      const std::vector<std::string>& overrides, int ranks, std::string* note);
 

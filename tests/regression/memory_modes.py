@@ -24,34 +24,14 @@ import h5py
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from kmoe_testlib import Harness, counting_documents, grid_test_deck  # noqa: E402
+from kmoe_testlib import grid_harness, grid_train, rel  # noqa: E402
 
-bin_dir, work, mpiexec = sys.argv[1:4]
-h = Harness(bin_dir, work, mpiexec)
-h.prepare_corpus(counting_documents(4000))
-h.write("grid.deck", grid_test_deck("""
-max_steps = 20
-eval_every = 20
-eval_instances = 10
-""", """
-val_paths = data/val.bin
-[checkpoint]
-resume = none
-[output]
-log_every = 1
-"""))
+h = grid_harness(sys.argv)
 SHARD = "--optimizer.shard=replicas"
 
 
-def train(name, pp=1, dp=1, ep=1, *extra, expect_rc=0):
-    args = ["kmoe-train", "-i", "grid.deck", f"--parallel.pp={pp}", f"--parallel.dp={dp}",
-            f"--parallel.ep={ep}", f"--output.dir={name}", f"--checkpoint.dir={name}/ckpt",
-            *extra]
-    return h.run(args, expect_rc=expect_rc, ranks=pp * dp * ep)
-
-
-def rel(a, b):
-    return abs(float(a) - float(b)) / abs(float(b))
+def train(name, *args, **kw):
+    return grid_train(h, name, *args, **kw)
 
 
 def compare(name, base, first=0):

@@ -11,11 +11,14 @@
 
 #include "core/error.hpp"
 #include "core/gemm.hpp"
+#include "core/kept_operand.hpp"
 #include "modules/engram/engram.hpp"
 #include "modules/model/model_size.hpp"
 #include "modules/model/stage.hpp"
 #include "modules/moe/moe.hpp"
+#include "parallel/layer_comms.hpp"
 #include "parallel/process_grid.hpp"
+#include "train/grad_reducer.hpp"
 
 namespace kmoe {
 namespace {
@@ -114,6 +117,144 @@ TEST(Comm, AllToAllVWithUnevenCounts) {
   fill(s.data(), send);
   c.all_to_all_v(s.data(), sc, r.data(), rc);
   EXPECT_EQ(host(r.data(), expect.size()), expect);
+}
+
+// optimizer.shard's collectives: member q's block of uneven size (one empty) summed to q in
+// place, then every block sent to all, on the MPI axis.
+TEST(Comm, ReduceScatterAndAllGatherWithUnevenBlocks) {
+  Communicator c(MPI_COMM_WORLD, "test");
+  const int P = c.size(), me = c.rank();
+  std::vector<std::int64_t> counts(P);
+  std::int64_t n = 0;
+  for (int q = 0; q < P; ++q) n += counts[q] = q == 1 ? 0 : 2 + 3 * q;
+  std::vector<float> mine(n), sum(n, 0.0f);
+  for (std::int64_t i = 0; i < n; ++i) {
+    mine[i] = float(me + 1) * 0.5f + float(i);
+    for (int p = 0; p < P; ++p) sum[i] += float(p + 1) * 0.5f + float(i);
+  }
+  View1F d("blocks", n);
+  fill(d.data(), mine);
+  Pending rs = c.start_reduce_scatter_sum(d.data(), counts);
+  c.complete(rs);
+  std::vector<float> got = host(d.data(), n);
+  std::int64_t at = 0;
+  for (int q = 0; q < me; ++q) at += counts[q];
+  for (std::int64_t i = at; i < at + counts[me]; ++i) EXPECT_EQ(got[i], sum[i]) << i;
+  // Each member's block holds its result; the gather brings all of them everywhere.
+  for (std::int64_t i = 0; i < n; ++i)
+    if (i < at || i >= at + counts[me]) got[i] = -1.0f;
+  fill(d.data(), got);
+  Pending ag = c.start_allgather(d.data(), counts);
+  c.complete(ag);
+  EXPECT_EQ(host(d.data(), n), sum);
+  EXPECT_THROW(c.start_allgather(d.data(), std::vector<std::int64_t>(P + 1, 0)), Error);
+}
+
+// The moments optimizer.shard keeps: over the stage's 4 replicas (dp 2 x ep 2) every trainable
+// row of every dense tensor is kept by exactly one member, and each member keeps about a
+// quarter; the experts' rows split over the dp pair alike; the table's moments hold only the
+// slices. Sums of a gradient bucket equal the all-reduce's on every member's rows.
+TEST(GradReducer, ShardedMomentsCoverEveryRowOnce) {
+  if (world_size() != 4) GTEST_SKIP() << "needs 4 ranks";
+  ParallelCfg p;
+  p.dp = 2;
+  p.ep = 2;
+  ModelCfg m;
+  m.vocab_size = 40;
+  m.d_model = 16;
+  m.n_layers = 2;
+  m.n_heads = 2;
+  m.n_kv_heads = 2;
+  m.ffn_hidden = 24;
+  MoeCfg e;
+  e.experts = 4;
+  e.top_k = 2;
+  e.expert_hidden = 8;
+  e.dense_layers = {0};
+  ProcessGrid grid(p, m.n_layers, MPI_COMM_WORLD);
+  TensorTable table;
+  Stage stage(m, e, 1, 8, table, EngramCfg(), StagePlan::of(grid), layer_comms(Config(), grid));
+  GradReducer reducer(table, grid, /*bucket_mb=*/0.001, /*tied=*/false, /*shard=*/true);
+  const auto& slices = reducer.moment_slices();
+  table.allocate(&slices);
+  std::int64_t kept = 0;
+  for (int t = 0; t < table.size(); ++t) {
+    const TensorEntry& en = table.entry(t);
+    if (!en.spec.trainable) continue;
+    const MomentSlice& s = table.moments(t);
+    kept += s.rows * en.spec.row_elements();
+    const bool expert = en.spec.shard == Shard::Ep;
+    const Communicator& group = expert ? grid.dp_axis : grid.stage;
+    // Rows kept per member, summed over the group: each row once.
+    std::vector<std::int32_t> rows(en.spec.local_rows(), 0);
+    for (std::int64_t r = s.first; r < s.first + s.rows; ++r) rows[r] = 1;
+    group.allreduce_sum(rows.data(), std::int64_t(rows.size()));
+    for (std::size_t r = 0; r < rows.size(); ++r)
+      EXPECT_EQ(rows[r], 1) << en.spec.name << " row " << r;
+    EXPECT_TRUE(s.split) << en.spec.name;
+  }
+  EXPECT_EQ(kept, std::int64_t(table.exp_avg.extent(0)));
+  EXPECT_LT(kept, table.total_elements() / 2);
+  // Reduce-scatter the gradients: every member's own rows hold the sum over the group.
+  std::vector<float> g(table.total_elements());
+  for (std::size_t i = 0; i < g.size(); ++i) g[i] = float(grid.world.rank() + 1) + 0.001f * i;
+  fill(table.grads.data(), g);
+  reducer.finish();
+  const std::vector<float> got = host(table.grads.data(), table.total_elements());
+  for (int t = 0; t < table.size(); ++t) {
+    const TensorEntry& en = table.entry(t);
+    if (!en.spec.trainable) continue;
+    const int members = en.spec.shard == Shard::Ep ? grid.dp : grid.dp * grid.ep;
+    const std::int64_t b = table.moment_begin(t),
+                       n = table.moments(t).rows * en.spec.row_elements();
+    for (std::int64_t i = b; i < b + n; ++i) {
+      // Sum over the members of (rank + 1): the dp pair's ranks differ by ep.
+      double expect = 0.0;
+      for (int q = 0; q < 4; ++q)
+        if (members == 4 || q % grid.ep == grid.world.rank() % grid.ep) expect += q + 1;
+      ASSERT_NEAR(got[i], expect * 1.0 + members * 0.001 * double(i), 1e-3 * members)
+          << en.spec.name << " element " << i - en.offset;
+    }
+  }
+}
+
+// Under recompute the blocks built in a pool's scope share its buffers: the same request in two
+// blocks is one buffer, two requests of one label in a block are two, a larger request grows
+// the pool's (blocks built before keep theirs), a kept operand's growth is every holder's, and
+// outside a scope every request is its own allocation.
+TEST(ActivationPool, BlocksShareTheirSavedBuffers) {
+  ActivationPool pool;
+  View1F a1, a2, b1, big;
+  KeptOperand k1, k2;
+  {
+    ActivationPool::Block scope(&pool);
+    a1 = saved_floats("x", 10);
+    a2 = saved_floats("x", 10);
+    k1 = KeptOperand("k", 8, /*may_be_bf16=*/false);
+  }
+  {
+    ActivationPool::Block scope(&pool);
+    b1 = saved_floats("x", 10);
+    big = saved_floats("x", 10);
+    k2 = KeptOperand("k", 4, /*may_be_bf16=*/false);
+  }
+  EXPECT_EQ(a1.data(), b1.data());
+  EXPECT_NE(a1.data(), a2.data());
+  EXPECT_EQ(a2.data(), big.data());
+  EXPECT_EQ(k1.f32(), k2.f32());
+  k2.ensure(1000);
+  EXPECT_EQ(k1.f32(), k2.f32());
+  {
+    ActivationPool::Block scope(&pool);
+    View1F grown = saved_floats("x", 20);
+    EXPECT_NE(grown.data(), a1.data());
+    EXPECT_EQ(grown.extent(0), 20u);
+  }
+  EXPECT_EQ(a1.extent(0), 10u);  // still its own, valid buffer
+  EXPECT_GE(pool.bytes(), std::int64_t(4 * (20 + 10 + 1000)));
+  View1F own1 = saved_floats("x", 10), own2 = saved_floats("x", 10);
+  EXPECT_NE(own1.data(), own2.data());
+  EXPECT_EQ(ActivationPool::current(), nullptr);
 }
 
 TEST(Comm, CountsAndGather) {
