@@ -176,8 +176,8 @@ RankMemory rank_memory(const ModelCfg& m, const MoeCfg& e, const EngramCfg& g, i
         const Size rows = (plan.rows + members - 1) / members;
         elements += engram_params(g, D, rows);
         if (members > 1) sharded += rows * (g.embed_per_ngram / g.heads);
-        saved += engram_saved(g, D, N, s.kb, members > 1);
         const Size mine = engram_saved(g, D, N, s.kb, members > 1);
+        saved += mine;
         if (mine.get() > pool_engram.get()) pool_engram = mine;
       }
     }

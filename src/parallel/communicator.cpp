@@ -72,6 +72,12 @@ void check_all_to_all_counts(const std::string& axis, int size, int rank,
                                       << " floats to self, " << recv_counts[rank] << " expected");
 }
 
+void check_block_counts(const std::string& axis, int size,
+                        const std::vector<std::int64_t>& counts) {
+  KMOE_REQUIRE(static_cast<int>(counts.size()) == size,
+               axis << " axis: " << counts.size() << " block counts for " << size << " members");
+}
+
 namespace {
 constexpr int kNoticeTag = 7, kDataTag = 11;
 constexpr std::int64_t kChunk = INT_MAX / 2;  // MPI counts are int: larger buffers are split
@@ -261,8 +267,7 @@ Pending Communicator::start_allgather(float* data, const std::vector<std::int64_
 
 Pending Communicator::start_rooted(float* data, const std::vector<std::int64_t>& counts,
                                    bool reduce) const {
-  KMOE_REQUIRE(static_cast<int>(counts.size()) == size_,
-               name_ << " axis: " << counts.size() << " block counts for " << size_ << " members");
+  check_block_counts(name_, size_, counts);
   if (size_ == 1) return nullptr;
   const char* op = reduce ? "reduce_scatter_sum(float)" : "allgather(float)";
   host_sync(reduce ? "mpi reduce_scatter" : "mpi allgather");

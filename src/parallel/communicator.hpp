@@ -36,6 +36,8 @@ void add_comm_wait(double seconds);
 void check_all_to_all_counts(const std::string& axis, int size, int rank,
                              const std::vector<std::int64_t>& send_counts,
                              const std::vector<std::int64_t>& recv_counts);
+// Every backend's reduce-scatter / all-gather argument check: one block count per member.
+void check_block_counts(const std::string& axis, int size, const std::vector<std::int64_t>& counts);
 
 // A started nonblocking operation; the communicator that started it completes it. Its buffers
 // must stay untouched until then.

@@ -221,8 +221,7 @@ Pending NcclComm::start_allgather(float* data, const std::vector<std::int64_t>& 
 
 Pending NcclComm::start_rooted(float* data, const std::vector<std::int64_t>& counts,
                                bool reduce) const {
-  KMOE_REQUIRE(static_cast<int>(counts.size()) == size_,
-               name_ << " axis: " << counts.size() << " block counts for " << size_ << " members");
+  check_block_counts(name_, size_, counts);
   if (size_ == 1) return nullptr;
   // ncclReduceScatter and ncclAllGather take equal blocks: one ncclReduce to (ncclBroadcast
   // from) each member in one group, in place.

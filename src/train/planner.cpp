@@ -98,11 +98,13 @@ Config launch_layout(const std::function<Config(const std::vector<std::string>&)
   std::ostringstream why;
   why << "the deck's grid pp " << cfg.parallel.pp << " x dp " << cfg.parallel.dp << " x ep "
       << cfg.parallel.ep << " is not this launch's " << ranks << " rank(s) and no parallel.pp, "
-      << "parallel.dp or parallel.ep was given: running on ";
+      << "parallel.dp, parallel.ep or parallel.pp_layers was given: running on ";
   Config chosen;
+  bool widest = true;  // the first choice; else the accepted layout with the least memory
   try {
     chosen = with(1, ranks / ep, ep);
   } catch (const Error&) {
+    widest = false;
     PlanOptions o;
     o.ranks = ranks;
     LayoutSearch s = plan_layouts(with, o);
@@ -119,8 +121,8 @@ Config launch_layout(const std::function<Config(const std::vector<std::string>&)
   }
   const ParallelCfg& p = chosen.parallel;
   why << "pp " << p.pp << " x dp " << p.dp << " x ep " << p.ep
-      << (p.pp == 1 ? " (experts split as far as the ranks allow, the rest data-parallel)"
-                    : " (the accepted layout with the least memory per rank)");
+      << (widest ? " (experts split as far as the ranks allow, the rest data-parallel)"
+                 : " (the accepted layout with the least memory per rank)");
   if (note) *note = why.str();
   return chosen;
 }
