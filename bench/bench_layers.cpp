@@ -87,8 +87,7 @@ int main(int argc, char** argv) {
   LmHead head(m, N, embed, table);
   table.allocate();
   table.initialize(1);
-  AttentionScratch as(m, b, T);
-  MlpScratch ms(N, F);
+  Workspace ws;  // the layers' temporaries, taken as a training run takes them
   View2F x("x", N, D), y("y", N, D), dx("dx", N, D);
   {  // realistic magnitudes: unit-variance activations, small gradients
     auto hx = Kokkos::create_mirror_view(x);
@@ -114,15 +113,15 @@ int main(int argc, char** argv) {
   std::printf("bench_layers: N = %d tokens (b %d x T %d), D %d, H %d, F %d, V %d\n", N, b, T, D,
               m.n_heads, F, V);
   report("attention forward",
-         time_it(reps, [&] { attn.forward(table, rope, as_cmat(x), as_mat(y), as); }),
+         time_it(reps, [&] { attn.forward(table, rope, as_cmat(x), as_mat(y), ws); }),
          attn_proj + attn_core);
   report("attention backward",
-         time_it(reps, [&] { attn.backward(table, rope, as_cmat(x), as_cmat(dx), as_mat(y), as); }),
+         time_it(reps, [&] { attn.backward(table, rope, as_cmat(x), as_cmat(dx), as_mat(y), ws); }),
          2 * (attn_proj + attn_core));
-  report("mlp forward", time_it(reps, [&] { mlp.forward(table, as_cmat(x), as_mat(y), ms); }),
+  report("mlp forward", time_it(reps, [&] { mlp.forward(table, as_cmat(x), as_mat(y), ws); }),
          mlp_f);
   report("mlp backward",
-         time_it(reps, [&] { mlp.backward(table, as_cmat(x), as_cmat(dx), as_mat(y), ms); }),
+         time_it(reps, [&] { mlp.backward(table, as_cmat(x), as_cmat(dx), as_mat(y), ws); }),
          2 * mlp_f);
   {
     View2F up("up", N, 2 * F), act("act", N, F), dup("dup", N, 2 * F);
@@ -143,7 +142,7 @@ int main(int argc, char** argv) {
       "head + loss forward",
       time_it(reps, [&] { head.forward(table, as_cmat(x), ConstIVec(tokens.data(), N), T, 1.0f); }),
       head_f);
-  report("head backward", time_it(reps, [&] { head.backward(table, as_cmat(x), as_mat(y)); }),
+  report("head backward", time_it(reps, [&] { head.backward(table, as_cmat(x), as_mat(y), ws); }),
          2 * head_f);
   {
     // MoE layer (--experts, --top_k, --expert_hidden) against the dense MLP, and the share of
@@ -154,10 +153,9 @@ int main(int argc, char** argv) {
     MoeLayer moe(m, e, "blocks.0.moe.", N, t3, nullptr, nullptr, &stats);
     t3.allocate();
     t3.initialize(2);
-    MoeScratch mos(m, e, N);
     const double t_moe = time_it(reps, [&] {
-      moe.forward(t3, as_cmat(x), as_mat(y), mos);
-      moe.backward(t3, as_cmat(x), as_cmat(dx), as_mat(y), mos, 1.0f);
+      moe.forward(t3, as_cmat(x), as_mat(y), ws);
+      moe.backward(t3, as_cmat(x), as_cmat(dx), as_mat(y), ws, 1.0f);
     });
     const MoeStats st = moe.report();
     // The same layer with grouped expert GEMMs (row counts read on the device).
@@ -168,8 +166,8 @@ int main(int argc, char** argv) {
     t3g.allocate();
     t3g.initialize(2);
     const double t_grouped = time_it(reps, [&] {
-      moe_g.forward(t3g, as_cmat(x), as_mat(y), mos);
-      moe_g.backward(t3g, as_cmat(x), as_cmat(dx), as_mat(y), mos, 1.0f);
+      moe_g.forward(t3g, as_cmat(x), as_mat(y), ws);
+      moe_g.backward(t3g, as_cmat(x), as_cmat(dx), as_mat(y), ws, 1.0f);
     });
     const int Fe = e.expert_hidden;
     View2F rows("rows", N * e.top_k, D), h1("h1", N * e.top_k, Fe), h2("h2", N * e.top_k, Fe);
@@ -191,8 +189,8 @@ int main(int argc, char** argv) {
       }
     });
     const double t_dense = time_it(reps, [&] {
-      mlp.forward(table, as_cmat(x), as_mat(y), ms);
-      mlp.backward(table, as_cmat(x), as_cmat(dx), as_mat(y), ms);
+      mlp.forward(table, as_cmat(x), as_mat(y), ws);
+      mlp.backward(table, as_cmat(x), as_cmat(dx), as_mat(y), ws);
     });
     std::printf("  moe layer fwd+bwd (E %d, k %d, Fe %d) %9.3f ms = %.2f us/token\n", e.experts,
                 e.top_k, Fe, 1e3 * t_moe, 1e6 * t_moe / N);
@@ -229,7 +227,7 @@ int main(int argc, char** argv) {
     const double t_fwd = time_it(reps, [&] { eng.forward(t4, as_cmat(x), tok, as_mat(y)); });
     const double t_fb = time_it(reps, [&] {
       eng.forward(t4, as_cmat(x), tok, as_mat(y));
-      eng.backward(t4, as_cmat(x), as_cmat(dx), as_mat(y));
+      eng.backward(t4, as_cmat(x), as_cmat(dx), as_mat(y), ws);
     });
     const double gathered = double(N) * eng.memory_width() * sizeof(float);
     std::printf("  engram layer (N %d, K %d, De %d, d_mem %d, %lld rows = %.1f MiB table)\n",

@@ -1,5 +1,6 @@
 #include "modules/attention/attention.hpp"
 
+#include <algorithm>
 #include <cmath>
 
 #include "core/gemm.hpp"
@@ -7,14 +8,15 @@
 
 namespace kmoe {
 
-AttentionScratch::AttentionScratch(const ModelCfg& m, int max_seqs, int T) {
-  const std::int64_t N = static_cast<std::int64_t>(max_seqs) * T, dh = m.head_dim();
-  d_merged = View1F("attn::d_merged", N * m.n_heads * dh);
-  d_heads = View1F("attn::d_heads", N * m.n_heads * dh);
-  d_probs = View1F("attn::d_probs", static_cast<std::int64_t>(max_seqs) * m.n_heads * T * T);
-  d_k = View1F("attn::d_k", N * m.n_kv_heads * dh);
-  d_v = View1F("attn::d_v", N * m.n_kv_heads * dh);
-  d_qkv = View1F("attn::d_qkv", N * (m.n_heads + 2 * m.n_kv_heads) * dh);
+std::int64_t Attention::workspace_bytes(const ModelCfg& m, int max_seqs, int T, bool bf16) {
+  const std::int64_t N = std::int64_t(max_seqs) * T, dh = m.head_dim();
+  const std::int64_t qd = m.n_heads * dh, kd = m.n_kv_heads * dh;
+  const std::int64_t probs = Workspace::rounded(4 * std::int64_t(max_seqs) * m.n_heads * T * T);
+  const std::int64_t heads = Workspace::rounded(4 * N * qd);
+  const std::int64_t forward = heads + (bf16 ? probs : 0);
+  const std::int64_t backward = heads + probs + 2 * Workspace::rounded(4 * N * kd) +
+                                Workspace::rounded(4 * N * (qd + 2 * kd));
+  return std::max(forward, backward);
 }
 
 Attention::Attention(const ModelCfg& m, const std::string& prefix, int max_seqs, int seq_len,
@@ -90,7 +92,8 @@ KOKKOS_INLINE_FUNCTION void softmax_row_backward(const TeamMember& tm, int t, in
 }  // namespace
 
 void Attention::forward(const TensorTable& table, const RopeTables& rope, ConstMat a, Mat out,
-                        AttentionScratch& scratch) {
+                        Workspace& ws) {
+  Workspace::Frame frame(ws);
   const int N = a.extent(0), T = T_, nseq = N / T, H = H_, Hkv = Hkv_, dh = dh_, half = dh / 2;
   const int qd = H * dh, kd = Hkv * dh, W = qd + 2 * kd, G = H / Hkv;
   const float eps = eps_;
@@ -152,9 +155,10 @@ void Attention::forward(const TensorTable& table, const RopeTables& rope, ConstM
   // (sequence, kv head) is one (G*T, dh) matrix against the kv head's (T, dh): a strided batch.
   const int groups = nseq * Hkv;
   // Per (sequence, kv head), strided: scores (G*T, T) = q k^T / sqrt(dh), into the kept
-  // probabilities (fp32 runs: the softmax works in place) or the d_probs scratch (bf16 runs:
-  // the softmax rounds the probabilities into the kept bf16 buffer).
-  float* scores = probs_.product_target(scratch.d_probs.data());
+  // probabilities (fp32 runs: the softmax works in place) or a workspace buffer (bf16 runs: the
+  // softmax rounds the probabilities into the kept bf16 buffer).
+  float* scores =
+      probs_.product_target(probs_.is_bf16() ? frame.floats(std::int64_t(nseq) * H * TT) : nullptr);
   gemm_strided_batched(Trans::N, Trans::T, scale, q_.strided(G * T, dh, G * Tdh),
                        k_.strided(T, dh, Tdh), 0.0f, scores, G * T, T, G * TT, groups);
 
@@ -182,7 +186,7 @@ void Attention::forward(const TensorTable& table, const RopeTables& rope, ConstM
                              [&](int j) { p.set(base + j, j <= t ? row[j] * inv : 0.0f); });
       });
 
-  float* heads = scratch.d_heads.data();  // (nseq, H, T, dh) head outputs
+  float* heads = frame.floats(std::int64_t(N) * qd);  // (nseq, H, T, dh) head outputs
   gemm_strided_batched(Trans::N, Trans::N, 1.0f, probs_.strided(G * T, T, G * TT),
                        v_.strided(T, dh, Tdh), 0.0f, heads, G * T, dh, G * Tdh, groups);
   merge_heads(heads, merged_.out(), N, T, H, dh);
@@ -191,7 +195,7 @@ void Attention::forward(const TensorTable& table, const RopeTables& rope, ConstM
 }
 
 void Attention::backward(TensorTable& table, const RopeTables& rope, ConstMat a, ConstMat dout,
-                         Mat da, AttentionScratch& scratch) {
+                         Mat da, Workspace& ws) {
   const int N = a.extent(0), T = T_, nseq = N / T, H = H_, Hkv = Hkv_, dh = dh_, half = dh / 2;
   const int qd = H * dh, kd = Hkv * dh, W = qd + 2 * kd, G = H / Hkv;
   const bool qk_norm = qk_norm_;
@@ -200,21 +204,27 @@ void Attention::backward(TensorTable& table, const RopeTables& rope, ConstMat a,
   // The G query heads of a kv head are adjacent in the head layout (nseq, H, T, dh), so each
   // (sequence, kv head) is one (G*T, dh) matrix against the kv head's (T, dh): a strided batch.
   const int groups = nseq * Hkv;
+  Workspace::Frame frame(ws);
+  float* d_heads = frame.floats(std::int64_t(N) * qd);  // (nseq, H, T, dh): dO, then dQ
+  float* d_probs = frame.floats(std::int64_t(nseq) * H * TT);
+  float* d_k = frame.floats(std::int64_t(N) * kd);  // (nseq, Hkv, T, dh)
+  float* d_v = frame.floats(std::int64_t(N) * kd);
 
-  // Output projection: dWo += dout^T merged; d_merged = dout Wo.
+  // Output projection: dWo += dout^T merged; d_merged = dout Wo, split into heads.
   gemm(Trans::T, Trans::N, 1.0f, dout, merged_.matrix(N, qd), 1.0f,
        as_mat(table.grad(wo_), D_, qd));
-  Mat d_merged = as_mat(scratch.d_merged.data(), N, qd);
-  gemm(Trans::N, Trans::N, 1.0f, dout, as_cmat(table.param(wo_), D_, qd), 0.0f, d_merged);
-  float* d_heads = scratch.d_heads.data();
-  split_heads(as_cmat(d_merged), d_heads, T, H, dh);
+  {
+    Workspace::Frame merged(ws);  // d_merged's memory becomes d_qkv's below
+    Mat d_merged = merged.mat(N, qd);
+    gemm(Trans::N, Trans::N, 1.0f, dout, as_cmat(table.param(wo_), D_, qd), 0.0f, d_merged);
+    split_heads(as_cmat(d_merged), d_heads, T, H, dh);
+  }
 
   // dP = dO v^T; dv = P^T dO (summed over the group's heads by the GEMM itself).
-  float* d_probs = scratch.d_probs.data();
   gemm_strided_batched(Trans::N, Trans::T, 1.0f, {d_heads, G * T, dh, G * Tdh},
                        v_.strided(T, dh, Tdh), 0.0f, d_probs, G * T, T, G * TT, groups);
   gemm_strided_batched(Trans::T, Trans::N, 1.0f, probs_.strided(G * T, T, G * TT),
-                       {d_heads, G * T, dh, G * Tdh}, 0.0f, scratch.d_v.data(), T, dh, Tdh, groups);
+                       {d_heads, G * T, dh, G * Tdh}, 0.0f, d_v, T, dh, Tdh, groups);
 
   // Softmax backward in place: dS = P * (dP - sum_j P dP) * scale (P as kept: R(P) in bf16).
   const KeptIn p = probs_.in();
@@ -233,12 +243,12 @@ void Attention::backward(TensorTable& table, const RopeTables& rope, ConstMat a,
   gemm_strided_batched(Trans::N, Trans::N, 1.0f, {d_probs, G * T, T, G * TT},
                        k_.strided(T, dh, Tdh), 0.0f, d_heads, G * T, dh, G * Tdh, groups);
   gemm_strided_batched(Trans::T, Trans::N, 1.0f, {d_probs, G * T, T, G * TT},
-                       q_.strided(G * T, dh, G * Tdh), 0.0f, scratch.d_k.data(), T, dh, Tdh,
-                       groups);
+                       q_.strided(G * T, dh, G * Tdh), 0.0f, d_k, T, dh, Tdh, groups);
 
   // Back to (N, W) rows: inverse RoPE on dq, dk (gradients w.r.t. the normalized q, k), dv.
-  Mat d_qkv = as_mat(scratch.d_qkv.data(), N, W);
-  auto dq = scratch.d_heads, dk = scratch.d_k, dv = scratch.d_v;
+  Mat d_qkv = frame.mat(N, W);
+  const ConstVec dq(d_heads, std::int64_t(N) * qd), dk(d_k, std::int64_t(N) * kd),
+      dv(d_v, std::int64_t(N) * kd);
   auto cs = rope.cos, sn = rope.sin;
   Kokkos::parallel_for(
       "attn::unrope_merge", row_policy(N), KOKKOS_LAMBDA(const TeamMember& team) {

@@ -9,19 +9,10 @@
 #include "core/kept_operand.hpp"
 #include "core/kokkos_types.hpp"
 #include "core/tensor_table.hpp"
+#include "core/workspace.hpp"
 #include "modules/attention/rope.hpp"
 
 namespace kmoe {
-
-// Backward temporaries, shared by every attention layer of a stage.
-struct AttentionScratch {
-  View1F d_merged;  // (N, H*dh)
-  View1F d_heads;   // (nseq, H, T, dh): forward head outputs; backward dO, then dQ
-  View1F d_probs;   // (nseq, H, T, T); in bf16 runs the forward's fp32 scores too
-  View1F d_k, d_v;  // (nseq, Hkv, T, dh)
-  View1F d_qkv;     // (N, (H+2Hkv)*dh)
-  AttentionScratch(const ModelCfg& m, int max_seqs, int seq_len);
-};
 
 class Attention {
  public:
@@ -29,12 +20,18 @@ class Attention {
   Attention(const ModelCfg& m, const std::string& prefix, int max_seqs, int seq_len,
             TensorTable& table);
 
-  // a: (N, D) with N = nseq * T  ->  out: (N, D). Saves what backward needs.
+  // a: (N, D) with N = nseq * T  ->  out: (N, D). Saves what backward needs; its temporaries
+  // (the head outputs; in bf16 runs the fp32 scores) come from `ws`.
   void forward(const TensorTable& table, const RopeTables& rope, ConstMat a, Mat out,
-               AttentionScratch& s);
-  // dout: (N, D) -> da: (N, D) (assigned); parameter gradients accumulate.
+               Workspace& ws);
+  // dout: (N, D) -> da: (N, D) (assigned); parameter gradients accumulate. Temporaries from
+  // `ws`: dO and dQ (nseq, H, T, dh), dP (nseq, H, T, T), dK and dV (nseq, Hkv, T, dh), the
+  // merged dO (N, H*dh) and then d(q|k|v) (N, (H+2Hkv)*dh).
   void backward(TensorTable& table, const RopeTables& rope, ConstMat a, ConstMat dout, Mat da,
-                AttentionScratch& s);
+                Workspace& ws);
+
+  // The workspace bytes the deepest of the two calls takes, for max_seqs sequences.
+  static std::int64_t workspace_bytes(const ModelCfg& m, int max_seqs, int seq_len, bool bf16);
 
  private:
   int D_, H_, Hkv_, dh_, T_;

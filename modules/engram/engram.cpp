@@ -70,11 +70,10 @@ EngramLayer::EngramLayer(const ModelCfg& m, const EngramCfg& g, const EngramHash
   rows_ = Kokkos::View<int**, Layout, MemSpace>("engram::rows", N, heads_total_);
   // Kept as bf16 in bf16 runs, unless the sharded lookup fills it (its rows arrive as fp32).
   mem_ = KeptOperand("engram::mem", N * d_mem_, /*may_be_bf16=*/!shard_);
-  for (View1F* v : {&key_, &val_, &kn_, &qn_, &v_, &u_, &c_, &d_a_, &d_b_})
+  for (View1F* v : {&key_, &val_, &kn_, &qn_, &v_, &u_, &c_})
     *v = saved_floats("engram::act", N * D_);
-  for (View1F* v : {&rstd_k_, &rstd_q_, &rstd_c_, &score_, &gate_, &d_gate_})
+  for (View1F* v : {&rstd_k_, &rstd_q_, &rstd_c_, &score_, &gate_})
     *v = saved_floats("engram::row", N);
-  d_mem_buf_ = saved_floats("engram::d_mem", N * d_mem_);
   gate_now_ = Kokkos::View<double, MemSpace>("engram::gate_now");
 }
 
@@ -173,12 +172,20 @@ void EngramLayer::forward(const TensorTable& table, ConstMat x, ConstIVec tokens
       });
 }
 
-void EngramLayer::backward(TensorTable& table, ConstMat x, ConstMat dout, Mat dx) {
+std::int64_t EngramLayer::workspace_bytes(const ModelCfg& m, const EngramCfg& g,
+                                          std::int64_t N) {
+  const std::int64_t d_mem = std::int64_t(g.max_ngram - 1) * g.embed_per_ngram;
+  return 2 * Workspace::rounded(4 * N * m.d_model) + Workspace::rounded(4 * N) +
+         Workspace::rounded(4 * N * d_mem);
+}
+
+void EngramLayer::backward(TensorTable& table, ConstMat x, ConstMat dout, Mat dx, Workspace& ws) {
   const int N = N_, D = D_, T = T_, dh = dh_, dm = d_mem_, Nn = Nn_, ker = kernel_;
   auto u = as_cmat(u_.data(), N, D), c = as_cmat(c_.data(), N, D);
   auto v = as_cmat(v_.data(), N, D), val = as_cmat(val_.data(), N, D);
   auto wc = as_cmat(table.param(conv_), D, ker);
-  Mat dc = as_mat(d_a_.data(), N, D), du = as_mat(d_b_.data(), N, D);
+  Workspace::Frame frame(ws);
+  Mat dc = frame.mat(N, D), du = frame.mat(N, D);
 
   // dc = dout * silu'(c); conv weight gradient (per (d, i), rows in order); du by gathering
   // the taps that read each position.
@@ -212,7 +219,8 @@ void EngramLayer::backward(TensorTable& table, ConstMat x, ConstMat dout, Mat dx
 
   // v = alpha * val: dval = alpha dv (into du, consumed above); dalpha = <dv, val>, then
   // through the gate to d score. Saved buffers whose last reader is done are reused below.
-  auto gate = gate_, score = score_, dgate = d_gate_;
+  auto gate = gate_, score = score_;
+  const Vec dgate(frame.floats(N), N);
   const bool signed_sqrt = signed_sqrt_;
   const float inv_sqrt_d = 1.0f / std::sqrt(static_cast<float>(D));
   Mat dval = du;
@@ -252,7 +260,7 @@ void EngramLayer::backward(TensorTable& table, ConstMat x, ConstMat dout, Mat dx
   gemm(Trans::T, Trans::N, 1.0f, as_cmat(dval), mem, 1.0f, as_mat(table.grad(wv_), D, dm));
   add_column_sums(as_cmat(dkey), table.grad(bk_));
   add_column_sums(as_cmat(dval), table.grad(bv_));
-  Mat dmem = as_mat(d_mem_buf_.data(), N, dm);
+  Mat dmem = frame.mat(N, dm);
   gemm(Trans::N, Trans::N, 1.0f, as_cmat(dkey), as_cmat(table.param(wk_), D, dm), 0.0f, dmem);
   gemm(Trans::N, Trans::N, 1.0f, as_cmat(dval), as_cmat(table.param(wv_), D, dm), 1.0f, dmem);
 

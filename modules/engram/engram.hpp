@@ -13,6 +13,7 @@
 #include "core/kokkos_types.hpp"
 #include "core/step_stats.hpp"
 #include "core/tensor_table.hpp"
+#include "core/workspace.hpp"
 #include "modules/engram/engram_hash.hpp"
 #include "modules/engram/engram_shard.hpp"
 
@@ -51,8 +52,12 @@ class EngramLayer {
   // nothing to the statistics.
   void forward(const TensorTable& table, ConstMat x, ConstIVec tokens, Mat out, bool count = true);
   // dout: (N, D) -> dx: (N, D) gradient through the gate's RMSNorm_q(x) (assigned). Once per
-  // forward: it reuses saved buffers as temporaries.
-  void backward(TensorTable& table, ConstMat x, ConstMat dout, Mat dx);
+  // forward: it reuses saved buffers as temporaries, and takes two (N, D), an (N) and an
+  // (N, d_mem) from `ws`.
+  void backward(TensorTable& table, ConstMat x, ConstMat dout, Mat dx, Workspace& ws);
+  // The workspace bytes backward takes for max_tokens tokens.
+  static std::int64_t workspace_bytes(const ModelCfg& m, const EngramCfg& g,
+                                      std::int64_t max_tokens);
 
   // Steps 1-6 alone (the first part of forward): hashes the N tokens, counts the lookups and
   // gathers the rows -> (N, d_mem) (bf16 values in bf16 runs), valid until the next call.
@@ -78,8 +83,6 @@ class EngramLayer {
   View1F rstd_k_, rstd_q_, rstd_c_;             // (N)
   View1F score_, gate_;                         // (N)
   View1F v_, u_, c_;                            // (N, D)
-  View1F d_a_, d_b_, d_mem_buf_;                // backward temporaries (N, D), (N, D), (N, d_mem)
-  View1F d_gate_;                               // (N)
   StepStats* stats_ = nullptr;
   EngramStatColumns cols_;
   Kokkos::View<double, MemSpace> gate_now_;  // this forward's gate sum

@@ -18,7 +18,6 @@ LmHead::LmHead(const ModelCfg& m, int max_tokens, int embed_weight, TensorTable&
   normed_ = View1F("head::normed", std::int64_t(max_tokens) * D_);
   rstd_ = View1F("head::rstd", max_tokens);
   logits_ = View1F("head::logits", std::int64_t(max_tokens) * V_);
-  d_normed_ = View1F("head::d_normed", std::int64_t(max_tokens) * D_);
   row_ce_ = View1F("head::row_ce", max_tokens);
   row_z_ = View1F("head::row_z", max_tokens);
   seq_sums_ = View1D("head::seq_sums", 2 * max_tokens);
@@ -105,12 +104,13 @@ LossSums LmHead::forward(const TensorTable& table, ConstMat x, ConstIVec tokens,
   return out;
 }
 
-void LmHead::backward(TensorTable& table, ConstMat x, Mat dx) {
+void LmHead::backward(TensorTable& table, ConstMat x, Mat dx, Workspace& ws) {
   const int N = x.extent(0);
   auto d_logits = as_cmat(logits_.data(), N, V_);
   auto normed = as_cmat(normed_.data(), N, D_);
   gemm(Trans::T, Trans::N, 1.0f, d_logits, normed, 1.0f, as_mat(table.grad(weight_), V_, D_));
-  Mat d_normed = as_mat(d_normed_.data(), N, D_);
+  Workspace::Frame frame(ws);
+  Mat d_normed = frame.mat(N, D_);
   gemm(Trans::N, Trans::N, 1.0f, d_logits, as_cmat(table.param(weight_), V_, D_), 0.0f, d_normed);
   rmsnorm_backward(x, ConstVec(table.param(norm_), D_), ConstVec(rstd_.data(), N),
                    as_cmat(d_normed), ConstMat(), dx, Vec(table.grad(norm_), D_));

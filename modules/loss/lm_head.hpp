@@ -9,6 +9,7 @@
 #include "core/config.hpp"
 #include "core/kokkos_types.hpp"
 #include "core/tensor_table.hpp"
+#include "core/workspace.hpp"
 
 namespace kmoe {
 
@@ -37,8 +38,12 @@ class LmHead {
   // without it they are read back and returned.
   LossSums forward(const TensorTable& table, ConstMat x, ConstIVec tokens, int seq_len,
                    float grad_scale, View1D accumulate = View1D());
-  // dx: (N, D) gradient w.r.t. the final residual stream (assigned).
-  void backward(TensorTable& table, ConstMat x, Mat dx);
+  // dx: (N, D) gradient w.r.t. the final residual stream (assigned); the normed input's
+  // gradient (N, D) passes through `ws`.
+  void backward(TensorTable& table, ConstMat x, Mat dx, Workspace& ws);
+  static std::int64_t workspace_bytes(std::int64_t max_tokens, int d_model) {
+    return Workspace::rounded(4 * max_tokens * d_model);
+  }
   // The lowest table index of the tensors the head declared (final_norm.weight).
   int first_tensor() const { return norm_; }
 
@@ -49,7 +54,6 @@ class LmHead {
   View1F normed_;          // (N, D)
   View1F rstd_;            // (N)
   View1F logits_;          // (N, V), then its gradient
-  View1F d_normed_;        // (N, D)
   View1F row_ce_, row_z_;  // (N)
   View1D seq_sums_;        // (2 * nseq) CE and z sums per sequence
 };

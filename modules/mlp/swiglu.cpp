@@ -1,5 +1,7 @@
 #include "modules/mlp/swiglu.hpp"
 
+#include <algorithm>
+
 #include "core/error.hpp"
 #include "core/gemm.hpp"
 
@@ -63,8 +65,10 @@ void swiglu_activate_backward(KeptIn a, KeptIn b, int ld, ConstMat d_act, float*
       });
 }
 
-MlpScratch::MlpScratch(std::int64_t max_rows, int hidden)
-    : d_act("mlp::d_act", max_rows * hidden), d_up("mlp::d_up", max_rows * 2 * hidden) {}
+std::int64_t SwigluMlp::workspace_bytes(std::int64_t rows, int hidden, bool bf16) {
+  const std::int64_t up = Workspace::rounded(4 * rows * 2 * hidden);
+  return std::max(bf16 ? up : 0, Workspace::rounded(4 * rows * hidden) + up);
+}
 
 SwigluMlp::SwigluMlp(const std::string& prefix, int d_model, int hidden, double init_std,
                      std::int64_t max_rows, TensorTable& table)
@@ -76,17 +80,20 @@ SwigluMlp::SwigluMlp(const std::string& prefix, int d_model, int hidden, double 
   act_ = KeptOperand("mlp::act", max_rows * F_);
 }
 
-void SwigluMlp::forward(const TensorTable& table, ConstMat x, Mat y, MlpScratch& s) {
+void SwigluMlp::forward(const TensorTable& table, ConstMat x, Mat y, Workspace& ws) {
   const int N = x.extent(0);
-  Mat up = as_mat(up_.product_target(s.d_up.data()), N, 2 * F_);
+  Workspace::Frame frame(ws);
+  float* staging = up_.is_bf16() ? frame.floats(std::int64_t(N) * 2 * F_) : nullptr;
+  Mat up = as_mat(up_.product_target(staging), N, 2 * F_);
   gemm(Trans::N, Trans::T, 1.0f, x, as_cmat(table.param(w1_), 2 * F_, D_), 0.0f, up);
   swiglu_activate(up.data(), up.data() + F_, 2 * F_, N, F_, act_.out(), up_.out(), up_.out(F_));
   gemm(Trans::N, Trans::T, 1.0f, act_.matrix(N, F_), as_cmat(table.param(w2_), D_, F_), 0.0f, y);
 }
 
-void SwigluMlp::backward(TensorTable& table, ConstMat x, ConstMat dy, Mat dx, MlpScratch& s) {
+void SwigluMlp::backward(TensorTable& table, ConstMat x, ConstMat dy, Mat dx, Workspace& ws) {
   const int N = x.extent(0);
-  Mat d_act = as_mat(s.d_act.data(), N, F_), d_up = as_mat(s.d_up.data(), N, 2 * F_);
+  Workspace::Frame frame(ws);
+  Mat d_act = frame.mat(N, F_), d_up = frame.mat(N, 2 * F_);
   gemm(Trans::T, Trans::N, 1.0f, dy, act_.matrix(N, F_), 1.0f, as_mat(table.grad(w2_), D_, F_));
   gemm(Trans::N, Trans::N, 1.0f, dy, as_cmat(table.param(w2_), D_, F_), 0.0f, d_act);
   swiglu_activate_backward(up_.in(), up_.in(F_), 2 * F_, as_cmat(d_act), d_up.data(),

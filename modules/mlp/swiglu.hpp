@@ -9,6 +9,7 @@
 #include "core/kept_operand.hpp"
 #include "core/kokkos_types.hpp"
 #include "core/tensor_table.hpp"
+#include "core/workspace.hpp"
 
 namespace kmoe {
 
@@ -35,21 +36,20 @@ inline void swiglu_activate_backward(ConstMat up, ConstMat d_act, Mat d_up) {
                            d_act, d_up.data(), d_up.data() + F, 2 * F);
 }
 
-struct MlpScratch {
-  View1F d_act;  // (N, F)
-  View1F d_up;   // (N, 2F); in bf16 runs the forward's fp32 up-projection too
-  MlpScratch(std::int64_t max_rows, int hidden);
-};
-
 class SwigluMlp {
  public:
   // Declares <prefix>w1, w3 ([F, D]) and w2 ([D, F]).
   SwigluMlp(const std::string& prefix, int d_model, int hidden, double init_std,
             std::int64_t max_rows, TensorTable& table);
 
-  void forward(const TensorTable& table, ConstMat x, Mat y, MlpScratch& s);  // x, y: (N, D)
-  // dy: (N, D) -> dx: (N, D) (assigned); parameter gradients accumulate.
-  void backward(TensorTable& table, ConstMat x, ConstMat dy, Mat dx, MlpScratch& s);
+  // x, y: (N, D). In bf16 runs the fp32 up-projection passes through `ws`.
+  void forward(const TensorTable& table, ConstMat x, Mat y, Workspace& ws);
+  // dy: (N, D) -> dx: (N, D) (assigned); parameter gradients accumulate. Temporaries from `ws`:
+  // d act (N, F), d up (N, 2F).
+  void backward(TensorTable& table, ConstMat x, ConstMat dy, Mat dx, Workspace& ws);
+
+  // The workspace bytes the deeper of the two calls takes for `rows` rows.
+  static std::int64_t workspace_bytes(std::int64_t rows, int hidden, bool bf16);
 
  private:
   int D_, F_;

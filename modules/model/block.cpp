@@ -1,22 +1,27 @@
 #include "modules/model/block.hpp"
 
+#include <algorithm>
+
 #include "core/elementwise.hpp"
 #include "modules/norm/rmsnorm.hpp"
 
 namespace kmoe {
 
-BlockScratch::BlockScratch(const ModelCfg& m, const MoeCfg& e, int max_seqs, int T, bool dense)
-    : attn(m, max_seqs, T),
-      mlp(dense ? std::int64_t(max_seqs) * T : 0, m.ffn_hidden),
-      moe(e.enabled() ? std::make_unique<MoeScratch>(m, e, std::int64_t(max_seqs) * T) : nullptr),
-      d_h("block::d_h", std::int64_t(max_seqs) * T * m.d_model),
-      d_a("block::d_a", std::int64_t(max_seqs) * T * m.d_model),
-      d_b("block::d_b", std::int64_t(max_seqs) * T * m.d_model),
-      d_engram("block::d_engram", std::int64_t(max_seqs) * T * m.d_model) {}
-
 namespace {
 std::string block_prefix(int layer) { return "blocks." + std::to_string(layer) + "."; }
 }  // namespace
+
+std::int64_t Block::workspace_bytes(const ModelCfg& m, const MoeCfg& e, const EngramCfg& g,
+                                    int layer, bool engram, int max_seqs, int T, int ep,
+                                    bool bf16) {
+  const std::int64_t N = std::int64_t(max_seqs) * T;
+  const std::int64_t ffn = e.is_moe_layer(layer)
+                               ? MoeLayer::workspace_bytes(m, e, N, ep, bf16)
+                               : SwigluMlp::workspace_bytes(N, m.ffn_hidden, bf16);
+  const std::int64_t layers = std::max({Attention::workspace_bytes(m, max_seqs, T, bf16), ffn,
+                                        engram ? EngramLayer::workspace_bytes(m, g, N) : 0});
+  return (engram ? 4 : 3) * Workspace::rounded(4 * N * m.d_model) + layers;
+}
 
 Block::Block(const ModelCfg& m, const MoeCfg& e, const EngramCfg& g, const EngramHashPlan* plan,
              int layer, int max_seqs, int T, TensorTable& table, const LayerComms& comms,
@@ -68,14 +73,14 @@ void Block::forward(const TensorTable& table, const RopeTables& rope, ConstMat x
   Vec rstd_attn(rstd_attn_.data(), N), rstd_ffn(rstd_ffn_.data(), N);
   Mat attn_out = buf(attn_out_, N), h = buf(h_, N), ffn_out = buf(ffn_out_, N);
   if (reordered_) {
-    attn_.forward(table, rope, x_in, attn_out, s.attn);
+    attn_.forward(table, rope, x_in, attn_out, s.work);
     rmsnorm_forward(as_cmat(attn_out), g_attn, eps_, x_in, h, rstd_attn);
     ffn_forward(table, as_cmat(h), ffn_out, s, count);
     rmsnorm_forward(as_cmat(ffn_out), g_ffn, eps_, as_cmat(h), x_out, rstd_ffn);
   } else {
     Mat attn_in = buf(attn_in_, N), ffn_in = buf(ffn_in_, N);
     rmsnorm_forward(x_in, g_attn, eps_, ConstMat(), attn_in, rstd_attn);
-    attn_.forward(table, rope, as_cmat(attn_in), attn_out, s.attn);
+    attn_.forward(table, rope, as_cmat(attn_in), attn_out, s.work);
     add(x_in, as_cmat(attn_out), h);
     rmsnorm_forward(as_cmat(h), g_ffn, eps_, ConstMat(), ffn_in, rstd_ffn);
     ffn_forward(table, as_cmat(ffn_in), ffn_out, s, count);
@@ -86,46 +91,47 @@ void Block::forward(const TensorTable& table, const RopeTables& rope, ConstMat x
 void Block::ffn_forward(const TensorTable& table, ConstMat in, Mat out, BlockScratch& s,
                         bool count) {
   if (moe_)
-    moe_->forward(table, in, out, *s.moe, s.moe_aux, count);
+    moe_->forward(table, in, out, s.work, s.moe_aux, count);
   else
-    mlp_->forward(table, in, out, s.mlp);
+    mlp_->forward(table, in, out, s.work);
 }
 
 void Block::ffn_backward(TensorTable& table, ConstMat in, ConstMat dy, Mat dx, BlockScratch& s,
                          float aux_scale) {
   if (moe_)
-    moe_->backward(table, in, dy, dx, *s.moe, aux_scale);
+    moe_->backward(table, in, dy, dx, s.work, aux_scale);
   else
-    mlp_->backward(table, in, dy, dx, s.mlp);
+    mlp_->backward(table, in, dy, dx, s.work);
 }
 
 void Block::backward(TensorTable& table, const RopeTables& rope, ConstMat x_block, ConstMat dx_out,
                      Mat dx_block, BlockScratch& s, float aux_scale) {
   const int N = x_block.extent(0);
   const ConstMat x_in = engram_ ? as_cmat(buf(x_engram_, N)) : x_block;
+  Workspace::Frame frame(s.work);
   // With Engram the body's input gradient goes to a temporary, then through Engram.
-  Mat dx_in = engram_ ? buf(s.d_engram, N) : dx_block;
+  Mat dx_in = engram_ ? frame.mat(N, D_) : dx_block;
   ConstVec g_attn(table.param(attn_norm_), D_), g_ffn(table.param(ffn_norm_), D_);
   Vec dg_attn(table.grad(attn_norm_), D_), dg_ffn(table.grad(ffn_norm_), D_);
   ConstVec rstd_attn(rstd_attn_.data(), N), rstd_ffn(rstd_ffn_.data(), N);
-  Mat d_h = buf(s.d_h, N), d_a = buf(s.d_a, N), d_b = buf(s.d_b, N);
+  Mat d_h = frame.mat(N, D_), d_a = frame.mat(N, D_), d_b = frame.mat(N, D_);
   if (reordered_) {
     rmsnorm_backward(as_cmat(buf(ffn_out_, N)), g_ffn, rstd_ffn, dx_out, ConstMat(), d_a, dg_ffn);
     ffn_backward(table, as_cmat(buf(h_, N)), as_cmat(d_a), d_b, s, aux_scale);
     add(dx_out, as_cmat(d_b), d_h);
     rmsnorm_backward(as_cmat(buf(attn_out_, N)), g_attn, rstd_attn, as_cmat(d_h), ConstMat(), d_a,
                      dg_attn);
-    attn_.backward(table, rope, x_in, as_cmat(d_a), d_b, s.attn);
+    attn_.backward(table, rope, x_in, as_cmat(d_a), d_b, s.work);
     add(as_cmat(d_h), as_cmat(d_b), dx_in);
   } else {
     ffn_backward(table, as_cmat(buf(ffn_in_, N)), dx_out, d_a, s, aux_scale);
     rmsnorm_backward(as_cmat(buf(h_, N)), g_ffn, rstd_ffn, as_cmat(d_a), dx_out, d_h, dg_ffn);
-    attn_.backward(table, rope, as_cmat(buf(attn_in_, N)), as_cmat(d_h), d_a, s.attn);
+    attn_.backward(table, rope, as_cmat(buf(attn_in_, N)), as_cmat(d_h), d_a, s.work);
     rmsnorm_backward(x_in, g_attn, rstd_attn, as_cmat(d_a), as_cmat(d_h), dx_in, dg_attn);
   }
   if (engram_) {  // dx = dx_e + Engram backward (through RMSNorm_q(x))
-    Mat dq = buf(s.d_a, N);
-    engram_->backward(table, x_block, as_cmat(dx_in), dq);
+    Mat dq = d_a;
+    engram_->backward(table, x_block, as_cmat(dx_in), dq, s.work);
     add(as_cmat(dx_in), as_cmat(dq), dx_block);
   }
 }

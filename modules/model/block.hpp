@@ -14,18 +14,15 @@
 
 namespace kmoe {
 
-// Backward temporaries shared by all blocks of a stage.
+// What the blocks of a rank share from call to call (every block of every Stage instance).
 struct BlockScratch {
-  AttentionScratch attn;
-  MlpScratch mlp;
-  std::unique_ptr<MoeScratch> moe;  // with MoE layers only
-  View1F d_h, d_a, d_b;             // (N, D)
-  View1F d_engram;                  // (N, D): gradient w.r.t. x + Engram(x)
+  // The temporaries of every layer call: a block's backward takes the gradients that pass
+  // between its layers, d_h, d_a, d_b (N, D) and, with Engram, d_engram (N, D), the gradient
+  // w.r.t. x + Engram(x); each layer takes its own on top (core/workspace.hpp).
+  Workspace work{"block::workspace"};
   // The micro-batch's MoE loss terms (lb_coef * LB + z_coef * RZ), summed on the device by the
   // MoE blocks' forwards in block order; the stage zeroes it before the first.
   View1D moe_aux{"block::moe_aux", 1};
-  // dense: the stage has a block with the dense MLP (mlp sized for it, else empty).
-  BlockScratch(const ModelCfg& m, const MoeCfg& e, int max_seqs, int seq_len, bool dense);
 };
 
 class Block {
@@ -46,6 +43,12 @@ class Block {
   // aux_scale: the weight of this micro-batch's MoE auxiliary losses in the step loss.
   void backward(TensorTable& table, const RopeTables& rope, ConstMat x_in, ConstMat dx_out,
                 Mat dx_in, BlockScratch& s, float aux_scale);
+
+  // The workspace bytes block `layer`'s calls take at most (with an Engram layer when
+  // `engram`), for max_seqs sequences, an ep group of `ep` ranks, bf16 or fp32 kept operands.
+  static std::int64_t workspace_bytes(const ModelCfg& m, const MoeCfg& e, const EngramCfg& g,
+                                      int layer, bool engram, int max_seqs, int seq_len, int ep,
+                                      bool bf16);
 
   bool is_moe() const { return moe_ != nullptr; }
   // The lowest table index among the block's tensors (declared first: attn_norm.weight).

@@ -4,6 +4,7 @@
 
 #include "core/checked_size.hpp"
 #include "modules/engram/engram_hash.hpp"
+#include "modules/model/stage.hpp"
 
 namespace kmoe {
 
@@ -50,30 +51,16 @@ struct Shapes {
   }
   Size mlp_saved() const { return kb * N * 3 * F; }
   Size block_saved() const { return attn_saved() + mlp_saved(); }
-  // The backward temporaries a stage's blocks share (fp32); the dense MLP's only on a stage with
-  // a dense block.
-  Size scratch(bool dense) const {
-    return Size(4) * (Size(2) * N * qd + probs + Size(2) * N * kd + N * W +
-                      (dense ? N * 3 * F : Size(0)) + Size(3) * N * D);
-  }
   // An MoE layer saves logits/probs (N, E), up to N*k rows of inputs (kept unless ep > 1 with
   // d_model odd), outputs and hiddens (kept), and its shared experts' pre-activations and
-  // activation (kept). With expert parallelism come the expert side's buffers (received rows
-  // kept, outputs and gradients, hiddens kept), sized for twice a balanced share of the rows,
-  // and the dispatch's transfer buffer (a balanced share and a quarter).
+  // activation (kept). With expert parallelism the expert side keeps its received rows and
+  // hiddens, sized for twice a balanced share of the rows.
   Size moe_saved(int ep) const {
     const Size slots = N * k, rows_kb = ep == 1 || D.get() % 2 == 0 ? kb : Size(4);
     Size bytes = Size(4) * (Size(2) * N * E + N + Size(3) * slots + slots * D) +
                  rows_kb * slots * D + kb * slots * Size(3) * Fe + kb * N * Size(3) * Fs;
-    if (ep > 1)
-      bytes = bytes + Size(2) * slots * (rows_kb * D + Size(8) * D + kb * Size(3) * Fe) +
-              Size(5) * slots * D;
+    if (ep > 1) bytes = bytes + Size(2) * slots * (rows_kb * D + kb * Size(3) * Fe);
     return bytes;
-  }
-  // The backward temporaries a stage's MoE layers share (fp32): row gradients, hidden
-  // gradients, weight and logit gradients, the shared experts' MLP scratch.
-  Size moe_scratch() const {
-    return Size(4) * (N * k * D + Size(3) * N * k * Fe + N * k + N * E + Size(3) * N * Fs);
   }
 };
 
@@ -88,7 +75,7 @@ Size engram_params(const EngramCfg& g, Size D, Size rows) {
 Size engram_saved(const EngramCfg& g, Size D, Size N, Size kb, bool sharded) {
   const Size d_mem = Size(g.max_ngram - 1) * g.embed_per_ngram;
   return (sharded ? Size(4) : kb) * N * d_mem +
-         Size(4) * (N * d_mem + Size(9) * N * D + Size(6) * N + N * ((g.max_ngram - 1) * g.heads));
+         Size(4) * (Size(7) * N * D + Size(5) * N + N * ((g.max_ngram - 1) * g.heads));
 }
 
 template <class F>
@@ -129,12 +116,12 @@ ModelSize model_size(const ModelCfg& m, const MoeCfg& e, int b, int T, const Eng
     out.embedding_params = (V * D).get();
     out.flops_per_token = 6.0 * double(matmul.get()) + 6.0 * double(L.get()) * double(D.get()) * T;
     out.state_bytes = (Size(16) * total).get();
-    const Size stage =
-        (L + 1) * s.N * D + Size(2) * s.N * D + Size(2) * s.N * D + s.N * V + Size(3) * s.N;
-    out.activation_bytes =
-        (L * s.block_saved() + moe_layers * s.moe_saved(1) + s.scratch(moe_layers.get() < L.get()) +
-         (moe_layers.get() > 0 ? s.moe_scratch() : Size(0)) + Size(4) * stage)
-            .get();
+    const Size stage = (L + 1) * s.N * D + Size(2) * s.N * D + s.N * D + s.N * V + Size(3) * s.N;
+    const Size workspace =
+        Stage::workspace_bytes(m, e, g, StagePlan::whole(), b, T, /*ep=*/1, /*bf16=*/false);
+    out.activation_bytes = (L * s.block_saved() + moe_layers * s.moe_saved(1) + workspace +
+                            Size(4) * stage)
+                               .get();
     return out;
   });
 }
@@ -148,7 +135,6 @@ RankMemory rank_memory(const ModelCfg& m, const MoeCfg& e, const EngramCfg& g, i
     Size elements = 0, saved = 0;   // parameters and buffers; one instance's activations (bytes)
     Size experts = 0, sharded = 0;  // of the elements: routed experts, sharded Engram rows
     Size blocks = 0;
-    bool has_moe = false, has_dense = false;
     // Under recompute the blocks share one pool: each kind of saved buffer once (the largest).
     Size pool_attn = 0, pool_mlp = 0, pool_moe = 0, pool_engram = 0;
     for (int l = r.first_block; l < r.last_block; ++l) {
@@ -163,12 +149,10 @@ RankMemory rank_memory(const ModelCfg& m, const MoeCfg& e, const EngramCfg& g, i
         elements += s.E * D + mine + s.shared + (e.bias_update_rate > 0 ? s.E : Size(0));
         saved += s.moe_saved(r.ep);
         pool_moe = s.moe_saved(r.ep);
-        has_moe = true;
       } else {
         elements += Size(3) * s.F * D;
         saved += s.mlp_saved();
         pool_mlp = s.mlp_saved();
-        has_dense = true;
       }
       for (const auto& plan : plans) {
         if (plan.layer != l) continue;
@@ -185,7 +169,7 @@ RankMemory rank_memory(const ModelCfg& m, const MoeCfg& e, const EngramCfg& g, i
     if (r.head) elements += D + V * D;  // final norm; lm_head, or the last stage's tied copy
     if (r.head && s.tied && r.embed) elements = elements - V * D;  // one matrix for both
     Size stage = (blocks + 1) * N * D + Size(4) * N * D + Size(3) * N;
-    if (r.head) stage += N * V + Size(2) * N * D;  // logits, the normed input and its gradient
+    if (r.head) stage += N * V + N * D;  // logits, the normed input
     RankMemory out;
     out.elements = elements.get();
     out.expert_elements = experts.get();
@@ -204,11 +188,15 @@ RankMemory rank_memory(const ModelCfg& m, const MoeCfg& e, const EngramCfg& g, i
     const Size kept = r.recompute ? Size(r.in_flight) * Size(4) * stage + pool_attn + pool_mlp +
                                         pool_moe + pool_engram + Size(4) * N * D
                                   : Size(r.in_flight) * (saved + Size(4) * stage);
-    // Each instance's backward scratch, or under recompute one the instances share.
-    const Size scratch_sets = r.recompute ? Size(1) : Size(r.in_flight);
-    out.activation_bytes =
-        (kept + scratch_sets * (s.scratch(has_dense) + (has_moe ? s.moe_scratch() : Size(0))))
-            .get();
+    // The instances share one workspace for their layers' temporaries.
+    StagePlan plan;
+    plan.first_block = r.first_block;
+    plan.last_block = r.last_block;
+    plan.embed = r.embed;
+    plan.head = r.head;
+    const Size workspace = Stage::workspace_bytes(m, e, g, plan, b, T, std::max(1, r.ep),
+                                                  r.precision == Precision::Bf16);
+    out.activation_bytes = (kept + workspace).get();
     return out;
   });
 }

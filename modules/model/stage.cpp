@@ -17,19 +17,24 @@ void declare_model_stats(StepStats& stats, const ModelCfg& m, const MoeCfg& e, c
     if (std::find(g.layers.begin(), g.layers.end(), l) != g.layers.end())
       EngramLayer::declare_stats(stats, l);
 }
-
-// Whether the plan's blocks include one with the dense MLP.
-bool has_dense_block(const ModelCfg& m, const MoeCfg& e, const StagePlan& plan) {
-  const int last = plan.last_block < 0 ? m.n_layers : plan.last_block;
-  for (int l = plan.first_block; l < last; ++l)
-    if (!e.is_moe_layer(l)) return true;
-  return false;
-}
 }  // namespace
+
+std::int64_t Stage::workspace_bytes(const ModelCfg& m, const MoeCfg& e, const EngramCfg& g,
+                                    const StagePlan& plan, int max_seqs, int T, int ep,
+                                    bool bf16) {
+  const int last = plan.last_block < 0 ? m.n_layers : plan.last_block;
+  std::int64_t bytes = plan.head ? LmHead::workspace_bytes(std::int64_t(max_seqs) * T, m.d_model)
+                                 : 0;
+  for (int l = plan.first_block; l < last; ++l) {
+    const bool engram = std::find(g.layers.begin(), g.layers.end(), l) != g.layers.end();
+    bytes = std::max(bytes, Block::workspace_bytes(m, e, g, l, engram, max_seqs, T, ep, bf16));
+  }
+  return bytes;
+}
 
 Stage::Stage(const ModelCfg& m, const MoeCfg& e, int max_seqs, int T, TensorTable& table,
              const EngramCfg& g, const StagePlan& plan, const LayerComms& comms, StepStats* stats,
-             ActivationPool* recompute)
+             ActivationPool* pool)
     : D_(m.d_model),
       T_(T),
       max_seqs_(max_seqs),
@@ -41,7 +46,7 @@ Stage::Stage(const ModelCfg& m, const MoeCfg& e, int max_seqs, int T, TensorTabl
       tokens_("stage::tokens", max_seqs * T),
       d_x_("stage::d_x", std::int64_t(max_seqs) * T * m.d_model),
       d_y_("stage::d_y", std::int64_t(max_seqs) * T * m.d_model),
-      recompute_(recompute != nullptr),
+      recompute_(pool != nullptr && pool->blocks_share()),
       top_k_(e.top_k) {
   if (stats) declare_model_stats(*stats, m, e, g);
   const int last = plan.last_block < 0 ? m.n_layers : plan.last_block;
@@ -59,7 +64,7 @@ Stage::Stage(const ModelCfg& m, const MoeCfg& e, int max_seqs, int T, TensorTabl
     const EngramHashPlan* ep = nullptr;
     for (const auto& p : plans)
       if (p.layer == l) ep = &p;
-    const ActivationPool::Block pooled(recompute);  // null: the block's own buffers
+    const ActivationPool::Block pooled(pool);  // no pool, or not sharing: its own buffers
     blocks_.push_back(std::make_unique<Block>(m, e, g, ep, l, max_seqs, T, table, comms, stats));
   }
   if (has_head_) {
@@ -78,14 +83,13 @@ Stage::Stage(const ModelCfg& m, const MoeCfg& e, int max_seqs, int T, TensorTabl
   }
   for (std::size_t l = 0; l <= blocks_.size(); ++l)
     resid_.emplace_back("stage::resid", std::int64_t(max_seqs) * T * m.d_model);
-  const bool dense = has_dense_block(m, e, plan);
-  if (recompute) {
-    scratch_ = recompute->shared<BlockScratch>("stage::scratch", m, e, max_seqs, T, dense);
-    recomputed_ = *recompute->shared<View1F>("stage::recomputed", "stage::recomputed",
-                                             std::int64_t(max_seqs) * T * m.d_model);
-  } else {
-    scratch_ = std::make_shared<BlockScratch>(m, e, max_seqs, T, dense);
-  }
+  scratch_ = pool ? pool->shared<BlockScratch>("stage::scratch") : std::make_shared<BlockScratch>();
+  const int ep = comms.ep ? comms.ep->size() : 1;
+  scratch_->work.reserve(workspace_bytes(m, e, g, plan, max_seqs, T, ep,
+                                         gemm_precision() == Precision::Bf16));
+  if (recompute_)
+    recomputed_ = *pool->shared<View1F>("stage::recomputed", "stage::recomputed",
+                                        std::int64_t(max_seqs) * T * m.d_model);
 }
 
 LossSums Stage::forward(const TensorTable& table, const std::int32_t* tokens, int nseq,
@@ -152,7 +156,7 @@ const float* Stage::backward(TensorTable& table, const std::function<void(int)>&
   const int N = nseq_ * T_;
   Mat dy = as_mat(d_y_.data(), N, D_), dx = as_mat(d_x_.data(), N, D_);
   if (has_head_) {
-    head_->backward(table, as_cmat(resid(blocks_.size(), N)), dy);
+    head_->backward(table, as_cmat(resid(blocks_.size(), N)), dy, scratch_->work);
     if (ready) ready(head_->first_tensor());
   }
   for (int l = static_cast<int>(blocks_.size()) - 1; l >= 0; --l) {

@@ -40,15 +40,21 @@ class Stage {
   // the embedding but with tied embeddings declares a tied copy of embed.weight for the head.
   // With `stats`, it declares the statistics columns of every block of the model (all
   // stages, so that every rank has the same columns) and its own blocks add into them.
-  // With `recompute` (train.recompute = block) the blocks take their saved buffers from that
-  // pool, shared with every block of every instance built on it, keep only their inputs (the
-  // residual streams), and backward() runs each block's forward again just before its
-  // backward, counting no statistics the second time; the instances share their backward
-  // scratch too.
+  // Instances built on one `pool` share their blocks' workspace (BlockScratch); without one
+  // the stage has its own. When the pool's blocks share (train.recompute = block) the blocks
+  // take their saved buffers from it too, shared with every block of every instance built on
+  // it, keep only their inputs (the residual streams), and backward() runs each block's
+  // forward again just before its backward, counting no statistics the second time.
   Stage(const ModelCfg& m, const MoeCfg& e, int max_seqs, int seq_len, TensorTable& table,
         const EngramCfg& g = EngramCfg(), const StagePlan& plan = StagePlan::whole(),
         const LayerComms& comms = LayerComms(), StepStats* stats = nullptr,
-        ActivationPool* recompute = nullptr);
+        ActivationPool* pool = nullptr);
+
+  // The workspace bytes reserved for the calls of a stage holding `plan`'s blocks (and head)
+  // for max_seqs sequences, with an ep group of `ep` ranks and bf16 or fp32 kept operands.
+  static std::int64_t workspace_bytes(const ModelCfg& m, const MoeCfg& e, const EngramCfg& g,
+                                      const StagePlan& plan, int max_seqs, int seq_len, int ep,
+                                      bool bf16);
 
   // The (N, D) buffer a stage without the embedding receives its input into before forward().
   float* input_buffer() { return resid_[0].data(); }
@@ -103,8 +109,8 @@ class Stage {
   int embed_weight_ = -1;  // embed.weight (here or its tied copy), -1 if neither
   std::vector<std::unique_ptr<Block>> blocks_;
   std::unique_ptr<LmHead> head_;
-  // The blocks' backward temporaries: this instance's own, or under recompute the pool's, which
-  // every instance shares (instances never run at the same time).
+  // The blocks' workspace: the pool's, which every instance shares (instances never run at the
+  // same time), or without a pool this instance's own.
   std::shared_ptr<BlockScratch> scratch_;
   View1I tokens_;                 // (max_seqs * T) device copy of the ids
   View1I compress_, compressed_;  // Engram: (V) canonical ids, (max_seqs * T) compressed ids

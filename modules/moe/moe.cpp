@@ -6,7 +6,6 @@
 #include <cstdint>
 #include <cstring>
 
-#include "core/buffers.hpp"
 #include "core/device_sync.hpp"
 #include "core/error.hpp"
 #include "core/gemm.hpp"
@@ -23,15 +22,30 @@ KOKKOS_INLINE_FUNCTION std::uint32_t ordered_bits(float f) {
 
 }  // namespace
 
-MoeScratch::MoeScratch(const ModelCfg& m, const MoeCfg& e, std::int64_t max_tokens)
-    : d_rows("moe::d_rows", max_tokens * e.top_k * m.d_model),
-      d_act("moe::d_act", max_tokens * e.top_k * e.expert_hidden),
-      d_up1("moe::d_up1", max_tokens * e.top_k * e.expert_hidden),
-      d_up3("moe::d_up3", max_tokens * e.top_k * e.expert_hidden),
-      d_weights("moe::d_weights", max_tokens * e.top_k),
-      d_logits("moe::d_logits", max_tokens * e.experts),
-      shared(e.shared_experts > 0 ? max_tokens : 0,
-             e.shared_experts > 0 ? e.shared_experts * e.shared_hidden : 0) {}
+std::int64_t MoeLayer::workspace_bytes(const ModelCfg& m, const MoeCfg& e, std::int64_t N,
+                                       int ep, bool bf16) {
+  auto r = [](std::int64_t bytes) { return Workspace::rounded(bytes); };
+  const std::int64_t D = m.d_model, Fe = e.expert_hidden, S = N * e.top_k;
+  const int El = e.experts / std::max(ep, 1);
+  const bool grouped = use_grouped_expert_gemm(e.expert_gemm);
+  // The expert side's rows, and the rows of its largest expert (twice a balanced share).
+  const std::int64_t rows = ep > 1 ? 2 * S : S;
+  const std::int64_t most = grouped ? rows : std::min(rows, (2 * rows + El - 1) / El);
+  const bool wire = ep > 1 && bf16 && D % 2 == 0;  // rows and their gradients travel as bf16
+  const std::int64_t staging = bf16 ? 2 * r(4 * most * Fe) : 0;
+  const std::int64_t hidden = 3 * r(4 * most * Fe);
+  const std::int64_t xfer = r((wire ? 2 : 4) * rows * D), rows_fp32 = r(4 * rows * D);
+  const std::int64_t shared =
+      e.shared_experts > 0
+          ? SwigluMlp::workspace_bytes(N, e.shared_experts * e.shared_hidden, bf16)
+          : 0;
+  const std::int64_t forward = ep > 1 ? rows_fp32 + std::max(xfer, staging) : staging;
+  const std::int64_t expert_side =
+      ep > 1 ? rows_fp32 + (wire ? r(2 * rows * D) : 0) + std::max(rows_fp32, hidden) : hidden;
+  const std::int64_t backward = r(4 * S) + r(4 * S * D) + (wire ? r(2 * S * D) : 0) +
+                                std::max(expert_side, r(4 * N * e.experts));
+  return std::max({shared, forward, backward});
+}
 
 void update_router_bias(TensorTable& table, int bias_index, const std::vector<double>& counts,
                         double gamma) {
@@ -112,8 +126,6 @@ MoeLayer::MoeLayer(const ModelCfg& m, const MoeCfg& e, const std::string& prefix
     // balanced share, grown in a step only beyond that.
     const std::int64_t rows = 2 * slots;
     ex_in_ = KeptOperand("moe::ex_in", rows * D_, /*may_be_bf16=*/D_ % 2 == 0);
-    ex_out_ = KeptOperand("moe::ex_out", rows * D_, /*may_be_bf16=*/false);
-    ex_grad_ = KeptOperand("moe::ex_grad", rows * D_, /*may_be_bf16=*/false);
     ex_up1_ = KeptOperand("moe::ex_up1", rows * Fe_);
     ex_up3_ = KeptOperand("moe::ex_up3", rows * Fe_);
     ex_act_ = KeptOperand("moe::ex_act", rows * Fe_);
@@ -155,7 +167,7 @@ MoeStats MoeLayer::report() const {
   return st;
 }
 
-void MoeLayer::forward(const TensorTable& table, ConstMat x, Mat y, MoeScratch& s, View1D aux,
+void MoeLayer::forward(const TensorTable& table, ConstMat x, Mat y, Workspace& ws, View1D aux,
                        bool count) {
   const int N = x.extent(0), E = E_, k = k_, D = D_, Fe = Fe_;
   N_ = N;
@@ -285,13 +297,14 @@ void MoeLayer::forward(const TensorTable& table, ConstMat x, Mat y, MoeScratch& 
   if (!dispatch_) {
     if (grouped_) grouped_->plan(roff, R);
     experts_forward(table, rows_in_.matrix(R, D), host_offsets_, R, up1_, up3_, act_,
-                    rows_out_.data(), s);
+                    rows_out_.data(), ws);
   } else {
     dispatch_->plan(host_offsets_);
     const std::int64_t Rx = dispatch_->local_rows();
     ex_in_.ensure(Rx * D);
-    ex_out_.ensure(Rx * D);
     for (KeptOperand* v : {&ex_up1_, &ex_up3_, &ex_act_}) v->ensure(Rx * Fe);
+    Workspace::Frame frame(ws);
+    float* ex_out = frame.floats(std::max<std::int64_t>(Rx, 1) * D);  // (Rx, D) expert outputs
     if (grouped_) {
       const std::vector<int>& lo = dispatch_->local_offsets();
       Kokkos::deep_copy(ExecSpace(), local_offsets_,
@@ -299,17 +312,17 @@ void MoeLayer::forward(const TensorTable& table, ConstMat x, Mat y, MoeScratch& 
       grouped_->plan(local_offsets_, Rx);
     }
     if (rows_in_.is_bf16())
-      dispatch_->dispatch(rows_in_.b16(), ex_in_.b16());
+      dispatch_->dispatch(rows_in_.b16(), ex_in_.b16(), ws);
     else
-      dispatch_->dispatch(rows_in_.f32(), ex_in_.f32());
+      dispatch_->dispatch(rows_in_.f32(), ex_in_.f32(), ws);
     experts_forward(table, ex_in_.matrix(static_cast<int>(Rx), D), dispatch_->local_offsets(), Rx,
-                    ex_up1_, ex_up3_, ex_act_, ex_out_.f32(), s);
-    dispatch_->combine(ex_out_.f32(), rows_out_.data());
+                    ex_up1_, ex_up3_, ex_act_, ex_out, ws);
+    dispatch_->combine(ex_out, rows_out_.data(), ws);
   }
 
   // Combine: y = shared(x) + sum_j w_j expert_j(x), slots in order (dropped ones give 0).
   if (shared_)
-    shared_->forward(table, x, y, s.shared);
+    shared_->forward(table, x, y, ws);
   else
     Kokkos::deep_copy(ExecSpace(),
                       Kokkos::View<float**, Layout, MemSpace, Unmanaged>(y.data(), N, D), 0.0f);
@@ -383,13 +396,13 @@ void MoeLayer::forward(const TensorTable& table, ConstMat x, Mat y, MoeScratch& 
       });
 }
 
-void MoeLayer::backward(TensorTable& table, ConstMat x, ConstMat dy, Mat dx, MoeScratch& s,
+void MoeLayer::backward(TensorTable& table, ConstMat x, ConstMat dy, Mat dx, Workspace& ws,
                         float aux_scale) {
   const int N = N_, E = E_, k = k_, D = D_, R = static_cast<int>(rows_);
   const bool softmax = cfg_.score == RouterScore::Softmax, normalize = cfg_.normalize_topk;
 
   if (shared_)
-    shared_->backward(table, x, dy, dx, s.shared);
+    shared_->backward(table, x, dy, dx, ws);
   else
     Kokkos::deep_copy(ExecSpace(),
                       Kokkos::View<float**, Layout, MemSpace, Unmanaged>(dx.data(), N, D), 0.0f);
@@ -398,8 +411,10 @@ void MoeLayer::backward(TensorTable& table, ConstMat x, ConstMat dy, Mat dx, Moe
   // (<dy, output>); dropped slots contributed 0 and get weight gradient 0.
   auto w = weights_;
   auto slot_row = slot_row_, row_slot = row_slot_;
-  auto dwt = s.d_weights;
-  Mat d_rows = as_mat(s.d_rows.data(), std::max(R, 1), D);
+  Workspace::Frame frame(ws);
+  const Vec dwt(frame.floats(std::int64_t(N) * k), std::int64_t(N) * k);  // (N*k)
+  // (R, D): the rows' output gradients, then their input gradients
+  Mat d_rows = frame.mat(std::max(R, 1), D);
   auto out = as_cmat(rows_out_.data(), std::max(R, 1), D);
   Kokkos::parallel_for(
       "moe::dropped_weight_grad", Range(0, N * k), KOKKOS_LAMBDA(int slot) {
@@ -409,9 +424,8 @@ void MoeLayer::backward(TensorTable& table, ConstMat x, ConstMat dy, Mat dx, Moe
   // In bf16 runs with expert parallelism the output gradients leave as bf16 (the products on
   // the expert side would round them anyway); otherwise they are d_rows.
   const bool wire = dispatch_ && rows_in_.is_bf16();
-  if (wire) ensure_size(s.wire_out, std::int64_t(std::max(R, 1)) * D, "moe::wire_out");
-  const KeptOut g_rows =
-      wire ? KeptOut{nullptr, s.wire_out.data()} : KeptOut{d_rows.data(), nullptr};
+  std::uint16_t* wire_out = wire ? frame.words(std::int64_t(std::max(R, 1)) * D) : nullptr;
+  const KeptOut g_rows = wire ? KeptOut{nullptr, wire_out} : KeptOut{d_rows.data(), nullptr};
   Kokkos::parallel_for(
       "moe::row_grads", row_policy(R), KOKKOS_LAMBDA(const TeamMember& tm) {
         const int r = tm.league_rank();
@@ -431,22 +445,24 @@ void MoeLayer::backward(TensorTable& table, ConstMat x, ConstMat dy, Mat dx, Moe
 
   // Experts backward (here or on their ep rank): d_rows then holds the input gradients.
   if (!dispatch_) {
-    experts_backward(table, operand(as_cmat(s.d_rows.data(), std::max(R, 1), D)), s.d_rows.data(),
-                     rows_in_.matrix(R, D), up1_, up3_, act_, host_offsets_, R, s);
+    experts_backward(table, operand(as_cmat(d_rows)), d_rows.data(), rows_in_.matrix(R, D), up1_,
+                     up3_, act_, host_offsets_, R, ws);
   } else {
     const int Rx = static_cast<int>(dispatch_->local_rows());
-    ex_grad_.ensure(std::int64_t(Rx) * D);
-    Operand g{ex_grad_.f32(), nullptr, Rx, D};
+    Workspace::Frame expert_side(ws);
+    // (Rx, D): the received output gradients, then the rows' input gradients
+    float* ex_grad = expert_side.floats(std::int64_t(std::max(Rx, 1)) * D);
+    Operand g{ex_grad, nullptr, Rx, D};
     if (wire) {
-      ensure_size(s.wire_in, std::int64_t(std::max(Rx, 1)) * D, "moe::wire_in");
-      dispatch_->dispatch(s.wire_out.data(), s.wire_in.data());
-      g = Operand{nullptr, s.wire_in.data(), Rx, D};
+      std::uint16_t* wire_in = expert_side.words(std::int64_t(std::max(Rx, 1)) * D);
+      dispatch_->dispatch(wire_out, wire_in, ws);
+      g = Operand{nullptr, wire_in, Rx, D};
     } else {
-      dispatch_->dispatch(s.d_rows.data(), ex_grad_.f32());
+      dispatch_->dispatch(d_rows.data(), ex_grad, ws);
     }
-    experts_backward(table, g, ex_grad_.f32(), ex_in_.matrix(Rx, D), ex_up1_, ex_up3_, ex_act_,
-                     dispatch_->local_offsets(), Rx, s);
-    dispatch_->combine(ex_grad_.f32(), s.d_rows.data());
+    experts_backward(table, g, ex_grad, ex_in_.matrix(Rx, D), ex_up1_, ex_up3_, ex_act_,
+                     dispatch_->local_offsets(), Rx, ws);
+    dispatch_->combine(ex_grad, d_rows.data(), ws);
   }
   Kokkos::parallel_for(
       "moe::scatter_inputs", row_policy(N), KOKKOS_LAMBDA(const TeamMember& tm) {
@@ -466,7 +482,7 @@ void MoeLayer::backward(TensorTable& table, ConstMat x, ConstMat dy, Mat dx, Moe
   auto lse = lse_;
   auto sel = sel_;
   auto off = buckets_.offsets;
-  Mat dz = as_mat(s.d_logits.data(), N, E);
+  Mat dz = frame.mat(N, E);
   const float lb_scale = aux_scale * cfg_.lb_coef * float(E) / k / (float(N) * N);
   const float rz_scale = aux_scale * cfg_.z_coef * 2.0f / N;
   Kokkos::parallel_for(
@@ -509,34 +525,32 @@ void MoeLayer::backward(TensorTable& table, ConstMat x, ConstMat dy, Mat dx, Moe
 void MoeLayer::experts_forward(const TensorTable& table, const Operand& in,
                                const std::vector<int>& off, std::int64_t rows,
                                const KeptOperand& up1, const KeptOperand& up3,
-                               const KeptOperand& act, float* out, MoeScratch& s) const {
+                               const KeptOperand& act, float* out, Workspace& ws) const {
   const int D = D_, Fe = Fe_, R = static_cast<int>(rows);
   const std::int64_t wsz = std::int64_t(Fe) * D;
-  // bf16 runs: the up-projections go to the d_up scratch first, then rounded into up1/up3.
+  // bf16 runs: the up-projections go to workspace buffers first, then rounded into up1/up3
+  // (grouped: every row's; per expert: one expert's at a time).
   const bool staged = up1.is_bf16();
+  Workspace::Frame frame(ws);
+  const std::int64_t staged_rows = !staged ? 0 : grouped_ ? rows : largest_block(off);
+  float* s1 = staged ? frame.floats(std::max<std::int64_t>(staged_rows, 1) * Fe) : nullptr;
+  float* s3 = staged ? frame.floats(std::max<std::int64_t>(staged_rows, 1) * Fe) : nullptr;
   if (grouped_) {  // one launch per product over every local expert
-    if (staged)
-      for (View1F* v : {&s.d_up1, &s.d_up3}) ensure_size(*v, rows * Fe, "moe::d_hidden");
-    float* u1 = up1.product_target(s.d_up1.data());
-    float* u3 = up3.product_target(s.d_up3.data());
+    float* u1 = up1.product_target(s1);
+    float* u3 = up3.product_target(s3);
     grouped_->rows(Trans::T, 1.0f, in, D, table.param(w1_), wsz, 0.0f, u1, Fe);
     grouped_->rows(Trans::T, 1.0f, in, D, table.param(w3_), wsz, 0.0f, u3, Fe);
     swiglu_activate(u1, u3, Fe, R, Fe, act.out(), up1.out(), up3.out());
     grouped_->rows(Trans::T, 1.0f, act.matrix(R, Fe), Fe, table.param(w2_), wsz, 0.0f, out, D);
     return;
   }
-  if (staged) {
-    const int most = largest_block(off);
-    for (View1F* v : {&s.d_up1, &s.d_up3})
-      ensure_size(*v, std::int64_t(most) * Fe, "moe::d_hidden");
-  }
   for (int le = 0; le < El_; ++le) {
     const int r0 = off[le], n = off[le + 1] - r0;
     if (n == 0) continue;
     const Operand x = rows_of(in, r0, n);
     const std::int64_t h0 = std::int64_t(r0) * Fe;
-    Mat u1 = as_mat(up1.product_target(s.d_up1.data(), h0), n, Fe);
-    Mat u3 = as_mat(up3.product_target(s.d_up3.data(), h0), n, Fe);
+    Mat u1 = as_mat(up1.product_target(s1, h0), n, Fe);
+    Mat u3 = as_mat(up3.product_target(s3, h0), n, Fe);
     gemm(Trans::N, Trans::T, 1.0f, x, as_cmat(table.param(w1_) + le * wsz, Fe, D), 0.0f, u1);
     gemm(Trans::N, Trans::T, 1.0f, x, as_cmat(table.param(w3_) + le * wsz, Fe, D), 0.0f, u3);
     swiglu_activate(u1.data(), u3.data(), Fe, n, Fe, act.out(h0), up1.out(h0), up3.out(h0));
@@ -549,13 +563,14 @@ void MoeLayer::experts_forward(const TensorTable& table, const Operand& in,
 void MoeLayer::experts_backward(TensorTable& table, const Operand& g_rows, float* g_out,
                                 const Operand& in, const KeptOperand& up1, const KeptOperand& up3,
                                 const KeptOperand& act, const std::vector<int>& off,
-                                std::int64_t rows, MoeScratch& s) const {
+                                std::int64_t rows, Workspace& ws) const {
   // An expert without rows leaves its (zeroed) gradients untouched.
   const int D = D_, Fe = Fe_, R = static_cast<int>(rows);
   const std::int64_t wsz = std::int64_t(Fe) * D;
   if (grouped_) {  // every local expert's rows at once: the hidden gradients for all rows
-    for (View1F* v : {&s.d_act, &s.d_up1, &s.d_up3}) ensure_size(*v, rows * Fe, "moe::d_hidden");
-    float *da = s.d_act.data(), *du1 = s.d_up1.data(), *du3 = s.d_up3.data();
+    Workspace::Frame frame(ws);
+    const std::int64_t n = std::max<std::int64_t>(rows, 1) * Fe;
+    float *da = frame.floats(n), *du1 = frame.floats(n), *du3 = frame.floats(n);
     grouped_->rows(Trans::N, 1.0f, g_rows, D, table.param(w2_), wsz, 0.0f, da, Fe);
     grouped_->weight_grads(1.0f, g_rows, D, act.matrix(R, Fe), Fe, table.grad(w2_), wsz);
     swiglu_activate_backward(up1.in(), up3.in(), Fe, as_cmat(da, R, Fe), du1, du3, Fe);
@@ -567,8 +582,10 @@ void MoeLayer::experts_backward(TensorTable& table, const Operand& g_rows, float
     return;
   }
   const int most = largest_block(off);
-  for (View1F* v : {&s.d_act, &s.d_up1, &s.d_up3})
-    ensure_size(*v, std::int64_t(most) * Fe, "moe::d_hidden");
+  Workspace::Frame frame(ws);  // one expert's hidden gradients at a time
+  const std::int64_t hidden = std::max<std::int64_t>(most, 1) * Fe;
+  float *da_buf = frame.floats(hidden), *du1_buf = frame.floats(hidden),
+        *du3_buf = frame.floats(hidden);
   for (int le = 0; le < El_; ++le) {
     const int r0 = off[le], n = off[le + 1] - r0;
     if (n == 0) continue;
@@ -576,8 +593,8 @@ void MoeLayer::experts_backward(TensorTable& table, const Operand& g_rows, float
     Mat g_in = as_mat(g_out + std::int64_t(r0) * D, n, D);  // after g's last read
     const Operand x = rows_of(in, r0, n);
     const std::int64_t h0 = std::int64_t(r0) * Fe;
-    Mat da = as_mat(s.d_act.data(), n, Fe);
-    Mat du1 = as_mat(s.d_up1.data(), n, Fe), du3 = as_mat(s.d_up3.data(), n, Fe);
+    Mat da = as_mat(da_buf, n, Fe);
+    Mat du1 = as_mat(du1_buf, n, Fe), du3 = as_mat(du3_buf, n, Fe);
     gemm(Trans::N, Trans::N, 1.0f, g, as_cmat(table.param(w2_) + le * wsz, D, Fe), 0.0f, da);
     gemm(Trans::T, Trans::N, 1.0f, g, act.matrix(n, Fe, h0), 1.0f,
          as_mat(table.grad(w2_) + le * wsz, D, Fe));

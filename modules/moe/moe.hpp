@@ -23,6 +23,7 @@
 #include "core/kokkos_types.hpp"
 #include "core/step_stats.hpp"
 #include "core/tensor_table.hpp"
+#include "core/workspace.hpp"
 #include "modules/mlp/swiglu.hpp"
 #include "modules/moe/moe_dispatch.hpp"
 #include "parallel/communicator.hpp"
@@ -41,20 +42,6 @@ struct MoeStats {
 // The expert GEMMs a layer runs: moe.expert_gemm resolved for this build (auto: grouped where
 // the device's memory is not the host's).
 bool use_grouped_expert_gemm(ExpertGemm choice);
-
-// Backward temporaries shared by the MoE layers of a stage.
-struct MoeScratch {
-  View1F d_rows;        // (N*k, D): gradient w.r.t. expert outputs, then w.r.t. expert inputs
-  View1F d_act;         // (N*k, Fe)
-  View1F d_up1, d_up3;  // (N*k, Fe); in bf16 runs the forward's fp32 up-projections too
-  // Expert parallelism in bf16 runs: the output gradients as they leave (N*k, D) and arrive
-  // (expert side), as bf16; grown on demand.
-  Kokkos::View<std::uint16_t*, Layout, MemSpace> wire_out, wire_in;
-  View1F d_weights;  // (N*k)
-  View1F d_logits;   // (N, E)
-  MlpScratch shared;
-  MoeScratch(const ModelCfg& m, const MoeCfg& e, std::int64_t max_tokens);
-};
 
 // Aux-loss-free balancing (DeepSeek-V3), after each optimizer step: with C_e the expert's
 // assignments over the whole global batch, bias_e += gamma * sign(mean(C) - C_e).
@@ -87,18 +74,28 @@ class MoeLayer {
   // x: (N, D) -> y: (N, D); saves what backward needs. The layer's statistics go to the step
   // statistics' device accumulators, its term of the loss (lb_coef * LB + z_coef * RZ) is added
   // to aux(0) when given: nothing is read back to the host (with moe.expert_gemm = per_expert
-  // or expert parallelism, the expert row counts are). s: the stage's scratch (in bf16 runs
-  // the up-projections pass through it before they are kept as bf16).
+  // or expert parallelism, the expert row counts are). Temporaries come from `ws`: in bf16
+  // runs the up-projections before they are kept as bf16; under expert parallelism the
+  // transfer buffer and the expert side's outputs.
   // count = false: a recompute of a forward already counted (train.recompute), which adds to
   // neither the statistics nor aux.
-  void forward(const TensorTable& table, ConstMat x, Mat y, MoeScratch& s, View1D aux = View1D(),
+  void forward(const TensorTable& table, ConstMat x, Mat y, Workspace& ws, View1D aux = View1D(),
                bool count = true);
   // The last forward's report, read from the device (a host wait: for tests and tools).
   MoeStats report() const;
   // dy: (N, D) -> dx: (N, D) (assigned). aux_scale weights this micro-batch's LB and RZ terms in
-  // the step loss (1 / micro-batches per step).
-  void backward(TensorTable& table, ConstMat x, ConstMat dy, Mat dx, MoeScratch& s,
+  // the step loss (1 / micro-batches per step). Temporaries from `ws`: the slots' weight and
+  // row gradients, the expert side's received gradients, the hidden gradients, the transfer
+  // buffer, the logit gradients.
+  void backward(TensorTable& table, ConstMat x, ConstMat dy, Mat dx, Workspace& ws,
                 float aux_scale);
+
+  // The workspace bytes the deepest of the two calls takes for max_tokens tokens with an ep
+  // group of `ep` ranks, the expert side's rows at twice a balanced share (2 * max_tokens *
+  // top_k, as its kept buffers are sized) and, with per-expert GEMMs, its largest expert at
+  // twice a balanced share of them; a step that routes more takes more.
+  static std::int64_t workspace_bytes(const ModelCfg& m, const MoeCfg& e, std::int64_t max_tokens,
+                                      int ep, bool bf16);
 
   // The router_bias buffer's table index, or -1 without aux-loss-free balancing.
   int bias_index() const { return bias_; }
@@ -116,12 +113,12 @@ class MoeLayer {
   // activations it keeps (sized for `rows`).
   void experts_forward(const TensorTable& table, const Operand& in, const std::vector<int>& off,
                        std::int64_t rows, const KeptOperand& up1, const KeptOperand& up3,
-                       const KeptOperand& act, float* out, MoeScratch& s) const;
+                       const KeptOperand& act, float* out, Workspace& ws) const;
   // g: (rows, D) output gradients in; g_out: (rows, D) input gradients out (may be g's fp32
   // storage); weight gradients accumulate.
   void experts_backward(TensorTable& table, const Operand& g, float* g_out, const Operand& in,
                         const KeptOperand& up1, const KeptOperand& up3, const KeptOperand& act,
-                        const std::vector<int>& off, std::int64_t rows, MoeScratch& s) const;
+                        const std::vector<int>& off, std::int64_t rows, Workspace& ws) const;
   // The most rows of one local expert in `off` (El+1 bounds).
   int largest_block(const std::vector<int>& off) const {
     int most = 0;
@@ -157,11 +154,10 @@ class MoeLayer {
   static constexpr int kAuxChunk = 256;  // tokens per first-stage partial sum
   View1D aux_partial_;                   // (chunks, E+1): the first stage
   int N_ = 0;
-  // Expert parallelism (P > 1): the row traffic, and the expert side's buffers (the local
-  // experts' rows from every rank), grown on demand. In bf16 runs (d_model even) the rows and
+  // Expert parallelism (P > 1): the row traffic, and what the expert side keeps of the local
+  // experts' rows from every rank, grown on demand. In bf16 runs (d_model even) the rows and
   // the output gradients travel as bf16, the products' inputs (rows_in_ and ex_in_ bf16).
   std::unique_ptr<ExpertDispatch> dispatch_;
-  KeptOperand ex_out_, ex_grad_;  // fp32 (KeptOperand: pooled under recompute, grown together)
   KeptOperand ex_in_, ex_up1_, ex_up3_, ex_act_;
 };
 

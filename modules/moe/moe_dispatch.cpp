@@ -15,8 +15,7 @@ ExpertDispatch::ExpertDispatch(const Communicator& ep, const DataComm& ep_data, 
       El_(experts / ep.size()),
       D_(d_model),
       local_off_(El_ + 1, 0),
-      blocks_("moe::dispatch_blocks", 2 * P_ * El_ + 1),
-      xfer_("moe::dispatch_xfer", 0, /*may_be_bf16=*/false) {
+      blocks_("moe::dispatch_blocks", 2 * P_ * El_ + 1) {
   KMOE_REQUIRE(E_ % P_ == 0,
                "moe.experts (" << E_ << ") must be divisible by parallel.ep (" << P_ << ")");
 }
@@ -65,7 +64,6 @@ void ExpertDispatch::plan(const std::vector<int>& offsets) {
         }
         perm(blocks(B + 1 + lo) + i - blocks(lo)) = i;
       });
-  xfer_.ensure(std::max<std::int64_t>(Rx, offsets[E_]) * D_);
 }
 
 namespace {
@@ -82,29 +80,34 @@ void regroup(const View1I& perm, const T* from, T* to, int Rx, int D) {
 }
 }  // namespace
 
-void ExpertDispatch::dispatch(const float* rows, float* ex) {
-  exchange_.forward(rows, xfer_.f32(), D_);
-  regroup(perm_, xfer_.f32(), ex, local_rows(), D_);
+void ExpertDispatch::dispatch(const float* rows, float* ex, Workspace& ws) {
+  Workspace::Frame frame(ws);
+  float* xfer = frame.floats(std::int64_t(local_rows()) * D_);
+  exchange_.forward(rows, xfer, D_);
+  regroup(perm_, static_cast<const float*>(xfer), ex, local_rows(), D_);
 }
 
-void ExpertDispatch::dispatch(const std::uint16_t* rows, std::uint16_t* ex) {
-  auto* words = reinterpret_cast<std::uint16_t*>(xfer_.f32());  // bf16 in half the buffer
-  exchange_.forward(rows, words, D_);
-  regroup(perm_, static_cast<const std::uint16_t*>(words), ex, local_rows(), D_);
+void ExpertDispatch::dispatch(const std::uint16_t* rows, std::uint16_t* ex, Workspace& ws) {
+  Workspace::Frame frame(ws);
+  std::uint16_t* xfer = frame.words(std::int64_t(local_rows()) * D_);
+  exchange_.forward(rows, xfer, D_);
+  regroup(perm_, static_cast<const std::uint16_t*>(xfer), ex, local_rows(), D_);
 }
 
-void ExpertDispatch::combine(const float* ex, float* rows) {
+void ExpertDispatch::combine(const float* ex, float* rows, Workspace& ws) {
   const int D = D_, Rx = local_rows();
+  Workspace::Frame frame(ws);
+  float* xfer = frame.floats(std::int64_t(Rx) * D);
   auto perm = perm_;
   auto from = ConstMat(ex, Rx, D);
-  auto to = Mat(xfer_.f32(), Rx, D);
+  auto to = Mat(xfer, Rx, D);
   Kokkos::parallel_for(
       "moe::dispatch_ungroup", row_policy(Rx), KOKKOS_LAMBDA(const TeamMember& tm) {
         const int r = tm.league_rank(), dst = perm(r);
         Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, D),
                              [&](int d) { to(dst, d) = from(r, d); });
       });
-  exchange_.reverse(xfer_.f32(), rows, D);
+  exchange_.reverse(xfer, rows, D);
 }
 
 }  // namespace kmoe

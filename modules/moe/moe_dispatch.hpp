@@ -9,8 +9,8 @@
 #include <cstdint>
 #include <vector>
 
-#include "core/kept_operand.hpp"
 #include "core/kokkos_types.hpp"
+#include "core/workspace.hpp"
 #include "parallel/row_exchange.hpp"
 
 namespace kmoe {
@@ -27,12 +27,13 @@ class ExpertDispatch {
   const std::vector<int>& local_offsets() const { return local_off_; }
   int local_rows() const { return local_off_.back(); }
 
-  // rows: (kept rows, D), expert-major -> ex: (local_rows(), D), the local experts' rows.
-  void dispatch(const float* rows, float* ex);
+  // rows: (kept rows, D), expert-major -> ex: (local_rows(), D), the local experts' rows. The
+  // rows arrive source-major in a (local_rows(), D) transfer buffer taken from `ws`.
+  void dispatch(const float* rows, float* ex, Workspace& ws);
   // The same for bf16 rows (D even): half the bytes, bit for bit.
-  void dispatch(const std::uint16_t* rows, std::uint16_t* ex);
+  void dispatch(const std::uint16_t* rows, std::uint16_t* ex, Workspace& ws);
   // ex -> rows: the inverse of dispatch.
-  void combine(const float* ex, float* rows);
+  void combine(const float* ex, float* rows, Workspace& ws);
 
  private:
   RowExchange exchange_;
@@ -40,9 +41,6 @@ class ExpertDispatch {
   std::vector<int> local_off_;
   View1I blocks_;  // (2*P*El + 1): received block starts, then their expert-major starts
   View1I perm_;    // (local rows): expert-major row -> received row
-  // (max(kept, received) rows, D): rows as they travel (bf16: half of it); fp32, a KeptOperand
-  // so that the MoE layers' dispatches share one under recompute.
-  KeptOperand xfer_;
 };
 
 }  // namespace kmoe

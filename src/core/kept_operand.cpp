@@ -25,8 +25,8 @@ V pooled(std::map<std::string, V>& buffers, const std::string& key, const std::s
 }  // namespace
 
 ActivationPool::Block::Block(ActivationPool* pool) : previous_(open_pool) {
-  open_pool = pool;
-  if (pool) pool->seen_.clear();
+  open_pool = pool && pool->blocks_share_ ? pool : nullptr;
+  if (open_pool) open_pool->seen_.clear();
 }
 
 ActivationPool::Block::~Block() { open_pool = previous_; }

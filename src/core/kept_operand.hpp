@@ -57,17 +57,21 @@ struct KeptStorage {
   Kokkos::View<std::uint16_t*, Layout, MemSpace> b16;
 };
 
-// What the blocks of a stage keep from a forward for its backward. Without a pool every buffer
-// is its own allocation. Under train.recompute = block a block keeps only its input and runs
-// its forward again just before its backward, so the blocks of every Stage instance on a rank
-// can share their buffers: while a pool's Block scope is open (one block's construction),
-// saved_floats / saved_ints and every KeptOperand built return the pool's buffer for (label,
-// i), the block's i-th request with that label, so blocks of the same kind use the same memory.
-// A request larger than the pool's buffer grows it (blocks built earlier keep their own, so
-// nothing is ever too small); a kept operand's storage is shared, so its growth (ensure) is
-// everyone's.
+// The activation memory a rank's Stage instances share: objects every instance uses (the
+// blocks' workspace, shared()) and, with `blocks_share` (train.recompute = block), what the
+// blocks keep from a forward for its backward. Without that every saved buffer is its own
+// allocation. Under recompute a block keeps only its input and runs its forward again just
+// before its backward, so the blocks of every Stage instance can share their buffers: while a
+// pool's Block scope is open (one block's construction), saved_floats / saved_ints and every
+// KeptOperand built return the pool's buffer for (label, i), the block's i-th request with
+// that label, so blocks of the same kind use the same memory. A request larger than the pool's
+// buffer grows it (blocks built earlier keep their own, so nothing is ever too small); a kept
+// operand's storage is shared, so its growth (ensure) is everyone's.
 class ActivationPool {
  public:
+  explicit ActivationPool(bool blocks_share = true) : blocks_share_(blocks_share) {}
+  bool blocks_share() const { return blocks_share_; }
+
   class Block {
    public:
     explicit Block(ActivationPool* pool);
@@ -81,7 +85,8 @@ class ActivationPool {
   // Bytes the pool's saved buffers hold (shared objects not counted).
   std::int64_t bytes() const;
 
-  // The pool of the open Block scope, or null.
+  // The pool of the open Block scope, or null (also inside the scope of a pool whose blocks
+  // do not share).
   static ActivationPool* current();
   std::shared_ptr<KeptStorage> kept(const std::string& label, std::int64_t n, bool bf16);
   // An object every Stage instance built on the pool shares (the blocks' backward scratch):
@@ -97,6 +102,7 @@ class ActivationPool {
 
  private:
   std::string key(const std::string& label);
+  bool blocks_share_;
   std::map<std::string, int> seen_;  // requests per label in the open block
   std::map<std::string, std::shared_ptr<KeptStorage>> kept_;
   std::map<std::string, View1F> floats_;

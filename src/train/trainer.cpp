@@ -65,8 +65,9 @@ Trainer::Trainer(const Config& cfg, ProcessGrid& grid)
   check_memory(cfg, grid, max_in_flight(schedule_));
   const StagePlan plan = StagePlan::of(grid);
   const LayerComms comms = layer_comms(cfg, grid);
-  // Recompute: every block of every instance takes its saved buffers from one pool.
-  if (t.recompute == Recompute::Block) pool_ = std::make_unique<ActivationPool>();
+  // The instances share one workspace; under recompute every block of every instance takes its
+  // saved buffers from the pool too.
+  pool_ = std::make_unique<ActivationPool>(/*blocks_share=*/t.recompute == Recompute::Block);
   for (int i = 0; i < max_in_flight(schedule_); ++i) {
     stages_.push_back(std::make_unique<Stage>(cfg.model, cfg.moe, t.micro_batch, t.seq_len, table_,
                                               cfg.engram, plan, comms, &stats_, pool_.get()));

@@ -71,7 +71,8 @@ class Trainer {
   ModelSize size_;
   TensorTable table_;
   StepStats stats_;  // the layers' step statistics (metrics.csv columns after val_loss)
-  std::unique_ptr<ActivationPool> pool_;  // train.recompute = block: the blocks' shared buffers
+  // The Stage instances' shared workspace; train.recompute = block: the blocks' saved buffers
+  std::unique_ptr<ActivationPool> pool_;
   // The stage once per micro-batch in flight under the pipeline schedule: micro-batch i runs
   // on instance i mod size(); all share the parameters in table_ and the statistics.
   std::vector<std::unique_ptr<Stage>> stages_;

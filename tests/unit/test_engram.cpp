@@ -20,6 +20,7 @@ struct Fixture {
   std::vector<EngramHashPlan> plans;
   TensorTable table;
   std::unique_ptr<EngramLayer> layer;
+  Workspace ws;  // the layer's backward temporaries
   int N, T = 8, nseq = 2;
   View2F x, out, dx, R;
   View1I tokens;
@@ -86,7 +87,7 @@ void check_gradients(const char* gate) {
   Fixture f(gate);
   f.objective();
   Kokkos::deep_copy(f.table.grads, 0.0f);
-  f.layer->backward(f.table, as_cmat(f.x), as_cmat(f.R), as_mat(f.dx));
+  f.layer->backward(f.table, as_cmat(f.x), as_cmat(f.R), as_mat(f.dx), f.ws);
   auto hg = Kokkos::create_mirror_view_and_copy(HostSpace(), f.table.grads);
   auto hp = Kokkos::create_mirror_view_and_copy(HostSpace(), f.table.params);
   const float eps = 3e-3f;
@@ -157,7 +158,7 @@ TEST(Engram, OnlyLookedUpRowsGetGradient) {
   Fixture f("sigmoid");
   f.objective();
   Kokkos::deep_copy(f.table.grads, 0.0f);
-  f.layer->backward(f.table, as_cmat(f.x), as_cmat(f.R), as_mat(f.dx));
+  f.layer->backward(f.table, as_cmat(f.x), as_cmat(f.R), as_mat(f.dx), f.ws);
   EngramHasher hasher(f.plans[0], f.g.max_ngram, f.g.heads, f.g.pad_id);
   Kokkos::View<int**, Layout, MemSpace> rows("rows", f.N, hasher.heads_total());
   hasher.rows(ConstIVec(f.tokens.data(), f.N), f.T, rows);

@@ -53,7 +53,7 @@ std::vector<float> to_host(const View2F& v) {
 
 // A forward and its report (read back from the device).
 MoeStats forward_report(MoeLayer& layer, const TensorTable& table, const View2F& x, View2F& y,
-                        MoeScratch& s) {
+                        Workspace& s) {
   layer.forward(table, as_cmat(x), as_mat(y), s);
   return layer.report();
 }
@@ -75,8 +75,8 @@ TEST(Moe, OneExpertTopOneIsTheDenseLayer) {
         Kokkos::subview(table.params, Kokkos::make_pair(src.offset, src.offset + src.size)));
   }
   View2F x = random_input(N, D, 1), y_dense("yd", N, D), y_moe("ym", N, D);
-  MlpScratch ms(N, F);
-  MoeScratch mos(m, moe(1, 1, F), N);
+  Workspace ms;
+  Workspace mos;
   dense.forward(table, as_cmat(x), as_mat(y_dense), ms);
   layer.forward(table, as_cmat(x), as_mat(y_moe), mos);
   const auto a = to_host(y_dense), b = to_host(y_moe);
@@ -125,7 +125,7 @@ TEST(Moe, ExpertWithoutTokensGetsExactlyZeroGradientAndNoStaleRows) {
   table.allocate();
   table.initialize(3);
   View2F x = random_input(N, D, 4), y("y", N, D), dy = random_input(N, D, 5), dx("dx", N, D);
-  MoeScratch s(m, e, N);
+  Workspace s;
   // First a batch routed over all experts (random router), leaving rows behind ...
   layer.forward(table, as_cmat(x), as_mat(y), s);
   // ... then the routing that starves experts 2 and 3.
@@ -172,7 +172,7 @@ TEST(Moe, CapacityDropsTheTailInTokenOrderDeterministically) {
   table_b.allocate();
   Kokkos::deep_copy(table_b.params, table.params);
   View2F x = random_input(N, D, 6), y_all("ya", N, D), y_cap("yc", N, D), y_cap2("yc2", N, D);
-  MoeScratch sa(m, dropless, N), sb(m, capped, N);
+  Workspace sa, sb;
   a.forward(table, as_cmat(x), as_mat(y_all), sa);
   const MoeStats st = forward_report(b, table_b, x, y_cap, sb);
   const int cap = 12;
@@ -219,7 +219,7 @@ TEST(Moe, RouterBiasMovesTowardBalance) {
   auto imbalance = [&](const MoeStats& st) {
     return double(*std::max_element(st.load.begin(), st.load.end())) / (double(N) / E);
   };
-  MoeScratch s(m, e, N);
+  Workspace s;
   const MoeStats first = forward_report(layer, table, x, y, s);
   EXPECT_EQ(first.load[2] + first.load[3], 0);
   MoeStats st = first;
@@ -249,7 +249,7 @@ TEST(Moe, StatisticsAndTheRouterBiasHook) {
   EXPECT_EQ(stats.names(),
             (std::vector<std::string>{"moe3_lb", "moe3_rz", "moe3_load_max_mean", "moe3_drop"}));
   View2F x1 = random_input(N, D, 6), x2 = random_input(N, D, 7), y("y", N, D);
-  MoeScratch s(m, e, N);
+  Workspace s;
   layer.forward(table, as_cmat(x1), as_mat(y), s);  // e.g. an evaluation forward: forgotten
   stats.begin_step();
   const MoeStats a = forward_report(layer, table, x1, y, s);
@@ -319,7 +319,7 @@ TEST(Moe, GroupedExpertGemmsMatchPerExpertGemms) {
       table.allocate();
       table.initialize(11);
       View2F x = random_input(N, D, 6), y("y", N, D), dy = random_input(N, D, 7), dx("dx", N, D);
-      MoeScratch s(m, c, N);
+      Workspace s;
       Run r;
       r.st = forward_report(layer, table, x, y, s);
       layer.backward(table, as_cmat(x), as_cmat(dy), as_mat(dx), s, 0.5f);

@@ -136,7 +136,7 @@ TEST(SwigluMlp, ForwardAndBackward) {
   table.allocate();
   table.initialize(5);
   randomize_params(table, gen, 0.4f);
-  MlpScratch scratch(max_rows, F);
+  Workspace scratch;
 
   auto x = uniform(gen, N * D, -1.0f, 1.0f);
   const auto R = uniform(gen, N * D, -1.0f, 1.0f);
@@ -254,6 +254,7 @@ void check_lm_head(bool tie) {
   TensorTable table;
   Embedding embed(V, D, m.init_std, N + 5, table);
   LmHead head(m, N + 5, embed.weight_index(), table);
+  Workspace ws;
   table.allocate();
   table.initialize(9);
   randomize_params(table, gen, 0.5f);
@@ -286,7 +287,7 @@ void check_lm_head(bool tie) {
 
   // Gradients of (CE + zc * Z) / targets.
   const auto grads = accumulated_grads(table, gen, [&] {
-    head.backward(table, as_cmat(x_dev.data(), N, D), as_mat(dx_dev.data(), N, D));
+    head.backward(table, as_cmat(x_dev.data(), N, D), as_mat(dx_dev.data(), N, D), ws);
   });
   const auto dx = to_host(dx_dev.data(), N * D);
   for (int s = 0; s < nseq; ++s)  // the last position has no target: no gradient

@@ -88,7 +88,7 @@ void check_attention(const ModelCfg& m, int max_seqs, int nseq) {
   table.initialize(11);
   randomize_params(table, gen, 0.35f);
   RopeTables rope(T, m.head_dim(), m.rope_theta);
-  AttentionScratch scratch(m, max_seqs, T);
+  Workspace scratch;
 
   auto a = uniform(gen, N * D, -1.0f, 1.0f);
   const auto R = uniform(gen, N * D, -1.0f, 1.0f);

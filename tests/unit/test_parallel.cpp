@@ -6,12 +6,14 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdint>
 #include <random>
 #include <vector>
 
 #include "core/error.hpp"
 #include "core/gemm.hpp"
 #include "core/kept_operand.hpp"
+#include "core/workspace.hpp"
 #include "modules/engram/engram.hpp"
 #include "modules/model/model_size.hpp"
 #include "modules/model/stage.hpp"
@@ -255,6 +257,62 @@ TEST(ActivationPool, BlocksShareTheirSavedBuffers) {
   View1F own1 = saved_floats("x", 10), own2 = saved_floats("x", 10);
   EXPECT_NE(own1.data(), own2.data());
   EXPECT_EQ(ActivationPool::current(), nullptr);
+  // A pool whose blocks do not share (no recompute) only holds the shared objects: inside its
+  // scope every request is its own allocation.
+  ActivationPool apart(/*blocks_share=*/false);
+  {
+    ActivationPool::Block scope(&apart);
+    EXPECT_EQ(ActivationPool::current(), nullptr);
+    View1F s1 = saved_floats("x", 10), s2 = saved_floats("x", 10);
+    EXPECT_NE(s1.data(), s2.data());
+  }
+  EXPECT_EQ(apart.bytes(), 0);
+  EXPECT_EQ(apart.shared<int>("w", 3).get(), apart.shared<int>("w", 4).get());
+}
+
+// The workspace is a stack: a frame's takes are disjoint and aligned, a closed frame's memory
+// is the next frame's, a take beyond the reserve gets a further chunk (earlier takes stay
+// valid), and the outermost frame's end leaves one allocation of the deepest stack seen.
+TEST(Workspace, FramesReuseMemoryAndGrowPastTheReserve) {
+  Workspace ws("test::workspace");
+  ws.reserve(4096);
+  EXPECT_EQ(ws.capacity(), 4096);
+  float* first = nullptr;
+  {
+    Workspace::Frame outer(ws);
+    first = outer.floats(100);
+    float* second = outer.floats(1);
+    EXPECT_EQ(reinterpret_cast<std::uintptr_t>(second) % 256, 0u);
+    EXPECT_EQ(second, first + 128);  // 400 bytes rounded to 512
+    float* inner_take = nullptr;
+    {
+      Workspace::Frame inner(ws);
+      inner_take = inner.floats(10);
+      EXPECT_EQ(inner_take, second + 64);
+    }
+    {
+      Workspace::Frame again(ws);
+      EXPECT_EQ(again.floats(10), inner_take);  // the closed frame's memory again
+      // Past the reserve: a new chunk; what was taken before keeps its place.
+      Mat big = again.mat(100, 100);
+      EXPECT_EQ(big.extent(0), 100u);
+      Kokkos::deep_copy(Kokkos::View<float**, Layout, MemSpace, Unmanaged>(big.data(), 100, 100),
+                        1.0f);
+      EXPECT_GT(ws.capacity(), 4096);
+      Kokkos::deep_copy(Kokkos::View<float*, Layout, MemSpace, Unmanaged>(first, 100), 2.0f);
+    }
+  }
+  const std::int64_t deepest = 512 + 256 + 256 + 40192;  // 40000 bytes rounded to 256
+  EXPECT_EQ(ws.high_water(), deepest);
+  EXPECT_EQ(ws.capacity(), deepest);  // one allocation of the deepest stack
+  {
+    Workspace::Frame f(ws);
+    f.floats(10000);  // fits now, no growth
+    EXPECT_EQ(ws.capacity(), deepest);
+    EXPECT_THROW(ws.reserve(std::int64_t(1) << 20), std::exception);  // not inside a frame
+  }
+  ws.reserve(std::int64_t(1) << 20);
+  EXPECT_EQ(ws.capacity(), std::int64_t(1) << 20);
 }
 
 TEST(Comm, CountsAndGather) {
@@ -376,7 +434,7 @@ void expert_parallel_matches_one_rank(ExpertGemm gemms, Precision precision = Pr
   View1F dx1("dx1", N * D), dx2("dx2", N * D);
   fill(x.data(), random_vec(N * D, 11 + me, 0.5f, 1.0f));  // positive: experts 6, 7 lose
   fill(dy.data(), random_vec(N * D, 31 + me, 0.1f));
-  MoeScratch s1(m, e, N), s2(m, e, N);
+  Workspace s1, s2;
   one.forward(full, as_cmat(x.data(), N, D), as_mat(y1.data(), N, D), s1);
   sharded.forward(part, as_cmat(x.data(), N, D), as_mat(y2.data(), N, D), s2);
   const MoeStats a = one.report(), b = sharded.report();
@@ -459,9 +517,11 @@ TEST(EngramSharding, MatchesTheReplicatedTable) {
   one.forward(full, as_cmat(x.data(), N, D), tok, as_mat(o1.data(), N, D));
   sharded.forward(part, as_cmat(x.data(), N, D), tok, as_mat(o2.data(), N, D));
   EXPECT_EQ(host(o2.data(), N * D), host(o1.data(), N * D));  // the same rows, bit for bit
-  one.backward(full, as_cmat(x.data(), N, D), as_cmat(dout.data(), N, D), as_mat(dx1.data(), N, D));
+  Workspace ws;
+  one.backward(full, as_cmat(x.data(), N, D), as_cmat(dout.data(), N, D), as_mat(dx1.data(), N, D),
+               ws);
   sharded.backward(part, as_cmat(x.data(), N, D), as_cmat(dout.data(), N, D),
-                   as_mat(dx2.data(), N, D));
+                   as_mat(dx2.data(), N, D), ws);
   EXPECT_EQ(host(dx2.data(), N * D), host(dx1.data(), N * D));
   const TensorEntry& f = full.entry(full.find("e.table"));
   const TensorEntry& p = part.entry(part.find("e.table"));

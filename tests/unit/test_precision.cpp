@@ -143,7 +143,7 @@ TEST(Precision, RouterIsFp32InBf16Runs) {
     table.allocate();
     table.initialize(5);
     View2F y("y", N, D);
-    MoeScratch s(m, e, N);
+    Workspace s;
     layer.forward(table, as_cmat(x), as_mat(y), s);
     st.push_back(layer.report());
     auto hy = Kokkos::create_mirror_view_and_copy(HostSpace(), y);
