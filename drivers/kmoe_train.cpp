@@ -176,16 +176,17 @@ void print_dry_run(const kmoe::Config& cfg) {
               s.flops_per_token, s.flops_per_token * tokens, tokens);
   std::printf(
       "  memory per rank (estimate, %s activations, recompute %s, AdamW moments sharded %s; "
-      "every dp and ep rank of a stage alike):\n"
+      "every dp and ep rank of a stage alike; the expert side, part of the activations, at "
+      "twice a balanced share of the rows):\n"
       "    stage  blocks   tensor elements  params+grads MiB  AdamW MiB  in flight  "
-      "activations MiB  runtime MiB  total MiB\n",
+      "activations MiB  (expert side)  runtime MiB  total MiB\n",
       choice_name(t.precision), choice_name(t.recompute), choice_name(cfg.optimizer.shard));
   for (int stage = 0; stage < p.pp; ++stage) {
     const auto& [in_flight, m] = stages[stage];
-    std::printf("    %5d  %3d-%-3d  %15lld  %16.1f  %9.1f  %9d  %15.1f  %11.1f  %9.1f\n", stage,
-                bounds[stage], bounds[stage + 1] - 1, (long long)m.elements,
-                8.0 * m.elements / mib, 8.0 * m.moment_elements / mib, in_flight,
-                m.activation_bytes / mib, kRuntimeBytes / mib,
+    std::printf("    %5d  %3d-%-3d  %15lld  %16.1f  %9.1f  %9d  %15.1f  %13.1f  %11.1f  %9.1f\n",
+                stage, bounds[stage], bounds[stage + 1] - 1, (long long)m.elements,
+                (m.param_bytes + 4.0 * m.elements) / mib, 8.0 * m.moment_elements / mib, in_flight,
+                m.activation_bytes / mib, m.expert_side_bytes / mib, kRuntimeBytes / mib,
                 (m.total() + kRuntimeBytes) / mib);
   }
   std::printf(

@@ -15,6 +15,7 @@
 #include <sstream>
 #include <vector>
 
+#include "core/bf16.hpp"
 #include "core/error.hpp"
 #include "core/fault_injection.hpp"
 #include "io/collective_write.hpp"
@@ -158,9 +159,15 @@ void save_checkpoint(const Config& cfg, const ProcessGrid& grid, const TensorTab
     const TensorSpec& g = catalog[i];
     const int local = table.find(g.name);
     const TensorEntry* e = local >= 0 ? &table.entry(local) : nullptr;
-    const bool writer = e && owns(e->spec, grid);
-    const std::int64_t r0 = e ? e->spec.row_begin : 0, nr = e ? e->spec.local_rows() : 0;
-    const std::int64_t off = e ? e->offset : 0;
+    // The moments this rank keeps (a slice of the tensor with optimizer.shard).
+    const MomentRows mr = e && g.trainable ? moment_rows(table, local, grid) : MomentRows();
+    // The fp32 values: the owner's whole local part, or (a bf16 compute copy) each replica's
+    // master rows, which are its moment slice.
+    const bool copy = e && table.has_copy(local);
+    const bool writer = copy ? mr.write : e && owns(e->spec, grid);
+    const std::int64_t r0 = copy ? mr.first : e ? e->spec.row_begin : 0;
+    const std::int64_t nr = copy ? mr.rows : e ? e->spec.local_rows() : 0;
+    const std::int64_t off = e ? table.param_offset(local) : 0;
     const std::string p = tensor_path(g.name);
     const bool middle = i == catalog.size() / 2;
     if (middle && fault_requested("kill_during_save")) std::raise(SIGKILL);
@@ -169,8 +176,6 @@ void save_checkpoint(const Config& cfg, const ProcessGrid& grid, const TensorTab
       f.write_rows_f32("/model/" + p, g.shape, r0, nr, params.data() + off, writer);
     });
     if (!g.trainable) continue;  // buffers have no moments
-    // The moments this rank keeps (a slice of the tensor with optimizer.shard).
-    const MomentRows mr = e ? moment_rows(table, local, grid) : MomentRows();
     const std::int64_t at = e ? table.moments(local).offset : 0;
     out.step([&](H5File& f) {
       f.write_rows_f32("/optimizer/exp_avg/" + p, g.shape, mr.first, mr.rows, m.data() + at,
@@ -289,6 +294,7 @@ TrainState load_checkpoint(const std::string& path, const Config& cfg, const Pro
   f.set_progress([&watchdog] { watchdog.progress(); });
   const TrainState s = inspect(f, path, cfg, changes);
   auto params = Kokkos::create_mirror_view(table.params);
+  auto copies = Kokkos::create_mirror_view(table.weights_b16);
   auto m = Kokkos::create_mirror_view(table.exp_avg);
   auto v = Kokkos::create_mirror_view(table.exp_avg_sq);
   // Each rank reads exactly its own hyperslabs, whatever layout wrote the file, and refuses
@@ -308,7 +314,16 @@ TrainState load_checkpoint(const std::string& path, const Config& cfg, const Pro
   for (int t = 0; t < table.size(); ++t) {
     const TensorEntry& e = table.entry(t);
     const std::string p = tensor_path(e.spec.name);
-    read("/model/" + p, e, e.spec.row_begin, e.spec.local_rows(), params.data() + e.offset);
+    if (!table.has_copy(t)) {
+      read("/model/" + p, e, e.spec.row_begin, e.spec.local_rows(),
+           params.data() + table.param_offset(t));
+    } else {  // every local row rounded into the compute copy, the master rows as they are
+      std::vector<float> rows(e.size);
+      read("/model/" + p, e, e.spec.row_begin, e.spec.local_rows(), rows.data());
+      const std::int64_t w = e.spec.row_elements(), m0 = table.master_first(t) * w;
+      std::copy_n(rows.data() + m0, table.master_rows(t) * w, params.data() + table.param_offset(t));
+      for (std::int64_t j = 0; j < e.size; ++j) copies(table.copy_offset(t) + j) = bf16_bits(rows[j]);
+    }
     if (with_optimizer && e.spec.trainable) {  // the moments this rank keeps
       const MomentSlice& s = table.moments(t);
       const std::int64_t r0 = e.spec.row_begin + s.first;
@@ -317,6 +332,7 @@ TrainState load_checkpoint(const std::string& path, const Config& cfg, const Pro
     }
   }
   Kokkos::deep_copy(table.params, params);
+  Kokkos::deep_copy(table.weights_b16, copies);
   if (with_optimizer) {
     Kokkos::deep_copy(table.exp_avg, m);
     Kokkos::deep_copy(table.exp_avg_sq, v);

@@ -320,7 +320,8 @@ Schema::Schema(Config& c) : options_("kmoe input deck") {
   key(c.optimizer.decay_steps, "decay_steps", 0, "wsd: length of the final linear decay");
   key(c.optimizer.shard, "shard", OptimizerShard::None,
       "AdamW moments: none (every replica keeps all) | replicas (ZeRO-1: split over the ranks "
-      "that hold the tensor; gradients reduce-scattered, parameters all-gathered)");
+      "that hold the tensor; gradients reduce-scattered, parameters all-gathered; in bf16 runs "
+      "the fp32 master weights of the product weights split too, bf16 copies gathered)");
 
   section("data", "token files (headerless arrays or .npy)");
   required(c.data.paths, "paths", "training token files, comma-separated; globs allowed");

@@ -30,7 +30,7 @@ Attention::Attention(const ModelCfg& m, const std::string& prefix, int max_seqs,
       eps_(static_cast<float>(m.norm_eps)) {
   const std::int64_t qd = H_ * dh_, kd = Hkv_ * dh_;
   auto matrix = [&](const char* n, std::int64_t rows, std::int64_t cols) {
-    return table.add(TensorSpec::matrix(prefix + n, {rows, cols}, m.init_std));
+    return table.add(TensorSpec::matrix(prefix + n, {rows, cols}, m.init_std).gemm_weight());
   };
   wq_ = matrix("wq", qd, D_);
   matrix("wk", kd, D_);
@@ -100,7 +100,7 @@ void Attention::forward(const TensorTable& table, const RopeTables& rope, ConstM
   const bool qk_norm = qk_norm_;
 
   Mat qkv = as_mat(qkv_.data(), N, W);  // (N, H*dh | Hkv*dh | Hkv*dh)
-  gemm(Trans::N, Trans::T, 1.0f, a, as_cmat(table.param(wq_), W, D_), 0.0f, qkv);
+  gemm(Trans::N, Trans::T, 1.0f, a, table.weight(wq_, W, D_), 0.0f, qkv);
 
   // QK-norm over the whole projected q and k, RoPE, and the split into head layout.
   const KeptOut q = q_.out(), k = k_.out(), v = v_.out();
@@ -190,8 +190,7 @@ void Attention::forward(const TensorTable& table, const RopeTables& rope, ConstM
   gemm_strided_batched(Trans::N, Trans::N, 1.0f, probs_.strided(G * T, T, G * TT),
                        v_.strided(T, dh, Tdh), 0.0f, heads, G * T, dh, G * Tdh, groups);
   merge_heads(heads, merged_.out(), N, T, H, dh);
-  gemm(Trans::N, Trans::T, 1.0f, merged_.matrix(N, qd), as_cmat(table.param(wo_), D_, qd), 0.0f,
-       out);
+  gemm(Trans::N, Trans::T, 1.0f, merged_.matrix(N, qd), table.weight(wo_, D_, qd), 0.0f, out);
 }
 
 void Attention::backward(TensorTable& table, const RopeTables& rope, ConstMat a, ConstMat dout,
@@ -216,7 +215,7 @@ void Attention::backward(TensorTable& table, const RopeTables& rope, ConstMat a,
   {
     Workspace::Frame merged(ws);  // d_merged's memory becomes d_qkv's below
     Mat d_merged = merged.mat(N, qd);
-    gemm(Trans::N, Trans::N, 1.0f, dout, as_cmat(table.param(wo_), D_, qd), 0.0f, d_merged);
+    gemm(Trans::N, Trans::N, 1.0f, dout, table.weight(wo_, D_, qd), 0.0f, d_merged);
     split_heads(as_cmat(d_merged), d_heads, T, H, dh);
   }
 
@@ -302,7 +301,7 @@ void Attention::backward(TensorTable& table, const RopeTables& rope, ConstMat a,
 
   // Fused projection: dW(q|k|v) += d_qkv^T a; da = d_qkv W(q|k|v).
   gemm(Trans::T, Trans::N, 1.0f, as_cmat(d_qkv), a, 1.0f, as_mat(table.grad(wq_), W, D_));
-  gemm(Trans::N, Trans::N, 1.0f, as_cmat(d_qkv), as_cmat(table.param(wq_), W, D_), 0.0f, da);
+  gemm(Trans::N, Trans::N, 1.0f, as_cmat(d_qkv), table.weight(wq_, W, D_), 0.0f, da);
 }
 
 }  // namespace kmoe

@@ -57,8 +57,8 @@ EngramLayer::EngramLayer(const ModelCfg& m, const EngramCfg& g, const EngramHash
   } else {
     table_ = table.add(table_spec);
   }
-  wk_ = table.add(TensorSpec::matrix(prefix + "wk", {D_, d_mem_}, std));
-  wv_ = table.add(TensorSpec::matrix(prefix + "wv", {D_, d_mem_}, std));
+  wk_ = table.add(TensorSpec::matrix(prefix + "wk", {D_, d_mem_}, std).gemm_weight());
+  wv_ = table.add(TensorSpec::matrix(prefix + "wv", {D_, d_mem_}, std).gemm_weight());
   bk_ = table.add(TensorSpec::zeros(prefix + "bk", {D_}));
   bv_ = table.add(TensorSpec::zeros(prefix + "bv", {D_}));
   q_norm_ = table.add(TensorSpec::gain(prefix + "q_norm.weight", D_));
@@ -113,8 +113,8 @@ void EngramLayer::forward(const TensorTable& table, ConstMat x, ConstIVec tokens
   const Operand mem = lookup(table, tokens, count);
 
   Mat key = as_mat(key_.data(), N, D), val = as_mat(val_.data(), N, D);
-  gemm(Trans::N, Trans::T, 1.0f, mem, as_cmat(table.param(wk_), D, dm), 0.0f, key);
-  gemm(Trans::N, Trans::T, 1.0f, mem, as_cmat(table.param(wv_), D, dm), 0.0f, val);
+  gemm(Trans::N, Trans::T, 1.0f, mem, table.weight(wk_, D, dm), 0.0f, key);
+  gemm(Trans::N, Trans::T, 1.0f, mem, table.weight(wv_, D, dm), 0.0f, val);
   add_bias(key, table.param(bk_));
   add_bias(val, table.param(bv_));
 
@@ -261,8 +261,8 @@ void EngramLayer::backward(TensorTable& table, ConstMat x, ConstMat dout, Mat dx
   add_column_sums(as_cmat(dkey), table.grad(bk_));
   add_column_sums(as_cmat(dval), table.grad(bv_));
   Mat dmem = frame.mat(N, dm);
-  gemm(Trans::N, Trans::N, 1.0f, as_cmat(dkey), as_cmat(table.param(wk_), D, dm), 0.0f, dmem);
-  gemm(Trans::N, Trans::N, 1.0f, as_cmat(dval), as_cmat(table.param(wv_), D, dm), 1.0f, dmem);
+  gemm(Trans::N, Trans::N, 1.0f, as_cmat(dkey), table.weight(wk_, D, dm), 0.0f, dmem);
+  gemm(Trans::N, Trans::N, 1.0f, as_cmat(dval), table.weight(wv_, D, dm), 1.0f, dmem);
 
   if (shard_) {
     shard_->return_gradients(table, table_, dmem.data(), N * heads_total_);

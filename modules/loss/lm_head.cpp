@@ -14,7 +14,7 @@ LmHead::LmHead(const ModelCfg& m, int max_tokens, int embed_weight, TensorTable&
   norm_ = table.add(TensorSpec::gain("final_norm.weight", D_));
   weight_ = m.tie_embeddings
                 ? embed_weight
-                : table.add(TensorSpec::matrix("lm_head.weight", {V_, D_}, m.init_std));
+                : table.add(TensorSpec::matrix("lm_head.weight", {V_, D_}, m.init_std).gemm_weight());
   normed_ = View1F("head::normed", std::int64_t(max_tokens) * D_);
   rstd_ = View1F("head::rstd", max_tokens);
   logits_ = View1F("head::logits", std::int64_t(max_tokens) * V_);
@@ -30,7 +30,7 @@ LossSums LmHead::forward(const TensorTable& table, ConstMat x, ConstIVec tokens,
   rmsnorm_forward(x, ConstVec(table.param(norm_), D_), eps_, ConstMat(), normed,
                   Vec(rstd_.data(), N));
   Mat logits = as_mat(logits_.data(), N, V);
-  gemm(Trans::N, Trans::T, 1.0f, as_cmat(normed), as_cmat(table.param(weight_), V, D_), 0.0f,
+  gemm(Trans::N, Trans::T, 1.0f, as_cmat(normed), table.weight(weight_, V, D_), 0.0f,
        logits);
 
   // Per row with a target: lse, CE = lse - logit[target], z = lse^2; gradient in place:
@@ -111,7 +111,7 @@ void LmHead::backward(TensorTable& table, ConstMat x, Mat dx, Workspace& ws) {
   gemm(Trans::T, Trans::N, 1.0f, d_logits, normed, 1.0f, as_mat(table.grad(weight_), V_, D_));
   Workspace::Frame frame(ws);
   Mat d_normed = frame.mat(N, D_);
-  gemm(Trans::N, Trans::N, 1.0f, d_logits, as_cmat(table.param(weight_), V_, D_), 0.0f, d_normed);
+  gemm(Trans::N, Trans::N, 1.0f, d_logits, table.weight(weight_, V_, D_), 0.0f, d_normed);
   rmsnorm_backward(x, ConstVec(table.param(norm_), D_), ConstVec(rstd_.data(), N),
                    as_cmat(d_normed), ConstMat(), dx, Vec(table.grad(norm_), D_));
 }

@@ -73,9 +73,9 @@ std::int64_t SwigluMlp::workspace_bytes(std::int64_t rows, int hidden, bool bf16
 SwigluMlp::SwigluMlp(const std::string& prefix, int d_model, int hidden, double init_std,
                      std::int64_t max_rows, TensorTable& table)
     : D_(d_model), F_(hidden) {
-  w1_ = table.add(TensorSpec::matrix(prefix + "w1", {F_, D_}, init_std));
-  table.add(TensorSpec::matrix(prefix + "w3", {F_, D_}, init_std));
-  w2_ = table.add(TensorSpec::matrix(prefix + "w2", {D_, F_}, init_std));
+  w1_ = table.add(TensorSpec::matrix(prefix + "w1", {F_, D_}, init_std).gemm_weight());
+  table.add(TensorSpec::matrix(prefix + "w3", {F_, D_}, init_std).gemm_weight());
+  w2_ = table.add(TensorSpec::matrix(prefix + "w2", {D_, F_}, init_std).gemm_weight());
   up_ = KeptOperand("mlp::up", max_rows * 2 * F_);
   act_ = KeptOperand("mlp::act", max_rows * F_);
 }
@@ -85,9 +85,9 @@ void SwigluMlp::forward(const TensorTable& table, ConstMat x, Mat y, Workspace& 
   Workspace::Frame frame(ws);
   float* staging = up_.is_bf16() ? frame.floats(std::int64_t(N) * 2 * F_) : nullptr;
   Mat up = as_mat(up_.product_target(staging), N, 2 * F_);
-  gemm(Trans::N, Trans::T, 1.0f, x, as_cmat(table.param(w1_), 2 * F_, D_), 0.0f, up);
+  gemm(Trans::N, Trans::T, 1.0f, x, table.weight(w1_, 2 * F_, D_), 0.0f, up);
   swiglu_activate(up.data(), up.data() + F_, 2 * F_, N, F_, act_.out(), up_.out(), up_.out(F_));
-  gemm(Trans::N, Trans::T, 1.0f, act_.matrix(N, F_), as_cmat(table.param(w2_), D_, F_), 0.0f, y);
+  gemm(Trans::N, Trans::T, 1.0f, act_.matrix(N, F_), table.weight(w2_, D_, F_), 0.0f, y);
 }
 
 void SwigluMlp::backward(TensorTable& table, ConstMat x, ConstMat dy, Mat dx, Workspace& ws) {
@@ -95,11 +95,11 @@ void SwigluMlp::backward(TensorTable& table, ConstMat x, ConstMat dy, Mat dx, Wo
   Workspace::Frame frame(ws);
   Mat d_act = frame.mat(N, F_), d_up = frame.mat(N, 2 * F_);
   gemm(Trans::T, Trans::N, 1.0f, dy, act_.matrix(N, F_), 1.0f, as_mat(table.grad(w2_), D_, F_));
-  gemm(Trans::N, Trans::N, 1.0f, dy, as_cmat(table.param(w2_), D_, F_), 0.0f, d_act);
+  gemm(Trans::N, Trans::N, 1.0f, dy, table.weight(w2_, D_, F_), 0.0f, d_act);
   swiglu_activate_backward(up_.in(), up_.in(F_), 2 * F_, as_cmat(d_act), d_up.data(),
                            d_up.data() + F_, 2 * F_);
   gemm(Trans::T, Trans::N, 1.0f, as_cmat(d_up), x, 1.0f, as_mat(table.grad(w1_), 2 * F_, D_));
-  gemm(Trans::N, Trans::N, 1.0f, as_cmat(d_up), as_cmat(table.param(w1_), 2 * F_, D_), 0.0f, dx);
+  gemm(Trans::N, Trans::N, 1.0f, as_cmat(d_up), table.weight(w1_, 2 * F_, D_), 0.0f, dx);
 }
 
 }  // namespace kmoe

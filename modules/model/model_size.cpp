@@ -59,8 +59,14 @@ struct Shapes {
     const Size slots = N * k, rows_kb = ep == 1 || D.get() % 2 == 0 ? kb : Size(4);
     Size bytes = Size(4) * (Size(2) * N * E + N + Size(3) * slots + slots * D) +
                  rows_kb * slots * D + kb * slots * Size(3) * Fe + kb * N * Size(3) * Fs;
-    if (ep > 1) bytes = bytes + Size(2) * slots * (rows_kb * D + kb * Size(3) * Fe);
-    return bytes;
+    return bytes + expert_side_saved(ep);
+  }
+  // With expert parallelism: what the expert side keeps for backward (the received rows and
+  // the hidden activations), sized for twice a balanced share of the rows.
+  Size expert_side_saved(int ep) const {
+    if (ep <= 1) return 0;
+    const Size slots = N * k, rows_kb = D.get() % 2 == 0 ? kb : Size(4);
+    return Size(2) * slots * (rows_kb * D + kb * Size(3) * Fe);
   }
 };
 
@@ -134,12 +140,16 @@ RankMemory rank_memory(const ModelCfg& m, const MoeCfg& e, const EngramCfg& g, i
     const auto plans = engram_hash_plans(g, load_engram_compression(g, m.vocab_size).vocab_c);
     Size elements = 0, saved = 0;   // parameters and buffers; one instance's activations (bytes)
     Size experts = 0, sharded = 0;  // of the elements: routed experts, sharded Engram rows
+    Size gemm = 0;                  // of the elements: dense tensors only products read
+    Size expert_side = 0;           // every instance's expert-side saved buffers (ep > 1)
+    const Size d_mem = Size(g.max_ngram - 1) * g.embed_per_ngram;
     Size blocks = 0;
     // Under recompute the blocks share one pool: each kind of saved buffer once (the largest).
     Size pool_attn = 0, pool_mlp = 0, pool_moe = 0, pool_engram = 0;
     for (int l = r.first_block; l < r.last_block; ++l) {
       blocks += 1;
       elements += s.attn;
+      gemm += (s.qd + Size(2) * s.kd) * D + D * s.qd;
       saved += s.attn_saved();
       pool_attn = s.attn_saved();
       if (e.is_moe_layer(l)) {
@@ -147,10 +157,14 @@ RankMemory rank_memory(const ModelCfg& m, const MoeCfg& e, const EngramCfg& g, i
         const Size mine = Size(3) * local_experts * s.Fe * D;
         experts += mine;
         elements += s.E * D + mine + s.shared + (e.bias_update_rate > 0 ? s.E : Size(0));
+        gemm += s.shared;
         saved += s.moe_saved(r.ep);
         pool_moe = s.moe_saved(r.ep);
+        expert_side = r.recompute ? s.expert_side_saved(r.ep)
+                                  : expert_side + Size(r.in_flight) * s.expert_side_saved(r.ep);
       } else {
         elements += Size(3) * s.F * D;
+        gemm += Size(3) * s.F * D;
         saved += s.mlp_saved();
         pool_mlp = s.mlp_saved();
       }
@@ -159,6 +173,7 @@ RankMemory rank_memory(const ModelCfg& m, const MoeCfg& e, const EngramCfg& g, i
         const int members = std::max(1, r.engram_members);
         const Size rows = (plan.rows + members - 1) / members;
         elements += engram_params(g, D, rows);
+        gemm += Size(2) * D * d_mem;
         if (members > 1) sharded += rows * (g.embed_per_ngram / g.heads);
         const Size mine = engram_saved(g, D, N, s.kb, members > 1);
         saved += mine;
@@ -167,6 +182,7 @@ RankMemory rank_memory(const ModelCfg& m, const MoeCfg& e, const EngramCfg& g, i
     }
     if (r.embed) elements += V * D;
     if (r.head) elements += D + V * D;  // final norm; lm_head, or the last stage's tied copy
+    if (r.head && !s.tied) gemm += V * D;
     if (r.head && s.tied && r.embed) elements = elements - V * D;  // one matrix for both
     Size stage = (blocks + 1) * N * D + Size(4) * N * D + Size(3) * N;
     if (r.head) stage += N * V + N * D;  // logits, the normed input
@@ -182,7 +198,18 @@ RankMemory rank_memory(const ModelCfg& m, const MoeCfg& e, const EngramCfg& g, i
     const Size moments = (dense + dr - Size(1)).get() / dr.get() +
                          Size((experts + er - Size(1)).get() / er.get()) + sharded + tied_whole;
     out.moment_elements = moments.get();
-    out.state_bytes = (Size(8) * elements + Size(8) * moments).get();
+    // bf16 with sharded state: the split tensors only products read as bf16 copies, their
+    // fp32 master rows split like the moments.
+    const bool bf16 = r.precision == Precision::Bf16;
+    const Size dense_copies = bf16 && dr.get() > 1 ? gemm : Size(0);
+    const Size expert_copies = bf16 && er.get() > 1 ? experts : Size(0);
+    const Size copies = dense_copies + expert_copies;
+    const Size masters = (dense_copies + dr - Size(1)).get() / dr.get() +
+                         Size((expert_copies + er - Size(1)).get() / er.get());
+    out.gemm_elements = gemm.get();
+    out.copy_elements = copies.get();
+    out.param_bytes = (Size(4) * (elements - copies) + Size(2) * copies + Size(4) * masters).get();
+    out.state_bytes = (Size(out.param_bytes) + Size(4) * elements + Size(8) * moments).get();
     // Recompute: every instance keeps its residual streams; the pool, and the buffer a block's
     // second forward writes its output to, once.
     const Size kept = r.recompute ? Size(r.in_flight) * Size(4) * stage + pool_attn + pool_mlp +
@@ -197,6 +224,11 @@ RankMemory rank_memory(const ModelCfg& m, const MoeCfg& e, const EngramCfg& g, i
     const Size workspace = Stage::workspace_bytes(m, e, g, plan, b, T, std::max(1, r.ep),
                                                   r.precision == Precision::Bf16);
     out.activation_bytes = (kept + workspace).get();
+    if (expert_side.get() > 0)
+      out.expert_side_bytes =
+          (expert_side + Size(MoeLayer::expert_side_workspace_bytes(
+                             m, e, N.get(), r.ep, r.precision == Precision::Bf16)))
+              .get();
     return out;
   });
 }

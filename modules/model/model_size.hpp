@@ -39,7 +39,9 @@ struct RankShare {
   Precision precision = Precision::Fp32;
   bool recompute = false;  // train.recompute = block: the blocks share one pool of saved buffers
   // optimizer.shard = replicas: the ranks a dense tensor's and an expert's AdamW moments are
-  // split over (the stage's dp*ep replicas, the dp group); 1 unsharded.
+  // split over (the stage's dp*ep replicas, the dp group); 1 unsharded. In bf16 runs the
+  // tensors only products read are then kept as bf16 compute copies with their fp32 master
+  // rows split the same way.
   int dense_replicas = 1, expert_replicas = 1;
 };
 
@@ -47,10 +49,16 @@ struct RankMemory {
   std::int64_t elements = 0;          // this rank's TensorTable (parameters and buffers)
   std::int64_t expert_elements = 0;   // of which its routed experts' weights
   std::int64_t sharded_elements = 0;  // of which its row blocks of sharded Engram tables
+  std::int64_t gemm_elements = 0;     // of which dense tensors only products read
+  std::int64_t copy_elements = 0;     // of which kept as bf16 compute copies (dense and experts)
   std::int64_t moment_elements = 0;   // the AdamW moments it keeps (fewer when sharded)
-  std::int64_t state_bytes = 0;       // its four flat buffers
-  std::int64_t activation_bytes = 0;  // every instance's saved activations and scratch (one
-                                      // pool and one scratch under recompute)
+  std::int64_t param_bytes = 0;       // fp32 values (master rows of the copies) and copies
+  std::int64_t state_bytes = 0;       // parameters, gradients, moments
+  std::int64_t activation_bytes = 0;  // every instance's saved activations and the workspace
+                                      // (one pool under recompute)
+  // Of the activations, the expert side's under expert parallelism: received rows, hidden
+  // activations, received gradients and transfer buffers, at twice a balanced share of rows.
+  std::int64_t expert_side_bytes = 0;
   std::int64_t total() const { return state_bytes + activation_bytes; }
 };
 

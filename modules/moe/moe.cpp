@@ -22,29 +22,55 @@ KOKKOS_INLINE_FUNCTION std::uint32_t ordered_bits(float f) {
 
 }  // namespace
 
+namespace {
+// The sizes the MoE layer's workspace use depends on (bytes, each take rounded).
+struct MoeWorkspace {
+  std::int64_t staging, hidden, rows_fp32, wire_in;
+  bool wire;
+  MoeWorkspace(const ModelCfg& m, const MoeCfg& e, std::int64_t N, int ep, bool bf16) {
+    auto r = [](std::int64_t bytes) { return Workspace::rounded(bytes); };
+    const std::int64_t D = m.d_model, Fe = e.expert_hidden, S = N * e.top_k;
+    const int El = e.experts / std::max(ep, 1);
+    // The expert side's rows, and the rows of its largest expert (twice a balanced share).
+    const std::int64_t rows = ep > 1 ? 2 * S : S;
+    const std::int64_t most = use_grouped_expert_gemm(e.expert_gemm)
+                                  ? rows
+                                  : std::min(rows, (2 * rows + El - 1) / El);
+    wire = ep > 1 && bf16 && D % 2 == 0;  // rows and their gradients travel as bf16
+    staging = bf16 ? 2 * r(4 * most * Fe) : 0;
+    hidden = 3 * r(4 * most * Fe);
+    rows_fp32 = r(4 * rows * D);
+    wire_in = wire ? r(2 * rows * D) : 0;
+  }
+  // Under expert parallelism: the outputs and a transfer buffer (fp32 back) or the bf16
+  // staging (forward); the received gradients (and their bf16 form), then a transfer buffer or
+  // the hidden gradients (backward).
+  std::int64_t expert_side() const {
+    return std::max(rows_fp32 + std::max(rows_fp32, staging),
+                    rows_fp32 + wire_in + std::max(rows_fp32, hidden));
+  }
+};
+}  // namespace
+
+std::int64_t MoeLayer::expert_side_workspace_bytes(const ModelCfg& m, const MoeCfg& e,
+                                                   std::int64_t N, int ep, bool bf16) {
+  return ep > 1 ? MoeWorkspace(m, e, N, ep, bf16).expert_side() : 0;
+}
+
 std::int64_t MoeLayer::workspace_bytes(const ModelCfg& m, const MoeCfg& e, std::int64_t N,
                                        int ep, bool bf16) {
   auto r = [](std::int64_t bytes) { return Workspace::rounded(bytes); };
-  const std::int64_t D = m.d_model, Fe = e.expert_hidden, S = N * e.top_k;
-  const int El = e.experts / std::max(ep, 1);
-  const bool grouped = use_grouped_expert_gemm(e.expert_gemm);
-  // The expert side's rows, and the rows of its largest expert (twice a balanced share).
-  const std::int64_t rows = ep > 1 ? 2 * S : S;
-  const std::int64_t most = grouped ? rows : std::min(rows, (2 * rows + El - 1) / El);
-  const bool wire = ep > 1 && bf16 && D % 2 == 0;  // rows and their gradients travel as bf16
-  const std::int64_t staging = bf16 ? 2 * r(4 * most * Fe) : 0;
-  const std::int64_t hidden = 3 * r(4 * most * Fe);
-  const std::int64_t xfer = r((wire ? 2 : 4) * rows * D), rows_fp32 = r(4 * rows * D);
+  const MoeWorkspace w(m, e, N, ep, bf16);
+  const std::int64_t D = m.d_model, S = N * e.top_k;
   const std::int64_t shared =
       e.shared_experts > 0
           ? SwigluMlp::workspace_bytes(N, e.shared_experts * e.shared_hidden, bf16)
           : 0;
-  const std::int64_t forward = ep > 1 ? rows_fp32 + std::max(xfer, staging) : staging;
-  const std::int64_t expert_side =
-      ep > 1 ? rows_fp32 + (wire ? r(2 * rows * D) : 0) + std::max(rows_fp32, hidden) : hidden;
-  const std::int64_t backward = r(4 * S) + r(4 * S * D) + (wire ? r(2 * S * D) : 0) +
-                                std::max(expert_side, r(4 * N * e.experts));
-  return std::max({shared, forward, backward});
+  // The slots' weight and row gradients (and the rows' bf16 form), then the expert side (here:
+  // the hidden gradients) or, after it, the logit gradients; the forward's staging.
+  const std::int64_t experts = ep > 1 ? w.expert_side() : std::max(w.staging, w.hidden);
+  const std::int64_t slots = r(4 * S) + r(4 * S * D) + (w.wire ? r(2 * S * D) : 0);
+  return std::max({shared, slots + std::max(experts, r(4 * N * e.experts))});
 }
 
 void update_router_bias(TensorTable& table, int bias_index, const std::vector<double>& counts,
@@ -101,8 +127,9 @@ MoeLayer::MoeLayer(const ModelCfg& m, const MoeCfg& e, const std::string& prefix
   router_ = table.add(TensorSpec::matrix(prefix + "router", {E_, D_}, std));
   // This ep rank's row block [E/P experts] of the global [E, ...] tensors.
   auto expert = [&](const char* name, std::int64_t a, std::int64_t b) {
-    return table.add(
-        TensorSpec::matrix(prefix + name, {E_, a, b}, std).row_block(Shard::Ep, e0_, El_));
+    return table.add(TensorSpec::matrix(prefix + name, {E_, a, b}, std)
+                         .row_block(Shard::Ep, e0_, El_)
+                         .gemm_weight());
   };
   w1_ = expert("experts.w1", Fe_, D_);
   w3_ = expert("experts.w3", Fe_, D_);
@@ -538,10 +565,11 @@ void MoeLayer::experts_forward(const TensorTable& table, const Operand& in,
   if (grouped_) {  // one launch per product over every local expert
     float* u1 = up1.product_target(s1);
     float* u3 = up3.product_target(s3);
-    grouped_->rows(Trans::T, 1.0f, in, D, table.param(w1_), wsz, 0.0f, u1, Fe);
-    grouped_->rows(Trans::T, 1.0f, in, D, table.param(w3_), wsz, 0.0f, u3, Fe);
+    grouped_->rows(Trans::T, 1.0f, in, D, table.weight(w1_, El_ * Fe, D), wsz, 0.0f, u1, Fe);
+    grouped_->rows(Trans::T, 1.0f, in, D, table.weight(w3_, El_ * Fe, D), wsz, 0.0f, u3, Fe);
     swiglu_activate(u1, u3, Fe, R, Fe, act.out(), up1.out(), up3.out());
-    grouped_->rows(Trans::T, 1.0f, act.matrix(R, Fe), Fe, table.param(w2_), wsz, 0.0f, out, D);
+    grouped_->rows(Trans::T, 1.0f, act.matrix(R, Fe), Fe, table.weight(w2_, El_ * D, Fe), wsz,
+                   0.0f, out, D);
     return;
   }
   for (int le = 0; le < El_; ++le) {
@@ -551,11 +579,10 @@ void MoeLayer::experts_forward(const TensorTable& table, const Operand& in,
     const std::int64_t h0 = std::int64_t(r0) * Fe;
     Mat u1 = as_mat(up1.product_target(s1, h0), n, Fe);
     Mat u3 = as_mat(up3.product_target(s3, h0), n, Fe);
-    gemm(Trans::N, Trans::T, 1.0f, x, as_cmat(table.param(w1_) + le * wsz, Fe, D), 0.0f, u1);
-    gemm(Trans::N, Trans::T, 1.0f, x, as_cmat(table.param(w3_) + le * wsz, Fe, D), 0.0f, u3);
+    gemm(Trans::N, Trans::T, 1.0f, x, table.weight(w1_, Fe, D, le * wsz), 0.0f, u1);
+    gemm(Trans::N, Trans::T, 1.0f, x, table.weight(w3_, Fe, D, le * wsz), 0.0f, u3);
     swiglu_activate(u1.data(), u3.data(), Fe, n, Fe, act.out(h0), up1.out(h0), up3.out(h0));
-    gemm(Trans::N, Trans::T, 1.0f, act.matrix(n, Fe, h0),
-         as_cmat(table.param(w2_) + le * wsz, D, Fe), 0.0f,
+    gemm(Trans::N, Trans::T, 1.0f, act.matrix(n, Fe, h0), table.weight(w2_, D, Fe, le * wsz), 0.0f,
          as_mat(out + std::int64_t(r0) * D, n, D));
   }
 }
@@ -571,14 +598,14 @@ void MoeLayer::experts_backward(TensorTable& table, const Operand& g_rows, float
     Workspace::Frame frame(ws);
     const std::int64_t n = std::max<std::int64_t>(rows, 1) * Fe;
     float *da = frame.floats(n), *du1 = frame.floats(n), *du3 = frame.floats(n);
-    grouped_->rows(Trans::N, 1.0f, g_rows, D, table.param(w2_), wsz, 0.0f, da, Fe);
+    grouped_->rows(Trans::N, 1.0f, g_rows, D, table.weight(w2_, El_ * D, Fe), wsz, 0.0f, da, Fe);
     grouped_->weight_grads(1.0f, g_rows, D, act.matrix(R, Fe), Fe, table.grad(w2_), wsz);
     swiglu_activate_backward(up1.in(), up3.in(), Fe, as_cmat(da, R, Fe), du1, du3, Fe);
     grouped_->weight_grads(1.0f, du1, Fe, in, D, table.grad(w1_), wsz);
     grouped_->weight_grads(1.0f, du3, Fe, in, D, table.grad(w3_), wsz);
     // The gradient w.r.t. the experts' inputs (g_out may be g_rows: read in full above).
-    grouped_->rows(Trans::N, 1.0f, du1, Fe, table.param(w1_), wsz, 0.0f, g_out, D);
-    grouped_->rows(Trans::N, 1.0f, du3, Fe, table.param(w3_), wsz, 1.0f, g_out, D);
+    grouped_->rows(Trans::N, 1.0f, du1, Fe, table.weight(w1_, El_ * Fe, D), wsz, 0.0f, g_out, D);
+    grouped_->rows(Trans::N, 1.0f, du3, Fe, table.weight(w3_, El_ * Fe, D), wsz, 1.0f, g_out, D);
     return;
   }
   const int most = largest_block(off);
@@ -595,7 +622,7 @@ void MoeLayer::experts_backward(TensorTable& table, const Operand& g_rows, float
     const std::int64_t h0 = std::int64_t(r0) * Fe;
     Mat da = as_mat(da_buf, n, Fe);
     Mat du1 = as_mat(du1_buf, n, Fe), du3 = as_mat(du3_buf, n, Fe);
-    gemm(Trans::N, Trans::N, 1.0f, g, as_cmat(table.param(w2_) + le * wsz, D, Fe), 0.0f, da);
+    gemm(Trans::N, Trans::N, 1.0f, g, table.weight(w2_, D, Fe, le * wsz), 0.0f, da);
     gemm(Trans::T, Trans::N, 1.0f, g, act.matrix(n, Fe, h0), 1.0f,
          as_mat(table.grad(w2_) + le * wsz, D, Fe));
     swiglu_activate_backward(up1.in(h0), up3.in(h0), Fe, as_cmat(da), du1.data(), du3.data(), Fe);
@@ -604,10 +631,8 @@ void MoeLayer::experts_backward(TensorTable& table, const Operand& g_rows, float
     gemm(Trans::T, Trans::N, 1.0f, as_cmat(du3), x, 1.0f,
          as_mat(table.grad(w3_) + le * wsz, Fe, D));
     // The gradient w.r.t. the expert's inputs.
-    gemm(Trans::N, Trans::N, 1.0f, as_cmat(du1), as_cmat(table.param(w1_) + le * wsz, Fe, D), 0.0f,
-         g_in);
-    gemm(Trans::N, Trans::N, 1.0f, as_cmat(du3), as_cmat(table.param(w3_) + le * wsz, Fe, D), 1.0f,
-         g_in);
+    gemm(Trans::N, Trans::N, 1.0f, as_cmat(du1), table.weight(w1_, Fe, D, le * wsz), 0.0f, g_in);
+    gemm(Trans::N, Trans::N, 1.0f, as_cmat(du3), table.weight(w3_, Fe, D, le * wsz), 1.0f, g_in);
   }
 }
 

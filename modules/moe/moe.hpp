@@ -96,6 +96,10 @@ class MoeLayer {
   // twice a balanced share of them; a step that routes more takes more.
   static std::int64_t workspace_bytes(const ModelCfg& m, const MoeCfg& e, std::int64_t max_tokens,
                                       int ep, bool bf16);
+  // Of that, the expert side's (ep > 1; 0 otherwise): outputs, received gradients, transfer
+  // buffers or hidden gradients.
+  static std::int64_t expert_side_workspace_bytes(const ModelCfg& m, const MoeCfg& e,
+                                                  std::int64_t max_tokens, int ep, bool bf16);
 
   // The router_bias buffer's table index, or -1 without aux-loss-free balancing.
   int bias_index() const { return bias_; }

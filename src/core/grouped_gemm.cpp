@@ -42,16 +42,19 @@ void GroupedGemm::plan(ConstIVec off, std::int64_t max_rows) {
       });
 }
 
-void GroupedGemm::rows(Trans tw, float alpha, GroupedSrc As_, int K, const float* W,
+void GroupedGemm::rows(Trans tw, float alpha, GroupedSrc As_, int K, GroupedSrc Ws_,
                        std::int64_t w_stride, float beta, float* C, int n) const {
   if (n == 0 || max_rows_ == 0) return;
   const int G = groups_, col_tiles = (n + kTile - 1) / kTile;
   const std::int64_t row_tiles = (max_rows_ + kTile - 1) / kTile + G;
   const bool wt = tw == Trans::T;
   const bool bf = gemm_precision() == Precision::Bf16;  // inputs rounded as they are loaded
-  KMOE_REQUIRE(bf || !As_.b16, "grouped gemm: a bf16 input in a product with fp32 inputs");
+  KMOE_REQUIRE(bf || (!As_.b16 && !Ws_.b16),
+               "grouped gemm: a bf16 input in a product with fp32 inputs");
   const float* A = As_.f32;
   const std::uint16_t* A16 = As_.b16;
+  const float* W = Ws_.f32;
+  const std::uint16_t* W16 = Ws_.b16;
   auto off = off_;
   auto toff = tile_off_;
   Kokkos::parallel_for(
@@ -68,7 +71,7 @@ void GroupedGemm::rows(Trans tw, float alpha, GroupedSrc As_, int K, const float
         const std::int64_t r0 = off(g) + std::int64_t(rt - toff(g)) * kTile;
         const int nr = lesser(kTile, static_cast<int>(off(g + 1) - r0));
         const int c0 = ct * kTile, nc = lesser(kTile, n - c0);
-        const float* Wg = W + g * w_stride;
+        const std::int64_t wg = g * w_stride;
         ScratchF As(tm.team_scratch(0), kTile * kDepth), Bs(tm.team_scratch(0), kDepth * kTile),
             Cs(tm.team_scratch(0), kTile * kTile);
         Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, kTile * kTile),
@@ -86,8 +89,11 @@ void GroupedGemm::rows(Trans tw, float alpha, GroupedSrc As_, int K, const float
             // Neighbouring threads read neighbouring addresses of W either way.
             const int j = wt ? e / kDepth : e % kTile, kk = wt ? e % kDepth : e / kTile;
             float v = 0.0f;
-            if (kk < nk && j < nc)
-              v = wt ? Wg[std::int64_t(c0 + j) * K + k0 + kk] : Wg[std::int64_t(k0 + kk) * n + c0 + j];
+            if (kk < nk && j < nc) {
+              const std::int64_t at = wg + (wt ? std::int64_t(c0 + j) * K + k0 + kk
+                                               : std::int64_t(k0 + kk) * n + c0 + j);
+              v = W16 ? bf16_to_float(W16[at]) : W[at];
+            }
             Bs(kk * kTile + j) = bf ? round_bf16(v) : v;
           });
           tm.team_barrier();

@@ -40,8 +40,9 @@ class GroupedGemm {
 
   // Rows: C_g = alpha * A_g op(W_g) + beta * C_g for every group g, where A_g is the group's
   // rows of A (rows x K, row-major), C_g its rows of C (rows x n), and W_g = W + g * w_stride:
-  // with tw = T, W_g is (n x K) and op(W_g) = W_g^T; with tw = N, W_g is (K x n).
-  void rows(Trans tw, float alpha, GroupedSrc A, int K, const float* W, std::int64_t w_stride,
+  // with tw = T, W_g is (n x K) and op(W_g) = W_g^T; with tw = N, W_g is (K x n). W: fp32
+  // weights, or a bf16 run's compute copy.
+  void rows(Trans tw, float alpha, GroupedSrc A, int K, GroupedSrc W, std::int64_t w_stride,
             float beta, float* C, int n) const;
 
   // Weight gradients: G_g += alpha * A_g^T B_g for every group with rows, where A_g are the

@@ -1,5 +1,6 @@
 #include "core/tensor_table.hpp"
 
+#include "core/bf16.hpp"
 #include "core/error.hpp"
 #include "core/rng.hpp"
 
@@ -77,6 +78,12 @@ TensorSpec TensorSpec::as_tied_copy() const {
   return s;
 }
 
+TensorSpec TensorSpec::gemm_weight() const {
+  TensorSpec s = *this;
+  s.gemm_only = true;
+  return s;
+}
+
 int TensorTable::add(TensorSpec spec) {
   if (allocated_) {  // a further instance of a module: share the declared tensor
     const int i = find(spec.name);
@@ -100,9 +107,8 @@ int TensorTable::add(TensorSpec spec) {
   return size() - 1;
 }
 
-void TensorTable::allocate(const std::vector<MomentSlice>* moments) {
+void TensorTable::allocate(const std::vector<MomentSlice>* moments, bool bf16_copies) {
   KMOE_REQUIRE(!allocated_, "TensorTable: allocated twice");
-  params = View1F("params", total_);
   grads = View1F("grads", total_);
   std::int64_t n = total_;
   if (moments) {
@@ -123,7 +129,26 @@ void TensorTable::allocate(const std::vector<MomentSlice>* moments) {
   }
   exp_avg = View1F("exp_avg", n);
   exp_avg_sq = View1F("exp_avg_sq", n);
+  // fp32 values in table order: every row, or a compute copy's slice rows; the copies packed
+  // in table order too, so tensors adjacent in a gradient bucket stay adjacent in both.
+  std::int64_t np = 0, nc = 0;
+  for (std::size_t i = 0; i < entries_.size(); ++i) {
+    const TensorEntry& e = entries_[i];
+    const bool copy = bf16_copies && moments && e.spec.gemm_only && moments_[i].split;
+    param_at_.push_back(np);
+    copy_at_.push_back(copy ? nc : -1);
+    np += copy ? moments_[i].rows * e.spec.row_elements() : e.size;
+    nc += copy ? e.size : 0;
+  }
+  params = View1F("params", np);
+  if (nc > 0) weights_b16 = Kokkos::View<std::uint16_t*, Layout, MemSpace>("weights (bf16)", nc);
   allocated_ = true;
+}
+
+float* TensorTable::param(int i) const {
+  KMOE_REQUIRE(!has_copy(i), "TensorTable: " << entries_[i].spec.name
+                                             << " is kept as a bf16 compute copy, not read as fp32");
+  return params.data() + param_at_[i];
 }
 
 int TensorTable::find(const std::string& name) const {
@@ -151,26 +176,27 @@ KOKKOS_INLINE_FUNCTION float truncated_normal(std::uint64_t key, std::int64_t j,
 
 void TensorTable::initialize(std::uint64_t seed) {
   KMOE_REQUIRE(allocated_, "TensorTable: initialize before allocate");
-  for (const auto& e : entries_) {
-    auto p = Kokkos::subview(params, Kokkos::make_pair(e.offset, e.offset + e.size));
-    switch (e.spec.init) {
-      case InitKind::Zeros:
-        Kokkos::deep_copy(p, 0.0f);
-        break;
-      case InitKind::Ones:
-        Kokkos::deep_copy(p, 1.0f);
-        break;
-      case InitKind::Normal: {
-        const std::uint64_t key = splitmix64(seed ^ hash_name(e.spec.name));
-        const double std_dev = e.spec.init_std;  // rounded to float only with z (CONVENTIONS.md)
-        // Element j of the global tensor, whatever part of it this rank holds.
-        const std::int64_t first = e.spec.row_begin * e.spec.row_elements();
-        Kokkos::parallel_for(
-            "init::truncated_normal", Range(0, e.size),
-            KOKKOS_LAMBDA(std::int64_t j) { p(j) = truncated_normal(key, first + j, std_dev); });
-        break;
-      }
-    }
+  for (int i = 0; i < size(); ++i) {
+    const TensorEntry& e = entries_[i];
+    // Element j of the local tensor goes to p(j - m0) when j in [m0, m1) (every element
+    // without a compute copy), and rounded to its compute copy w(j) when it has one.
+    auto p = Kokkos::subview(params, std::make_pair(param_at_[i], param_at_[i] + master_rows(i) *
+                                                                      e.spec.row_elements()));
+    const std::int64_t m0 = master_first(i) * e.spec.row_elements(), m1 = m0 + p.extent(0);
+    using Words = Kokkos::View<std::uint16_t*, Layout, MemSpace, Unmanaged>;
+    const Words w = has_copy(i) ? Words(weights_b16.data() + copy_at_[i], e.size) : Words();
+    const int kind = e.spec.init == InitKind::Zeros ? 0 : e.spec.init == InitKind::Ones ? 1 : 2;
+    const std::uint64_t key = splitmix64(seed ^ hash_name(e.spec.name));
+    const double std_dev = e.spec.init_std;  // rounded to float only with z (CONVENTIONS.md)
+    // Element j of the global tensor, whatever part of it this rank holds.
+    const std::int64_t first = e.spec.row_begin * e.spec.row_elements();
+    Kokkos::parallel_for(
+        "init::tensor", Range(0, e.size), KOKKOS_LAMBDA(std::int64_t j) {
+          const float v =
+              kind == 0 ? 0.0f : kind == 1 ? 1.0f : truncated_normal(key, first + j, std_dev);
+          if (j >= m0 && j < m1) p(j - m0) = v;
+          if (w.extent(0) > 0) w(j) = bf16_bits(v);
+        });
   }
   Kokkos::deep_copy(grads, 0.0f);
   Kokkos::deep_copy(exp_avg, 0.0f);

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "core/gemm.hpp"
 #include "core/kokkos_types.hpp"
 
 namespace kmoe {
@@ -29,6 +30,7 @@ enum class Shard {
 //   TensorSpec::zeros("blocks.1.engram.bk", {D})          zeros, not decayed
 //   TensorSpec::buffer("blocks.0.moe.router_bias", {E})   zeros; no gradient, no optimizer state
 //   .no_decay()  .with_lr_mult(x)  .row_block(shard, first_row, rows)  .as_tied_copy()
+//   .gemm_weight()
 struct TensorSpec {
   std::string name;                 // e.g. "blocks.3.attn.wq"
   std::vector<std::int64_t> shape;  // global shape
@@ -45,6 +47,10 @@ struct TensorSpec {
   // The last pipeline stage's replica of a tied embedding: its gradient is summed with stage
   // 0's; it is not saved and not counted in the gradient norm (stage 0's copy is).
   bool tied_copy = false;
+  // Read only as a GEMM's weight operand (TensorTable::weight): a bf16 run whose optimizer
+  // state splits the tensor over its replicas (optimizer.shard) may keep it as a bf16 compute
+  // copy, with fp32 values only for this rank's rows of the split (TensorTable::allocate).
+  bool gemm_only = false;
 
   static TensorSpec matrix(std::string name, std::vector<std::int64_t> shape, double init_std);
   static TensorSpec gain(std::string name, std::int64_t size);
@@ -56,6 +62,8 @@ struct TensorSpec {
   TensorSpec row_block(Shard how, std::int64_t first_row, std::int64_t n_rows) const;
   // The last pipeline stage's replica of a tensor that lives on stage 0 (see tied_copy).
   TensorSpec as_tied_copy() const;
+  // A tensor read only by products (see gemm_only).
+  TensorSpec gemm_weight() const;
 
   std::int64_t global_rows() const { return shape.empty() ? 1 : shape[0]; }
   std::int64_t local_rows() const { return rows < 0 ? global_rows() : rows; }
@@ -65,7 +73,7 @@ struct TensorSpec {
 
 struct TensorEntry {
   TensorSpec spec;
-  std::int64_t offset = 0;  // into the flat buffers, in floats
+  std::int64_t offset = 0;  // into the flat gradients (and parameters, without compute copies)
   std::int64_t size = 0;    // local elements
 };
 
@@ -86,10 +94,13 @@ class TensorTable {
   // required): further instances of a module (one Stage per micro-batch in flight) share the
   // parameters of the first.
   int add(TensorSpec spec);
-  // Allocates the four flat buffers (zeroed). No new tensors after this. With `moments` (one
-  // slice per tensor, in table order, offsets packed: optimizer.shard) exp_avg and exp_avg_sq
-  // hold only those slices.
-  void allocate(const std::vector<MomentSlice>* moments = nullptr);
+  // Allocates the flat buffers (zeroed). No new tensors after this. With `moments` (one slice
+  // per tensor, in table order, offsets packed: optimizer.shard) exp_avg and exp_avg_sq hold
+  // only those slices. With `bf16_copies` as well (train.precision = bf16), every gemm_only
+  // tensor with a split slice is kept as a bf16 compute copy in `weights_b16` and its fp32
+  // values (the master weights AdamW updates) only for its slice's rows in `params`: ZeRO-1's
+  // sharded fp32 master weights.
+  void allocate(const std::vector<MomentSlice>* moments = nullptr, bool bf16_copies = false);
 
   int size() const { return static_cast<int>(entries_.size()); }
   const TensorEntry& entry(int i) const { return entries_[i]; }
@@ -103,19 +114,42 @@ class TensorTable {
     return entries_[i].offset + moments_[i].first * entries_[i].spec.row_elements();
   }
 
-  float* param(int i) const { return params.data() + entries_[i].offset; }
+  // Whether tensor i is kept as a bf16 compute copy (allocate's bf16_copies).
+  bool has_copy(int i) const { return copy_at_[i] >= 0; }
+  // The fp32 values of tensor i (kernels that read fp32 weights: norms, embedding, router);
+  // not for a tensor kept as a compute copy.
+  float* param(int i) const;
+  // Tensor i as a GEMM operand: the (rows, cols) matrix at element `offset` of its local part,
+  // from its fp32 values or its bf16 compute copy.
+  Operand weight(int i, int rows, int cols, std::int64_t offset = 0) const {
+    if (copy_at_[i] >= 0) return {nullptr, weights_b16.data() + copy_at_[i] + offset, rows, cols};
+    return {params.data() + param_at_[i] + offset, nullptr, rows, cols};
+  }
+  // The fp32 values this rank keeps of tensor i: local rows [master_first(i), + master_rows(i))
+  // from element param_offset(i) of `params` (every row unless it has a compute copy, whose
+  // fp32 rows are its moment slice's).
+  std::int64_t param_offset(int i) const { return param_at_[i]; }
+  std::int64_t master_first(int i) const { return has_copy(i) ? moments_[i].first : 0; }
+  std::int64_t master_rows(int i) const {
+    return has_copy(i) ? moments_[i].rows : entries_[i].spec.local_rows();
+  }
+  // Where tensor i's compute copy starts in weights_b16 (-1: none).
+  std::int64_t copy_offset(int i) const { return copy_at_[i]; }
   float* grad(int i) const { return grads.data() + entries_[i].offset; }
 
   // Deterministic, layout-independent initialization (MODEL.md section 7): element j of tensor
   // `name` depends only on (seed, name, j).
   void initialize(std::uint64_t seed);
 
-  View1F params, grads;        // flat, total_elements() long
+  View1F params;  // fp32 values in table order (total_elements() long without compute copies)
+  View1F grads;   // flat, total_elements() long
   View1F exp_avg, exp_avg_sq;  // flat over the moment slices (total_elements() unsharded)
+  Kokkos::View<std::uint16_t*, Layout, MemSpace> weights_b16;  // the compute copies, if any
 
  private:
   std::vector<TensorEntry> entries_;
   std::vector<MomentSlice> moments_;
+  std::vector<std::int64_t> param_at_, copy_at_;
   std::int64_t total_ = 0;
   bool allocated_ = false;
 };

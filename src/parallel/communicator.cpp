@@ -258,18 +258,23 @@ Pending Communicator::start_allreduce_sum(float* data, std::int64_t n) const {
 
 Pending Communicator::start_reduce_scatter_sum(float* data,
                                                const std::vector<std::int64_t>& counts) const {
-  return start_rooted(data, counts, true);
+  return start_rooted(data, counts, true, MPI_FLOAT, 4, "reduce_scatter_sum(float)");
 }
 
 Pending Communicator::start_allgather(float* data, const std::vector<std::int64_t>& counts) const {
-  return start_rooted(data, counts, false);
+  return start_rooted(data, counts, false, MPI_FLOAT, 4, "allgather(float)");
 }
 
-Pending Communicator::start_rooted(float* data, const std::vector<std::int64_t>& counts,
-                                   bool reduce) const {
+Pending Communicator::start_allgather(std::uint16_t* data,
+                                      const std::vector<std::int64_t>& counts) const {
+  return start_rooted(data, counts, false, MPI_UINT16_T, 2, "allgather(bf16)");
+}
+
+Pending Communicator::start_rooted(void* data, const std::vector<std::int64_t>& counts,
+                                   bool reduce, MPI_Datatype type, int bytes,
+                                   const char* op) const {
   check_block_counts(name_, size_, counts);
   if (size_ == 1) return nullptr;
-  const char* op = reduce ? "reduce_scatter_sum(float)" : "allgather(float)";
   host_sync(reduce ? "mpi reduce_scatter" : "mpi allgather");
   std::int64_t n = 0;
   for (std::int64_t c : counts) n += c;
@@ -279,15 +284,15 @@ Pending Communicator::start_rooted(float* data, const std::vector<std::int64_t>&
   std::int64_t at = 0;
   for (int q = 0; q < size_; ++q) {
     for (std::int64_t off = 0; off < counts[q]; off += kChunk) {
-      float* block = data + at + off;
+      void* block = static_cast<char*>(data) + (at + off) * bytes;
       const int len = static_cast<int>(std::min(kChunk, counts[q] - off));
       p->reqs.emplace_back();
       if (reduce)
-        mpi_check(MPI_Ireduce(q == rank_ ? MPI_IN_PLACE : block, block, len, MPI_FLOAT, MPI_SUM, q,
+        mpi_check(MPI_Ireduce(q == rank_ ? MPI_IN_PLACE : block, block, len, type, MPI_SUM, q,
                               comm_, &p->reqs.back()),
                   "MPI_Ireduce");
       else
-        mpi_check(MPI_Ibcast(block, len, MPI_FLOAT, q, comm_, &p->reqs.back()), "MPI_Ibcast");
+        mpi_check(MPI_Ibcast(block, len, type, q, comm_, &p->reqs.back()), "MPI_Ibcast");
     }
     at += counts[q];
   }

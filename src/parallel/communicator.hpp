@@ -65,6 +65,10 @@ class DataComm {
   virtual Pending start_reduce_scatter_sum(float* data,
                                            const std::vector<std::int64_t>& counts) const = 0;
   virtual Pending start_allgather(float* data, const std::vector<std::int64_t>& counts) const = 0;
+  // The same gather of 16-bit words (bf16 values, bit for bit; counts in words): the
+  // parameters' bf16 compute copies under optimizer.shard.
+  virtual Pending start_allgather(std::uint16_t* data,
+                                  const std::vector<std::int64_t>& counts) const = 0;
   virtual Pending start_send(const float* data, std::int64_t n, int peer) const = 0;
   // A send started together with a receive that returns complete (the pipeline's send and the
   // receive that follows it): on NCCL one group, so neither waits for the other; on MPI the
@@ -131,6 +135,8 @@ class Communicator : public DataComm {
   Pending start_reduce_scatter_sum(float* data,
                                    const std::vector<std::int64_t>& counts) const override;
   Pending start_allgather(float* data, const std::vector<std::int64_t>& counts) const override;
+  Pending start_allgather(std::uint16_t* data,
+                          const std::vector<std::int64_t>& counts) const override;
   Pending start_send(const float* data, std::int64_t n, int peer) const override;
   Pending start_send_recv(const float* send, std::int64_t n_send, int to, float* recv,
                           std::int64_t n_recv, int from) const override;
@@ -164,9 +170,11 @@ class Communicator : public DataComm {
   void post_notices(MpiOp& p) const;
   // Runs a blocking operation: the requests are already in p.
   void run(std::unique_ptr<MpiOp> p) const;
-  // Starts an in-place reduction of n elements (split into int-sized chunks).
-  // reduce: each member's block summed to it, else broadcast from it (the two above).
-  Pending start_rooted(float* data, const std::vector<std::int64_t>& counts, bool reduce) const;
+  // Starts one rooted operation per member block of `counts` elements of `type` (`bytes` each),
+  // in place, split into int-sized chunks: reduce (floats), each member's block summed to it;
+  // else broadcast from it (the collectives above).
+  Pending start_rooted(void* data, const std::vector<std::int64_t>& counts, bool reduce,
+                       MPI_Datatype type, int bytes, const char* op) const;
   template <class T>
   Pending start_reduce(T* data, std::int64_t n, MPI_Datatype type, MPI_Op mpi_op,
                        const char* op) const;

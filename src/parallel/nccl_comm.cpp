@@ -212,34 +212,41 @@ Pending NcclComm::start_allreduce_sum(float* data, std::int64_t n) const {
 
 Pending NcclComm::start_reduce_scatter_sum(float* data,
                                            const std::vector<std::int64_t>& counts) const {
-  return start_rooted(data, counts, true);
+  return start_rooted(data, counts, true, 4, "reduce_scatter_sum(float)");
 }
 
 Pending NcclComm::start_allgather(float* data, const std::vector<std::int64_t>& counts) const {
-  return start_rooted(data, counts, false);
+  return start_rooted(data, counts, false, 4, "allgather(float)");
 }
 
-Pending NcclComm::start_rooted(float* data, const std::vector<std::int64_t>& counts,
-                               bool reduce) const {
+Pending NcclComm::start_allgather(std::uint16_t* data,
+                                  const std::vector<std::int64_t>& counts) const {
+  return start_rooted(data, counts, false, 2, "allgather(bf16)");
+}
+
+Pending NcclComm::start_rooted(void* data, const std::vector<std::int64_t>& counts, bool reduce,
+                               int bytes, const char* op) const {
   check_block_counts(name_, size_, counts);
   if (size_ == 1) return nullptr;
   // ncclReduceScatter and ncclAllGather take equal blocks: one ncclReduce to (ncclBroadcast
-  // from) each member in one group, in place.
+  // from) each member in one group, in place. A broadcast moves the bits as they are, so bf16
+  // words travel as ncclFloat16.
+  const ncclDataType_t type = bytes == 4 ? ncclFloat : ncclFloat16;
   nccl_check(ncclGroupStart(), "ncclGroupStart");
   ncclResult_t rc = ncclSuccess;
   std::int64_t at = 0;
   for (int q = 0; q < size_ && rc == ncclSuccess; ++q) {
-    float* block = data + at;
+    void* block = static_cast<char*>(data) + at * bytes;
     const std::size_t n = static_cast<std::size_t>(counts[q]);
     if (n > 0)
-      rc = reduce ? ncclReduce(block, block, n, ncclFloat, ncclSum, q, comm_, stream_)
-                  : ncclBroadcast(block, block, n, ncclFloat, q, comm_, stream_);
+      rc = reduce ? ncclReduce(block, block, n, type, ncclSum, q, comm_, stream_)
+                  : ncclBroadcast(block, block, n, type, q, comm_, stream_);
     at += counts[q];
   }
   const ncclResult_t end = ncclGroupEnd();  // closed even after a failure
   nccl_check(rc, reduce ? "ncclReduce" : "ncclBroadcast");
   nccl_check(end, "ncclGroupEnd");
-  return record(reduce ? "reduce_scatter_sum(float)" : "allgather(float)", -1, true);
+  return record(op, -1, true);
 }
 
 Pending NcclComm::start_send(const float* data, std::int64_t n, int peer) const {

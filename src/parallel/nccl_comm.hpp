@@ -46,6 +46,8 @@ class NcclComm : public DataComm {
   Pending start_reduce_scatter_sum(float* data,
                                    const std::vector<std::int64_t>& counts) const override;
   Pending start_allgather(float* data, const std::vector<std::int64_t>& counts) const override;
+  Pending start_allgather(std::uint16_t* data,
+                          const std::vector<std::int64_t>& counts) const override;
   Pending start_send(const float* data, std::int64_t n, int peer) const override;
   Pending start_send_recv(const float* send, std::int64_t n_send, int to, float* recv,
                           std::int64_t n_recv, int from) const override;
@@ -56,7 +58,10 @@ class NcclComm : public DataComm {
 
  private:
   struct NcclOp;
-  Pending start_rooted(float* data, const std::vector<std::int64_t>& counts, bool reduce) const;
+  // One ncclReduce to (reduce, floats) or ncclBroadcast from each member's block of `counts`
+  // elements of `bytes` bytes (4: fp32, 2: bf16 words), in place, in one group.
+  Pending start_rooted(void* data, const std::vector<std::int64_t>& counts, bool reduce,
+                       int bytes, const char* op) const;
 
   // Checks that `peer` is another member (op names the transfer in the error).
   void check_peer(int peer, const char* op) const;

@@ -32,6 +32,22 @@ void to_device(float* device, const HostBuffer& host, std::int64_t n) {
   Kokkos::deep_copy(DeviceOut(device, n), Kokkos::subview(host, first_n));
 }
 
+// The same for n 16-bit words at the start of a float buffer (bf16 values).
+using HostWords = Kokkos::View<std::uint16_t*, Layout, PinnedSpace, Unmanaged>;
+using DeviceWords = Kokkos::View<std::uint16_t*, Layout, MemSpace, Unmanaged>;
+void to_host(const HostBuffer& host, const std::uint16_t* device, std::int64_t n) {
+  if (n <= 0) return;
+  mark_host_sync("staged mpi");
+  Kokkos::deep_copy(HostWords(reinterpret_cast<std::uint16_t*>(host.data()), n),
+                    Kokkos::View<const std::uint16_t*, Layout, MemSpace, Unmanaged>(device, n));
+}
+
+void to_device(std::uint16_t* device, const HostBuffer& host, std::int64_t n) {
+  if (n <= 0) return;
+  Kokkos::deep_copy(DeviceWords(device, n),
+                    HostWords(reinterpret_cast<std::uint16_t*>(host.data()), n));
+}
+
 std::int64_t total(const std::vector<std::int64_t>& counts) {
   return std::accumulate(counts.begin(), counts.end(), std::int64_t(0));
 }
@@ -56,6 +72,7 @@ struct StagedMpiComm::StagedOp : PendingOp {
   Pending inner;
   HostBuffer host;
   float* result = nullptr;  // an all-reduce copies the sum back here on completion
+  std::uint16_t* result_words = nullptr;  // (a gather of 16-bit words)
   std::int64_t n = 0;
 };
 
@@ -113,6 +130,18 @@ Pending StagedMpiComm::start_allgather(float* data, const std::vector<std::int64
   return start_blocks(data, counts, false);
 }
 
+Pending StagedMpiComm::start_allgather(std::uint16_t* data,
+                                       const std::vector<std::int64_t>& counts) const {
+  if (axis_.size() == 1) return nullptr;
+  auto op = std::make_unique<StagedOp>();
+  op->n = total(counts);
+  op->host = take((op->n + 1) / 2);  // two words a float
+  op->result_words = data;
+  to_host(op->host, data, op->n);
+  op->inner = axis_.start_allgather(reinterpret_cast<std::uint16_t*>(op->host.data()), counts);
+  return Pending(std::move(op));
+}
+
 Pending StagedMpiComm::start_send(const float* data, std::int64_t n, int peer) const {
   auto op = std::make_unique<StagedOp>();
   op->host = take(n);
@@ -138,6 +167,7 @@ void StagedMpiComm::complete(Pending& pending) const {
   StagedOp& op = static_cast<StagedOp&>(*pending);
   axis_.complete(op.inner);
   if (op.result) to_device(op.result, op.host, op.n);
+  if (op.result_words) to_device(op.result_words, op.host, op.n);
   give_back(std::move(op.host));
   pending.reset();
 }

@@ -39,6 +39,8 @@ class StagedMpiComm : public DataComm {
   Pending start_reduce_scatter_sum(float* data,
                                    const std::vector<std::int64_t>& counts) const override;
   Pending start_allgather(float* data, const std::vector<std::int64_t>& counts) const override;
+  Pending start_allgather(std::uint16_t* data,
+                          const std::vector<std::int64_t>& counts) const override;
   Pending start_send(const float* data, std::int64_t n, int peer) const override;
   Pending start_send_recv(const float* send, std::int64_t n_send, int to, float* recv,
                           std::int64_t n_recv, int from) const override;

@@ -8,7 +8,7 @@
 namespace kmoe {
 
 GradReducer::GradReducer(TensorTable& table, const ProcessGrid& grid, double bucket_mb, bool tied,
-                         bool shard)
+                         bool shard, bool bf16_copies)
     : table_(table), grid_(grid) {
   const std::int64_t limit =
       std::max<std::int64_t>(1, static_cast<std::int64_t>(bucket_mb * 1024 * 1024 / sizeof(float)));
@@ -29,8 +29,12 @@ GradReducer::GradReducer(TensorTable& table, const ProcessGrid& grid, double buc
     Bucket* b = buckets_.empty() ? nullptr : &buckets_.back();
     const bool next = prev == i + 1;
     const bool alone = shard && (i == tied_ || (b && b->first_tensor == tied_));
+    // Copies and fp32 tensors apart (their parameters live in different buffers).
+    const bool kind = !shard || !bf16_copies ||
+                      (b && table.entry(b->first_tensor).spec.gemm_only == e.spec.gemm_only);
     prev = i;
-    if (b && next && !alone && b->comm == c && b->offset == e.offset + e.size && b->size < limit) {
+    if (b && next && !alone && kind && b->comm == c && b->offset == e.offset + e.size &&
+        b->size < limit) {
       b->offset = e.offset;
       b->size += e.size;
       b->first_tensor = i;
@@ -112,9 +116,16 @@ void GradReducer::finish() {
 
 void GradReducer::gather_params() {
   std::vector<Pending> started;
-  for (const Bucket& b : buckets_)
-    if (!b.blocks.empty())
-      started.push_back(b.comm->start_allgather(table_.params.data() + b.offset, b.blocks));
+  for (const Bucket& b : buckets_) {
+    if (b.blocks.empty()) continue;
+    // A bucket's tensors are adjacent in the gradients and in the buffer their parameters
+    // live in: the bf16 copies, or the fp32 values.
+    const int t = b.first_tensor;
+    started.push_back(
+        table_.has_copy(t)
+            ? b.comm->start_allgather(table_.weights_b16.data() + table_.copy_offset(t), b.blocks)
+            : b.comm->start_allgather(table_.params.data() + table_.param_offset(t), b.blocks));
+  }
   std::size_t i = 0;
   for (const Bucket& b : buckets_)
     if (!b.blocks.empty()) b.comm->complete(started[i++]);

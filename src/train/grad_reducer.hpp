@@ -10,7 +10,11 @@
 // its group, at row boundaries of its tensors: a bucket is reduce-scattered (each member gets
 // the sum of its block), the member's AdamW updates its block with the moments it alone keeps
 // (moment_slices()), and gather_params() sends every block's updated parameters to all. The
-// tied embedding (pp > 1) stays whole: it is summed across stages after the buckets.
+// tied embedding (pp > 1) stays whole: it is summed across stages after the buckets. In bf16
+// runs (`bf16_copies`) a bucket holds either gemm_only tensors, which the table keeps as bf16
+// compute copies with fp32 master rows for the member's block only (TensorTable::allocate), or
+// other tensors, never both: the gather sends a copy bucket's blocks as bf16 (half the bytes)
+// and the others' as fp32.
 #pragma once
 
 #include <vector>
@@ -23,7 +27,7 @@ namespace kmoe {
 class GradReducer {
  public:
   GradReducer(TensorTable& table, const ProcessGrid& grid, double bucket_mb, bool tied,
-              bool shard = false);
+              bool shard = false, bool bf16_copies = false);
 
   // Every tensor with table index >= first_final holds its final gradient: start the buckets
   // made only of such tensors, in bucket order.

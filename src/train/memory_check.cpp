@@ -80,10 +80,18 @@ StepTraffic step_traffic(const Config& cfg, int stage) {
   auto ring = [](double bytes, int members) {
     return members > 1 ? bytes * 2.0 * (members - 1) / members : 0.0;
   };
+  // A ring all-reduce moves as much as a reduce-scatter and an all-gather (optimizer.shard);
+  // bf16 compute copies gather 2 bytes an element instead of 4.
+  auto gather_saved = [](double copies, int members) {
+    return members > 1 ? 2.0 * copies * (members - 1) / members : 0.0;
+  };
+  const bool copies = mem.copy_elements > 0;
   StepTraffic out;
-  out.stage_grads = ring(4.0 * dense, p.dp * p.ep);
+  out.stage_grads = ring(4.0 * dense, p.dp * p.ep) -
+                    (copies ? gather_saved(double(mem.gemm_elements), p.dp * p.ep) : 0.0);
   const bool ep_rows = p.engram_shard == EngramShardGroup::Ep;
-  out.dp_grads = ring(4.0 * (experts + (ep_rows ? sharded : 0.0)), p.dp);
+  out.dp_grads = ring(4.0 * (experts + (ep_rows ? sharded : 0.0)), p.dp) -
+                 (copies ? gather_saved(experts, p.dp) : 0.0);
   const double micro = micro_batches_per_replica(cfg);
   const double tokens = double(t.micro_batch) * t.seq_len;
   if (p.ep > 1) {

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <type_traits>
 
+#include "core/bf16.hpp"
 #include "core/device_sync.hpp"
 
 namespace kmoe {
@@ -33,7 +34,7 @@ constexpr bool kSerialDefault = false;
 }  // namespace
 
 FlatOptimizer::FlatOptimizer(const TensorTable& table, const std::vector<char>* counted) {
-  std::vector<std::int64_t> begin, end, moment;
+  std::vector<std::int64_t> begin, end, moment, param, copy;
   std::vector<double> lr_mult;
   std::vector<int> flags;
   for (int t = 0; t < table.size(); ++t) {
@@ -43,11 +44,19 @@ FlatOptimizer::FlatOptimizer(const TensorTable& table, const std::vector<char>* 
     const int f = ((s.split || !counted || (*counted)[t]) ? kCounted : 0) |
                   (e.spec.trainable ? kTrainable : 0) | (e.spec.weight_decay ? kDecay : 0);
     const std::int64_t first = table.moment_begin(t), n = s.rows * e.spec.row_elements();
+    // The slice's first fp32 value (its master rows start at master_first) and bf16 copy.
+    const std::int64_t p0 =
+        table.param_offset(t) + (s.first - table.master_first(t)) * e.spec.row_elements();
+    const std::int64_t c0 = table.has_copy(t)
+                                ? table.copy_offset(t) + s.first * e.spec.row_elements()
+                                : std::int64_t(-1);
     const std::int64_t step = kSerialDefault ? std::max<std::int64_t>(n, 1) : kChunk;
     for (std::int64_t a = 0; a < n; a += step) {
       begin.push_back(first + a);
       end.push_back(first + std::min(n, a + step));
       moment.push_back(s.offset + a);
+      param.push_back(p0 + a);
+      copy.push_back(c0 < 0 ? -1 : c0 + a);
       lr_mult.push_back(e.spec.lr_mult);
       flags.push_back(f);
     }
@@ -56,6 +65,8 @@ FlatOptimizer::FlatOptimizer(const TensorTable& table, const std::vector<char>* 
   begin_ = Kokkos::View<std::int64_t*, Layout, MemSpace>("optim::chunk_begin", chunks_);
   end_ = Kokkos::View<std::int64_t*, Layout, MemSpace>("optim::chunk_end", chunks_);
   moment_ = Kokkos::View<std::int64_t*, Layout, MemSpace>("optim::chunk_moment", chunks_);
+  param_ = Kokkos::View<std::int64_t*, Layout, MemSpace>("optim::chunk_param", chunks_);
+  copy_ = Kokkos::View<std::int64_t*, Layout, MemSpace>("optim::chunk_copy", chunks_);
   lr_mult_ = View1D("optim::chunk_lr_mult", chunks_);
   flags_ = View1I("optim::chunk_flags", chunks_);
   partial_ = View1D("optim::chunk_sums", chunks_ + 1);
@@ -66,6 +77,8 @@ FlatOptimizer::FlatOptimizer(const TensorTable& table, const std::vector<char>* 
   up(begin, begin_);
   up(end, end_);
   up(moment, moment_);
+  up(param, param_);
+  up(copy, copy_);
   up(lr_mult, lr_mult_);
   up(flags, flags_);
 }
@@ -115,7 +128,8 @@ void FlatOptimizer::adamw_step(const OptimizerCfg& o, TensorTable& table, int t,
   const float gs = clip_scale, wd_all = o.weight_decay;
   const double lr_d = lr;
   auto p = table.params, g = table.grads, m = table.exp_avg, v = table.exp_avg_sq;
-  auto begin = begin_, end = end_, moment = moment_;
+  auto w = table.weights_b16;
+  auto begin = begin_, end = end_, moment = moment_, param = param_, copy = copy_;
   auto flags = flags_;
   auto lr_mult = lr_mult_;
   Kokkos::parallel_for(
@@ -125,14 +139,18 @@ void FlatOptimizer::adamw_step(const OptimizerCfg& o, TensorTable& table, int t,
         // The group rate and decay exactly as the per-tensor update formed them.
         const float lr_g = lr_d * lr_mult(c);
         const float wd = (flags(c) & kDecay) ? wd_all : 0.0f;
-        const std::int64_t shift = moment(c) - begin(c);  // parameter element -> its moments
+        // Gradient element i -> its moments (j), fp32 value (k) and bf16 copy.
+        const std::int64_t shift = moment(c) - begin(c), to_param = param(c) - begin(c);
+        const std::int64_t to_copy = copy(c) - begin(c);
+        const bool has_copy = copy(c) >= 0;
         Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, begin(c), end(c)), [&](std::int64_t i) {
           const float gi = gs * g(i);
-          const std::int64_t j = i + shift;
+          const std::int64_t j = i + shift, k = i + to_param;
           m(j) = b1 * m(j) + (1.0f - b1) * gi;
           v(j) = b2 * v(j) + (1.0f - b2) * gi * gi;
           const float mh = m(j) / bc1, vh = v(j) / bc2;
-          p(i) -= lr_g * (wd * p(i) + mh / (math::sqrt(vh) + eps));
+          p(k) -= lr_g * (wd * p(k) + mh / (math::sqrt(vh) + eps));
+          if (has_copy) w(i + to_copy) = bf16_bits(p(k));
         });
       });
 }

@@ -32,13 +32,16 @@ class FlatOptimizer {
 
   // One AdamW update with AdamW step t (1-based), schedule value lr and clip scale:
   //   g = clip_scale * grad; m, v moments; theta -= lr*lr_mult*(wd*theta + m^/(sqrt(v^)+eps)).
-  // Tensors that are not trainable are left alone.
+  // Tensors that are not trainable are left alone. A tensor kept as a bf16 compute copy
+  // updates its fp32 master rows and writes them, rounded, into its copy.
   void adamw_step(const OptimizerCfg& o, TensorTable& table, int t, double lr,
                   double clip_scale) const;
 
  private:
-  Kokkos::View<std::int64_t*, Layout, MemSpace> begin_, end_;  // (chunks) element ranges
+  Kokkos::View<std::int64_t*, Layout, MemSpace> begin_, end_;  // (chunks) gradient elements
   Kokkos::View<std::int64_t*, Layout, MemSpace> moment_;       // (chunks) first moment element
+  Kokkos::View<std::int64_t*, Layout, MemSpace> param_;        // (chunks) first fp32 parameter
+  Kokkos::View<std::int64_t*, Layout, MemSpace> copy_;  // (chunks) first bf16 copy element, or -1
   View1D lr_mult_;                                             // (chunks) of the chunk's tensor
   View1I flags_;            // (chunks) bit 0 counted, bit 1 trainable, bit 2 weight decay
   mutable View1D partial_;  // (chunks + 1) chunk sums, then the total

@@ -7,7 +7,9 @@
    differ (bf16 really ran); kmoe-eval in bf16 reproduces the bf16 run's validation loss; bf16
    twice: bit-identical.
 2. bf16 layout invariance (RUNTIME.md section 2, bf16 contract) on the grid test deck, 20 steps,
-   (1,1,1) against (2,1,2), (1,2,2), (2,2,2) and (1,1,4).
+   (1,1,1) against (2,1,2), (1,2,2), (2,2,2) and (1,1,4); with optimizer.shard (bf16 compute
+   copies, sharded fp32 masters) on (1,2,2), (1,4,1), (2,2,2); a sharded save's fp32 tensors
+   match an unsharded save's, and saves resume across the mode and the layout.
 3. Checkpoints stay fp32: a run saved in fp32 resumes in bf16 and one saved in bf16 resumes in
    fp32; the steps before the switch are bit-identical to the uninterrupted run of the first
    precision, the step after it within the bf16 contract's step-1 tolerance of the uninterrupted
@@ -91,19 +93,53 @@ def grid_run(name, pp=1, dp=1, ep=1, *extra):
     return h.metrics(name)
 
 
+def bf16_contract(name, a, base, first=0):
+    """The bf16 layout contract of run `name` (metrics a) against `base` from step first+1 on
+    (a resumed run: every step and the validation loss only)."""
+    b = base[first:]
+    if not h.check(len(a) == len(b) > 0, f"{name}: {len(a)} steps logged, {len(b)} expected"):
+        return
+    r = [rel(x["loss"], y["loss"]) for x, y in zip(a, b)]
+    g1 = rel(a[0]["grad_norm"], b[0]["grad_norm"])
+    val = rel(a[-1]["val_loss"], b[-1]["val_loss"])
+    tight = first > 0 or (r[0] <= BF16_STEP1 and g1 <= BF16_NORM and max(r[:3]) <= BF16_FIRST3)
+    h.check(tight and max(r) <= BF16_ALL and val <= BF16_ALL,
+            f"bf16 {name} vs l111 from step {first + 1}: first step loss {r[0]:.1e} norm "
+            f"{g1:.1e}, steps 1-3 {max(r[:3]):.1e}, all {max(r):.1e}, val {val:.1e}")
+
+
 base = grid_run("l111")
 for pp, dp, ep in [(2, 1, 2), (1, 2, 2), (2, 2, 2), (1, 1, 4)]:
     name = f"l{pp}{dp}{ep}"
-    a = grid_run(name, pp, dp, ep)
-    if not h.check(len(a) == len(base) == 20, f"{name}: {len(a)} steps logged"):
-        continue
-    r = [rel(x["loss"], y["loss"]) for x, y in zip(a, base)]
-    g1 = rel(a[0]["grad_norm"], base[0]["grad_norm"])
-    val = rel(a[-1]["val_loss"], base[-1]["val_loss"])
-    h.check(r[0] <= BF16_STEP1 and g1 <= BF16_NORM and max(r[:3]) <= BF16_FIRST3 and
-            max(r) <= BF16_ALL and val <= BF16_ALL,
-            f"bf16 {name} vs l111: step 1 loss {r[0]:.1e} norm {g1:.1e}, steps 1-3 "
-            f"{max(r[:3]):.1e}, 20 steps {max(r):.1e}, val {val:.1e}")
+    bf16_contract(name, grid_run(name, pp, dp, ep), base)
+
+# 2b. bf16 with optimizer.shard: the tensors only products read kept as bf16 compute copies,
+# their fp32 master weights split over the replicas with the moments (updated blocks gathered
+# as bf16). The bf16 contract on (1,2,2), (1,4,1) and (2,2,2); checkpoints hold the fp32
+# masters: a sharded save on (1,2,2) matches an unsharded one there, resumes unsharded on one
+# rank, and a save on one rank resumes sharded on (1,4,1).
+SHARD = "--optimizer.shard=replicas"
+for pp, dp, ep in [(1, 2, 2), (1, 4, 1), (2, 2, 2)]:
+    name = f"shard{pp}{dp}{ep}"
+    bf16_contract(name, grid_run(name, pp, dp, ep, SHARD), base)
+SAVE10 = ["--checkpoint.every=10", "--train.max_steps=10"]  # warmup 20: rates as in l111
+grid_run("save_sharded", 1, 2, 2, SHARD, *SAVE10)
+grid_run("save_plain", 1, 2, 2, *SAVE10)
+grid_run("save_one", 1, 1, 1, *SAVE10)
+with h5py.File(h.path("save_sharded", "ckpt", "step00000010.h5")) as a, \
+        h5py.File(h.path("save_plain", "ckpt", "step00000010.h5")) as b:
+    names, worst = [], 0.0
+    a["model"].visititems(lambda n, o: names.append(n) if isinstance(o, h5py.Dataset) else None)
+    for n in names:
+        x, y = a["model"][n][:], b["model"][n][:]
+        worst = max(worst, float(abs(x - y).max()) / max(float(abs(y).max()), 1e-30))
+    h.check(len(names) > 40 and worst < 1e-4 and a["model"][names[0]].dtype == "float32",
+            f"bf16 sharded save on (1,2,2): {len(names)} fp32 tensors match the unsharded save "
+            f"(max difference {worst:.1e} of each tensor's largest value)")
+for src, dst, grid, extra in [("save_sharded", "resume_one", (1, 1, 1), []),
+                              ("save_one", "resume_sharded", (1, 4, 1), [SHARD])]:
+    after = grid_run(dst, *grid, *extra, f"--checkpoint.resume={src}/ckpt/step00000010.h5")
+    bf16_contract(dst, after, base, first=10)
 
 # 3. Resume across precisions (warmup 20: the first 6 steps' rates do not depend on max_steps).
 SHORT = ["--train.eval_every=0", "--checkpoint.every=3", "--checkpoint.resume=auto"]

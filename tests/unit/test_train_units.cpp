@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "core/bf16.hpp"
 #include "core/error.hpp"
 #include "core/stop_signal.hpp"
 #include "core/tensor_table.hpp"
@@ -385,6 +386,74 @@ TEST(TensorTable, OffsetsAreContiguousInDeclarationOrder) {
   EXPECT_EQ(t.grad(3), t.grads.data() + 19);
 }
 
+// optimizer.shard in bf16 runs: a gemm_only tensor with a split moment slice is kept as a bf16
+// compute copy of every local row and fp32 values for its slice's rows only; other tensors keep
+// their fp32 values whole. Initialization gives the master rows the values an ordinary table
+// gets and the copy their bf16 rounding; AdamW updates the master rows exactly as the ordinary
+// table's and writes them, rounded, into the copy, leaving the other replicas' rows alone.
+TEST(TensorTable, Bf16ComputeCopiesKeepShardedMasterRows) {
+  auto declare = [](TensorTable& t) {
+    t.add(TensorSpec::matrix("a", {6, 4}, 0.5).gemm_weight());  // copied: split, gemm_only
+    t.add(TensorSpec::gain("g", 4));                             // split, not gemm_only
+    t.add(TensorSpec::matrix("b", {3, 4}, 0.5).gemm_weight());  // gemm_only, not split
+  };
+  const std::vector<MomentSlice> slices = {{2, 3, 0, true}, {1, 2, 12, true}, {0, 3, 14, false}};
+  TensorTable plain, copied;
+  declare(plain);
+  declare(copied);
+  plain.allocate(&slices);
+  copied.allocate(&slices, /*bf16_copies=*/true);
+  EXPECT_TRUE(copied.has_copy(0));
+  EXPECT_FALSE(copied.has_copy(1));
+  EXPECT_FALSE(copied.has_copy(2));
+  EXPECT_FALSE(plain.has_copy(0));
+  EXPECT_EQ(copied.params.extent(0), std::size_t(3 * 4 + 4 + 12));  // a's slice rows, g, b
+  EXPECT_EQ(copied.weights_b16.extent(0), std::size_t(24));
+  EXPECT_EQ(copied.master_first(0), 2);
+  EXPECT_EQ(copied.master_rows(0), 3);
+  EXPECT_EQ(copied.param_offset(1), 12);
+  EXPECT_THROW(copied.param(0), Error);
+  EXPECT_EQ(copied.weight(0, 6, 4).f32, nullptr);
+  EXPECT_EQ(copied.weight(0, 6, 4, 8).b16, copied.weights_b16.data() + 8);
+  EXPECT_EQ(copied.weight(2, 3, 4).f32, copied.param(2));
+
+  auto words = [](const TensorTable& t) {
+    auto h = Kokkos::create_mirror_view_and_copy(HostSpace(), t.weights_b16);
+    return std::vector<std::uint16_t>(h.data(), h.data() + h.extent(0));
+  };
+  auto check = [&](const char* when) {
+    const auto p = to_host(plain.params), c = to_host(copied.params);
+    const auto w = words(copied);
+    for (int j = 0; j < 24; ++j) EXPECT_EQ(w[j], bf16_bits(p[j])) << when << " copy of a " << j;
+    for (int j = 0; j < 12; ++j) EXPECT_EQ(c[j], p[8 + j]) << when << " master row of a " << j;
+    for (int j = 12; j < 28; ++j) EXPECT_EQ(c[j], p[j + 12]) << when << " g and b " << j;
+  };
+  plain.initialize(7);
+  copied.initialize(7);
+  check("initialized");
+  std::vector<float> g(plain.total_elements());
+  for (std::size_t j = 0; j < g.size(); ++j) g[j] = 0.01f * float(j % 7) - 0.02f;
+  from_host(g, plain.grads);
+  from_host(g, copied.grads);
+  OptimizerCfg o;
+  o.lr = 0.1;
+  for (int t = 1; t <= 2; ++t) {
+    adamw_step(o, plain, t, 0.1, 1.0);
+    adamw_step(o, copied, t, 0.1, 1.0);
+  }
+  check("after AdamW");
+  const auto w = words(copied);
+  const auto init = [&] {
+    TensorTable fresh;
+    declare(fresh);
+    fresh.allocate();
+    fresh.initialize(7);
+    return to_host(fresh.params);
+  }();
+  EXPECT_EQ(w[0], bf16_bits(init[0])) << "rows outside the slice are other replicas' to update";
+  EXPECT_NE(w[8], bf16_bits(init[8]));
+}
+
 TEST(TensorTable, DuplicateNameThrows) {
   TensorTable t;
   t.add(spec("w", {4}));
@@ -647,6 +716,24 @@ TEST(ModelSize, RankShareMatchesTheStagesTable) {
         EXPECT_EQ(mem.elements, table.total_elements());
         EXPECT_EQ(mem.state_bytes, 16 * mem.elements);
         EXPECT_GT(mem.activation_bytes, 0);
+        // The tensors only products read: the dense ones counted apart from the experts.
+        std::int64_t gemm_only = 0;
+        for (const TensorEntry& en : table.entries()) gemm_only += en.spec.gemm_only ? en.size : 0;
+        EXPECT_EQ(mem.gemm_elements + mem.expert_elements, gemm_only);
+        EXPECT_EQ(mem.copy_elements, 0);
+        // bf16 with sharded state on 4 dense / 2 expert replicas: the copies at 2 bytes, their
+        // fp32 master rows a quarter (dense) and a half (experts).
+        RankShare sh = r;
+        sh.precision = Precision::Bf16;
+        sh.dense_replicas = 4;
+        sh.expert_replicas = 2;
+        const RankMemory c = rank_memory(m, e, g, 2, 16, sh);
+        EXPECT_EQ(c.copy_elements, mem.gemm_elements + mem.expert_elements);
+        const std::int64_t masters = (mem.gemm_elements + 3) / 4 + (mem.expert_elements + 1) / 2;
+        EXPECT_EQ(c.param_bytes, 4 * (c.elements - c.copy_elements) + 2 * c.copy_elements +
+                                     4 * masters);
+        sh.precision = Precision::Fp32;  // fp32 runs compute from the fp32 values: no copies
+        EXPECT_EQ(rank_memory(m, e, g, 2, 16, sh).param_bytes, 4 * mem.elements);
         r.in_flight = 3;  // more micro-batches in flight keep more activations
         EXPECT_GT(rank_memory(m, e, g, 2, 16, r).activation_bytes, mem.activation_bytes);
         r.precision = Precision::Bf16;  // bf16 keeps some of them at half the bytes
@@ -692,6 +779,15 @@ paths = a.bin
   EXPECT_GT(a.dp_grads, 0.0);  // the experts
   EXPECT_EQ(a.all_to_all, 0.0);
   EXPECT_EQ(a.pipeline, 0.0);
+  // bf16 with sharded state: the reduce-scatter at 4 bytes, the all-gather of the tensors only
+  // products read at 2 (their bf16 copies): a quarter less for those tensors.
+  const Config sb = cfg({"--parallel.dp=2", "--optimizer.shard=replicas", "--train.precision=bf16"});
+  const RankMemory ms = rank_memory(sb.model, sb.moe, sb.engram, 2, 32, rank_share(sb, 0, 1));
+  const StepTraffic c = step_traffic(sb, 0);
+  EXPECT_DOUBLE_EQ(c.stage_grads + c.dp_grads, 4.0 * m.elements - 1.0 * ms.copy_elements);
+  EXPECT_EQ(ms.copy_elements, ms.gemm_elements + ms.expert_elements);
+  EXPECT_EQ(step_traffic(cfg({"--parallel.dp=2", "--optimizer.shard=replicas"}), 0).total(),
+            a.total());  // fp32: the gather moves what the all-reduce's second half did
   // ep 2: 4 micro-batches per replica x 4 MoE layers x 64 of the 128 rows leaving x D 64, out
   // and back, forward and backward, 4 bytes each; bf16 halves the rows and output gradients.
   const StepTraffic f = step_traffic(cfg({"--parallel.ep=2"}), 0);
