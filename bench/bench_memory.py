@@ -18,6 +18,7 @@ train.recompute off and on, and the planner's figures for an OLMoE-1B-7B-shaped 
 Prints figures; asserts nothing.
 
 usage: bench/bench_memory.py [--build build] [--steps 12] [--rounds 2] [--skip 2] [--no-measure]
+                             [--decks main,larger]
 """
 import argparse
 import csv
@@ -121,12 +122,16 @@ def main():
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--skip", type=int, default=2)
     ap.add_argument("--no-measure", action="store_true", help="the planner's table only")
+    ap.add_argument("--decks", default="main,larger", help="which decks to measure")
     a = ap.parse_args()
     ensure_fortunes(a.build)
     print(f"bench_memory: {os.cpu_count()} cores, one BLAS thread per rank")
     if not a.no_measure:
-        measure(a, "main deck", 2, [])
-        measure(a, "larger MoE deck", 4, LARGER)
+        decks = a.decks.split(",")
+        if "main" in decks:
+            measure(a, "main deck", 2, [])
+        if "larger" in decks:
+            measure(a, "larger MoE deck", 4, LARGER)
     plan(a)
 
 

@@ -16,7 +16,7 @@ Workspace::Workspace(std::string label) : label_(std::move(label)) {}
 
 void Workspace::reserve(std::int64_t bytes) {
   KMOE_REQUIRE(depth_ == 0, label_ << ": reserve() inside a frame");
-  bytes = rounded(bytes);
+  bytes = (bytes + 255) / 256 * 256;
   if (capacity() >= bytes && chunks_.size() <= 1) return;
   chunks_.clear();  // free before allocating: the two are never held together
   chunks_.emplace_back(label_, bytes);

@@ -56,8 +56,11 @@ class Workspace {
   std::int64_t capacity() const;
   std::int64_t high_water() const { return high_water_; }
 
-  // Bytes a take of `bytes` occupies (buffers start 256-byte aligned): what size estimates add.
-  static std::int64_t rounded(std::int64_t bytes) { return (bytes + 255) / 256 * 256; }
+  // Bytes a take of `bytes` occupies, what size estimates add: buffers start 256-byte aligned
+  // and at least 256 bytes past the previous one's end, so buffers of power-of-two sizes do
+  // not start at addresses equal modulo 4 KiB (loops over several of them would contend for
+  // the same cache sets).
+  static std::int64_t rounded(std::int64_t bytes) { return (bytes + 255) / 256 * 256 + 256; }
 
  private:
   void* take(std::int64_t bytes);
