@@ -83,6 +83,9 @@ target_link_libraries(kmoe_hdf5 INTERFACE ${HDF5_LIBRARIES} MPI::MPI_C)
 target_compile_definitions(kmoe_hdf5 INTERFACE ${HDF5_DEFINITIONS})
 
 find_package(Boost REQUIRED COMPONENTS program_options)
+# JSON for the Hugging Face files (config.json, safetensors headers): header-only, Debian's
+# nlohmann-json3-dev or any nlohmann_json >= 3.9 on CMAKE_PREFIX_PATH.
+find_package(nlohmann_json 3.9 REQUIRED)
 
 # The NCCL backend (KMOE_ENABLE_NCCL): nccl.h and libnccl from NCCL_ROOT, NCCL_HOME, the CUDA
 # toolkit or CMAKE_PREFIX_PATH, and the CUDA runtime. parallel/nccl_comm.cpp calls only host

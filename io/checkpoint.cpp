@@ -82,6 +82,23 @@ std::string tensor_path(const std::string& name) {
 
 namespace {
 
+// Every attribute of a checkpoint but its final "format" mark (written last: a file without it
+// was never finished), through attr(object, name, value).
+template <class SetAttr>
+void write_run_attributes(const Config& cfg, const TrainState& state,
+                          const std::vector<std::int64_t>& layout, SetAttr&& attr) {
+  attr("/", "format_version", kFormatVersion);
+  attr("/", "step", std::int64_t(state.step));
+  attr("/", "tokens_seen", state.tokens_seen);
+  attr("/", "saved_layout", layout);
+  attr("/", "kmoe_version", std::string(KMOE_VERSION));
+  attr("/input", "deck", cfg.resolved_text);
+  attr("/data", "seed", std::int64_t(cfg.train.seed));
+  attr("/data", "next_step", std::int64_t(state.step + 1));
+  attr("/data", "next_position", state.next_position);
+  attr("/optimizer", "step", std::int64_t(state.step));
+}
+
 // Bytes a checkpoint of `catalog` takes: parameters, and moments of the trainable tensors, plus
 // room for the metadata (the deck text, attributes, one object header per dataset).
 std::int64_t checkpoint_bytes(const std::vector<TensorSpec>& catalog, const Config& cfg) {
@@ -145,16 +162,7 @@ void save_checkpoint(const Config& cfg, const ProcessGrid& grid, const TensorTab
   auto attr = [&](const std::string& object, const std::string& key, const auto& value) {
     out.step([&](H5File& f) { f.set_attr(object, key, value); });
   };
-  attr("/", "format_version", kFormatVersion);
-  attr("/", "step", std::int64_t(state.step));
-  attr("/", "tokens_seen", state.tokens_seen);
-  attr("/", "saved_layout", std::vector<std::int64_t>{grid.pp, grid.dp, grid.ep});
-  attr("/", "kmoe_version", std::string(KMOE_VERSION));
-  attr("/input", "deck", cfg.resolved_text);
-  attr("/data", "seed", std::int64_t(cfg.train.seed));
-  attr("/data", "next_step", std::int64_t(state.step + 1));
-  attr("/data", "next_position", state.next_position);
-  attr("/optimizer", "step", std::int64_t(state.step));
+  write_run_attributes(cfg, state, {grid.pp, grid.dp, grid.ep}, attr);
   for (std::size_t i = 0; out.ok() && i < catalog.size(); ++i) {
     const TensorSpec& g = catalog[i];
     const int local = table.find(g.name);
@@ -199,6 +207,40 @@ void save_checkpoint(const Config& cfg, const ProcessGrid& grid, const TensorTab
     write_text_atomically(dir / "latest", name);
     prune(dir, cfg.checkpoint.keep, name);
   });
+}
+
+void write_initial_checkpoint(
+    const std::string& path, const Config& cfg, const std::vector<TensorSpec>& catalog,
+    const std::function<void(const TensorSpec&, std::vector<float>&)>& values) {
+  const fs::path final_path = path;
+  const fs::path tmp = final_path.parent_path() / ("." + final_path.filename().string() + ".tmp");
+  {
+    H5File f = H5File::create(tmp.string(), MPI_COMM_SELF);
+    write_run_attributes(cfg, TrainState(), {1, 1, 1},
+                         [&](const std::string& object, const std::string& key,
+                             const auto& value) { f.set_attr(object, key, value); });
+    std::vector<float> v;
+    for (const TensorSpec& g : catalog) {
+      std::int64_t n = 1;
+      for (std::int64_t d : g.shape) n *= d;
+      v.assign(n, 0.0f);
+      values(g, v);
+      KMOE_REQUIRE(std::int64_t(v.size()) == n, path << ": " << g.name << " got " << v.size()
+                                                      << " values for " << n << " elements");
+      const std::string p = tensor_path(g.name);
+      f.write_f32("/model/" + p, g.shape, v.data(), true);
+      if (!g.trainable) continue;
+      std::fill(v.begin(), v.end(), 0.0f);  // AdamW starts from zero moments
+      f.write_f32("/optimizer/exp_avg/" + p, g.shape, v.data(), true);
+      f.write_f32("/optimizer/exp_avg_sq/" + p, g.shape, v.data(), true);
+    }
+    f.set_attr("/", "format", std::string(kFormat));
+    KMOE_REQUIRE(f.try_close(), tmp.string() << ": cannot finish writing (the disk is full?)");
+  }
+  std::error_code ec;
+  fs::rename(tmp, final_path, ec);
+  KMOE_REQUIRE(!ec, final_path.string() << ": cannot move the finished file into place: "
+                                        << ec.message());
 }
 
 std::string resume_file(const CheckpointCfg& c) {

@@ -4,7 +4,9 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
+#include <vector>
 
 #include "core/config.hpp"
 #include "core/tensor_table.hpp"
@@ -24,6 +26,15 @@ std::string checkpoint_file_name(int step);  // "step00000025.h5"
 // Collective over grid.world. Writes <dir>/stepNNNNNNNN.h5 atomically, updates latest, prunes.
 void save_checkpoint(const Config& cfg, const ProcessGrid& grid, const TensorTable& table,
                      const TrainState& state);
+
+// On one process, without a process grid: writes `path` (through a temporary name) as the
+// checkpoint of `cfg`'s model after step 0, AdamW moments zero and the data stream at its
+// start, its tensors those of `catalog` (global shapes, model order) with the values
+// `values(spec, v)` leaves in v (sized to the tensor, zeroed): a model brought in from
+// elsewhere (kmoe-import). Any layout resumes from it.
+void write_initial_checkpoint(
+    const std::string& path, const Config& cfg, const std::vector<TensorSpec>& catalog,
+    const std::function<void(const TensorSpec&, std::vector<float>&)>& values);
 
 // The file a run resumes from: checkpoint.resume = none -> ""; auto -> the file <dir>/latest
 // names, or "" for a fresh run; anything else is a path that must exist.

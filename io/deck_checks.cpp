@@ -95,6 +95,9 @@ void check_data(const DataCfg& d, int vocab_size, const Locate& locate) {
                     "model.vocab_size (" << vocab_size
                                          << ") exceeds 65536, the most data.dtype = uint16 can "
                                             "hold; use data.dtype = uint32");
+  KMOE_DECK_REQUIRE(d.eod_id >= -1 && d.eod_id < vocab_size, "data.eod_id",
+                    "data.eod_id = " << d.eod_id << " is outside the vocabulary [0, "
+                                     << vocab_size << ")");
 }
 
 void check_parallel(const Config& c, const Locate& locate) {

@@ -328,6 +328,13 @@ Schema::Schema(Config& c) : options_("kmoe input deck") {
   key(c.data.val_paths, "val_paths", std::vector<std::string>{},
       "validation token files, comma-separated; empty = no validation");
   key(c.data.dtype, "dtype", "uint16", "token type of the files: uint16 | uint32");
+  key(c.data.tokenizer, "tokenizer", Tokenizer::Bytes,
+      "what the token ids mean: bytes (kmoe-prep's byte-level ids: 0..255 the bytes, 256 the "
+      "end of a document) | external (another tool's, e.g. a model imported from Hugging "
+      "Face); kmoe-export and kmoe-generate read it from the checkpoint's deck");
+  key(c.data.eod_id, "eod_id", -1,
+      "the id that ends a document, where generation stops; -1: the tokenizer's (bytes: 256, "
+      "external: none); an imported model's eos_token_id");
 
   section("parallel", "process grid: world = pp * dp * ep ranks");
   key(c.parallel.pp, "pp", 1, "pipeline stages");

@@ -19,6 +19,14 @@ void declare_model_stats(StepStats& stats, const ModelCfg& m, const MoeCfg& e, c
 }
 }  // namespace
 
+std::vector<TensorSpec> model_tensors(const Config& cfg) {
+  TensorTable table;
+  const Stage stage(cfg.model, cfg.moe, /*max_seqs=*/1, /*seq_len=*/2, table, cfg.engram);
+  std::vector<TensorSpec> out;
+  for (const TensorEntry& e : table.entries()) out.push_back(e.spec);
+  return out;
+}
+
 std::int64_t Stage::workspace_bytes(const ModelCfg& m, const MoeCfg& e, const EngramCfg& g,
                                     const StagePlan& plan, int max_seqs, int T, int ep,
                                     bool bf16) {

@@ -123,4 +123,9 @@ class Stage {
   int top_k_;
 };
 
+// Every tensor of cfg's model with its global shape, in model order (embedding, blocks, head):
+// the tensors a whole-model Stage on one rank declares, built with the smallest buffers and
+// nothing allocated (export and import list a model's tensors with it, on a login node too).
+std::vector<TensorSpec> model_tensors(const Config& cfg);
+
 }  // namespace kmoe

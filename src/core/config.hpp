@@ -24,6 +24,7 @@ enum class ExpertGemm { Auto, Grouped, PerExpert };  // moe.expert_gemm
 enum class Precision { Fp32, Tf32, Bf16 };           // train.precision
 enum class Recompute { None, Block };                // train.recompute
 enum class OptimizerShard { None, Replicas };        // optimizer.shard
+enum class Tokenizer { Bytes, External };            // data.tokenizer
 
 template <class E>
 struct Choice {
@@ -88,6 +89,11 @@ template <>
 struct Choices<OptimizerShard> {
   static constexpr Choice<OptimizerShard> all[] = {{OptimizerShard::None, "none"},
                                                    {OptimizerShard::Replicas, "replicas"}};
+};
+template <>
+struct Choices<Tokenizer> {
+  static constexpr Choice<Tokenizer> all[] = {{Tokenizer::Bytes, "bytes"},
+                                              {Tokenizer::External, "external"}};
 };
 template <>
 struct Choices<CudaAwareMpi> {
@@ -223,6 +229,16 @@ struct DataCfg {
   std::vector<std::string> paths;      // as written in the deck (globs allowed)
   std::vector<std::string> val_paths;  // may be empty
   std::string dtype = "uint16";        // uint16 | uint32
+  // What the ids mean: kmoe-prep's byte-level ids (0..255 bytes, 256 end of document), or
+  // another tool's (a model imported from Hugging Face, pre-tokenized files).
+  Tokenizer tokenizer = Tokenizer::Bytes;
+  int eod_id = -1;  // the id that ends a document; -1: the tokenizer's (bytes: 256; none)
+
+  // The end-of-document id of a model of `vocab` ids, or -1 when it has none.
+  int end_of_document(int vocab) const {
+    if (eod_id >= 0) return eod_id;
+    return tokenizer == Tokenizer::Bytes && vocab > 256 ? 256 : -1;
+  }
 };
 
 struct ParallelCfg {
