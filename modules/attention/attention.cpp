@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "core/error.hpp"
 #include "core/gemm.hpp"
 #include "modules/norm/rmsnorm.hpp"
 
@@ -302,6 +303,113 @@ void Attention::backward(TensorTable& table, const RopeTables& rope, ConstMat a,
   // Fused projection: dW(q|k|v) += d_qkv^T a; da = d_qkv W(q|k|v).
   gemm(Trans::T, Trans::N, 1.0f, as_cmat(d_qkv), a, 1.0f, as_mat(table.grad(wq_), W, D_));
   gemm(Trans::N, Trans::N, 1.0f, as_cmat(d_qkv), table.weight(wq_, W, D_), 0.0f, da);
+}
+
+}  // namespace kmoe
+
+namespace kmoe {
+
+KvCache::KvCache(const ModelCfg& m, int cap)
+    : k("attn::kv_cache_k", std::int64_t(m.n_kv_heads) * cap * m.head_dim()),
+      v("attn::kv_cache_v", std::int64_t(m.n_kv_heads) * cap * m.head_dim()),
+      capacity(cap) {}
+
+void Attention::decode(const TensorTable& table, const RopeTables& rope, ConstMat a, int pos,
+                       KvCache& cache, Mat out, Workspace& ws) const {
+  const int n = a.extent(0), H = H_, Hkv = Hkv_, dh = dh_, half = dh / 2, G = H / Hkv;
+  const int qd = H * dh, kd = Hkv * dh, W = qd + 2 * kd, L = pos + n, C = cache.capacity;
+  KMOE_REQUIRE(L <= C && L <= int(rope.cos.extent(0)),
+               "attention decode: positions up to " << L << " beyond the cache (" << C
+                                                    << ") or the RoPE tables");
+  const float eps = eps_;
+  const bool qk_norm = qk_norm_;
+  Workspace::Frame frame(ws);
+  Mat qkv = frame.mat(n, W);
+  gemm(Trans::N, Trans::T, 1.0f, a, table.weight(wq_, W, D_), 0.0f, qkv);
+
+  // Per new row, as forward(): QK-norm over the whole q and k, RoPE at its position; q into
+  // (n, H*dh) rows, k and v into the cache.
+  Mat q = frame.mat(n, qd);
+  auto kc = cache.k, vc = cache.v;
+  auto cs = rope.cos, sn = rope.sin;
+  const float* gq = qk_norm ? table.param(q_norm_) : nullptr;
+  const float* gk = qk_norm ? table.param(k_norm_) : nullptr;
+  Kokkos::parallel_for(
+      "attn::decode_norm_rope", row_policy(n), KOKKOS_LAMBDA(const TeamMember& team) {
+        const int r = team.league_rank(), t = pos + r;
+        float sq = 1.0f, sk = 1.0f;
+        if (qk_norm) {
+          float ssq = 0.0f, ssk = 0.0f;
+          Kokkos::parallel_reduce(
+              Kokkos::TeamThreadRange(team, qd),
+              [&](int c, float& acc) { acc += qkv(r, c) * qkv(r, c); }, ssq);
+          Kokkos::parallel_reduce(
+              Kokkos::TeamThreadRange(team, kd),
+              [&](int c, float& acc) { acc += qkv(r, qd + c) * qkv(r, qd + c); }, ssk);
+          sq = math::rsqrt(ssq / qd + eps);
+          sk = math::rsqrt(ssk / kd + eps);
+        }
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, (H + Hkv) * half), [&](int j) {
+          const bool is_q = j < H * half;
+          const int jj = is_q ? j : j - H * half, h = jj / half, i = jj % half;
+          const int w0 = h * dh + i;
+          const int c0 = (is_q ? 0 : qd) + w0;
+          const float rs = is_q ? sq : sk;
+          float a0 = qkv(r, c0) * rs, a1 = qkv(r, c0 + half) * rs;
+          if (qk_norm) {
+            a0 *= is_q ? gq[w0] : gk[w0];
+            a1 *= is_q ? gq[w0 + half] : gk[w0 + half];
+          }
+          rope_rotate(a0, a1, cs(t, i), sn(t, i));
+          if (is_q) {
+            q(r, w0) = a0;
+            q(r, w0 + half) = a1;
+          } else {
+            const std::int64_t base = (std::int64_t(h) * C + t) * dh;
+            kc(base + i) = a0;
+            kc(base + i + half) = a1;
+          }
+        });
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, kd), [&](int c) {
+          vc((std::int64_t(c / dh) * C + t) * dh + c % dh) = qkv(r, qd + kd + c);
+        });
+      });
+
+  // Per (new row, head): scores against keys 0..t, the causal softmax as forward() computes
+  // it (exp_poly of the shifted scores, then 1/sum), the weighted values into merged heads.
+  const float scale = 1.0f / std::sqrt(static_cast<float>(dh));
+  Mat p = frame.mat(n * H, L);
+  Mat merged = frame.mat(n, qd);
+  Kokkos::parallel_for(
+      "attn::decode_softmax_values", TeamPolicy(n * H, Kokkos::AUTO),
+      KOKKOS_LAMBDA(const TeamMember& tm) {
+        const int row = tm.league_rank(), r = row / H, h = row % H, t = pos + r;
+        const std::int64_t kv0 = std::int64_t(h / G) * C * dh;
+        float* s = &p(row, 0);
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, t + 1), [&](int j) {
+          float acc = 0.0f;
+          for (int i = 0; i < dh; ++i) acc += q(r, h * dh + i) * kc(kv0 + std::int64_t(j) * dh + i);
+          s[j] = acc * scale;
+        });
+        tm.team_barrier();
+        float mx = 0.0f, sum = 0.0f;
+        Kokkos::parallel_reduce(
+            Kokkos::TeamThreadRange(tm, t + 1),
+            [&](int j, float& m) { m = s[j] > m ? s[j] : m; }, Kokkos::Max<float>(mx));
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, t + 1),
+                             [&](int j) { s[j] = math::exp_poly(s[j] - mx); });
+        tm.team_barrier();
+        Kokkos::parallel_reduce(
+            Kokkos::TeamThreadRange(tm, t + 1), [&](int j, float& acc) { acc += s[j]; }, sum);
+        const float inv = 1.0f / sum;
+        tm.team_barrier();
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, dh), [&](int i) {
+          float acc = 0.0f;
+          for (int j = 0; j <= t; ++j) acc += s[j] * inv * vc(kv0 + std::int64_t(j) * dh + i);
+          merged(r, h * dh + i) = acc;
+        });
+      });
+  gemm(Trans::N, Trans::T, 1.0f, as_cmat(merged), table.weight(wo_, D_, qd), 0.0f, out);
 }
 
 }  // namespace kmoe

@@ -14,6 +14,15 @@
 
 namespace kmoe {
 
+// One sequence's keys and values so far (generation): (Hkv, capacity, dh) each, after QK-norm
+// and RoPE, position p at row p of each kv head.
+struct KvCache {
+  View1F k, v;
+  int capacity = 0;
+  KvCache() = default;
+  KvCache(const ModelCfg& m, int capacity);
+};
+
 class Attention {
  public:
   // Declares blocks.<l>.attn.{wq,wk,wv,wo,q_norm,k_norm} (wq|wk|wv adjacent: one GEMM).
@@ -29,6 +38,13 @@ class Attention {
   // merged dO (N, H*dh) and then d(q|k|v) (N, (H+2Hkv)*dh).
   void backward(TensorTable& table, const RopeTables& rope, ConstMat a, ConstMat dout, Mat da,
                 Workspace& ws);
+
+  // Incremental decoding (generation): a: (n, D), the rows of positions [pos, pos + n) of one
+  // sequence whose earlier positions' keys and values `cache` holds -> out: (n, D), what
+  // forward() gives those rows of the whole sequence (up to the order of the sums). Their keys
+  // and values join the cache. Saves nothing for backward; temporaries from `ws`.
+  void decode(const TensorTable& table, const RopeTables& rope, ConstMat a, int pos,
+              KvCache& cache, Mat out, Workspace& ws) const;
 
   // The workspace bytes the deepest of the two calls takes, for max_seqs sequences.
   static std::int64_t workspace_bytes(const ModelCfg& m, int max_seqs, int seq_len, bool bf16);

@@ -64,6 +64,9 @@ class EngramLayer {
   // Gathers N * d_mem values.
   Operand lookup(const TensorTable& table, ConstIVec tokens, bool count = true);
   int memory_width() const { return d_mem_; }
+  // How many earlier positions one position's output reads (generation): the convolution's
+  // reach, (kernel - 1) * max_ngram, and the n-gram context of its earliest tap, max_ngram - 1.
+  int context() const { return (kernel_ - 1) * Nn_ + Nn_ - 1; }
 
   // Mean gate value of the last forward (reads the device; tests and tools: under recompute the
   // gate buffer is the pool's, the last Engram block's to run).

@@ -23,6 +23,16 @@ LmHead::LmHead(const ModelCfg& m, int max_tokens, int embed_weight, TensorTable&
   seq_sums_ = View1D("head::seq_sums", 2 * max_tokens);
 }
 
+ConstMat LmHead::logits(const TensorTable& table, ConstMat x) {
+  const int N = x.extent(0);
+  Mat normed = as_mat(normed_.data(), N, D_);
+  rmsnorm_forward(x, ConstVec(table.param(norm_), D_), eps_, ConstMat(), normed,
+                  Vec(rstd_.data(), N));
+  Mat logits = as_mat(logits_.data(), N, V_);
+  gemm(Trans::N, Trans::T, 1.0f, as_cmat(normed), table.weight(weight_, V_, D_), 0.0f, logits);
+  return as_cmat(logits);
+}
+
 LossSums LmHead::forward(const TensorTable& table, ConstMat x, ConstIVec tokens, int T,
                          float grad_scale, View1D accumulate) {
   const int N = x.extent(0), V = V_, nseq = N / T;

@@ -38,6 +38,12 @@ class LmHead {
   // without it they are read back and returned.
   LossSums forward(const TensorTable& table, ConstMat x, ConstIVec tokens, int seq_len,
                    float grad_scale, View1D accumulate = View1D());
+  // The logits alone (generation): x: (n, D) -> the (n, V) logits, in a buffer of the head
+  // valid until its next call.
+  ConstMat logits(const TensorTable& table, ConstMat x);
+  // The (N, V) logits of the last forward() with grad_scale 0 (with a gradient asked for, the
+  // buffer holds the gradient instead).
+  ConstMat last_logits(int N) const { return ConstMat(logits_.data(), N, V_); }
   // dx: (N, D) gradient w.r.t. the final residual stream (assigned); the normed input's
   // gradient (N, D) passes through `ws`.
   void backward(TensorTable& table, ConstMat x, Mat dx, Workspace& ws);

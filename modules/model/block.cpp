@@ -88,6 +88,49 @@ void Block::forward(const TensorTable& table, const RopeTables& rope, ConstMat x
   }
 }
 
+BlockCache Block::new_cache(const ModelCfg& m, int capacity) const {
+  BlockCache c;
+  c.kv = KvCache(m, capacity);
+  if (engram_) c.inputs = View1F("block::decode_inputs", std::int64_t(capacity) * D_);
+  return c;
+}
+
+void Block::decode(const TensorTable& table, const RopeTables& rope, ConstMat x_block,
+                   ConstIVec tokens, int pos, BlockCache& cache, Mat x_out, BlockScratch& s) {
+  const int n = x_block.extent(0), D = D_;
+  ConstMat x_in = x_block;
+  if (engram_) {
+    // The new inputs join the history; Engram runs on the window its new outputs read, a
+    // sequence from position w0 (its first positions' outputs are not needed).
+    Kokkos::deep_copy(ExecSpace(), Mat(cache.inputs.data() + std::int64_t(pos) * D, n, D),
+                      x_block);
+    const int w0 = std::max(0, pos - engram_->context()), W = pos + n - w0;
+    Mat ew = buf(x_engram_, W);
+    engram_->forward(table, ConstMat(cache.inputs.data() + std::int64_t(w0) * D, W, D),
+                     ConstIVec(tokens.data() + w0, W), ew, /*count=*/false);
+    Mat xe(ew.data() + std::int64_t(W - n) * D, n, D);  // x + Engram(x) of the new rows
+    add(x_block, as_cmat(xe), xe);
+    x_in = as_cmat(xe);
+  }
+  ConstVec g_attn(table.param(attn_norm_), D_), g_ffn(table.param(ffn_norm_), D_);
+  Vec rstd_attn(rstd_attn_.data(), n), rstd_ffn(rstd_ffn_.data(), n);
+  Mat attn_out = buf(attn_out_, n), h = buf(h_, n), ffn_out = buf(ffn_out_, n);
+  if (reordered_) {
+    attn_.decode(table, rope, x_in, pos, cache.kv, attn_out, s.work);
+    rmsnorm_forward(as_cmat(attn_out), g_attn, eps_, x_in, h, rstd_attn);
+    ffn_forward(table, as_cmat(h), ffn_out, s, /*count=*/false);
+    rmsnorm_forward(as_cmat(ffn_out), g_ffn, eps_, as_cmat(h), x_out, rstd_ffn);
+  } else {
+    Mat attn_in = buf(attn_in_, n), ffn_in = buf(ffn_in_, n);
+    rmsnorm_forward(x_in, g_attn, eps_, ConstMat(), attn_in, rstd_attn);
+    attn_.decode(table, rope, as_cmat(attn_in), pos, cache.kv, attn_out, s.work);
+    add(x_in, as_cmat(attn_out), h);
+    rmsnorm_forward(as_cmat(h), g_ffn, eps_, ConstMat(), ffn_in, rstd_ffn);
+    ffn_forward(table, as_cmat(ffn_in), ffn_out, s, /*count=*/false);
+    add(as_cmat(h), as_cmat(ffn_out), x_out);
+  }
+}
+
 void Block::ffn_forward(const TensorTable& table, ConstMat in, Mat out, BlockScratch& s,
                         bool count) {
   if (moe_)

@@ -14,6 +14,14 @@
 
 namespace kmoe {
 
+// What generation keeps of one sequence in a block: the attention's keys and values and, in a
+// block with Engram, the block's input rows (Engram's output at a position reads a window of
+// earlier positions, EngramLayer::context(), recomputed from them).
+struct BlockCache {
+  KvCache kv;
+  View1F inputs;  // (capacity, D), Engram blocks only
+};
+
 // What the blocks of a rank share from call to call (every block of every Stage instance).
 struct BlockScratch {
   // The temporaries of every layer call: a block's backward takes the gradients that pass
@@ -39,6 +47,14 @@ class Block {
   // the MoE loss terms were counted then).
   void forward(const TensorTable& table, const RopeTables& rope, ConstMat x_in, ConstIVec tokens,
                Mat x_out, BlockScratch& s, bool count = true);
+  // Incremental decoding (generation): x_in: (n, D) rows of positions [pos, pos + n) of one
+  // sequence whose earlier positions `cache` holds; tokens: its compressed ids at positions
+  // [0, pos + n) (Engram) -> x_out: (n, D), as forward() computes those rows (MoE dropless
+  // when the layer was built without a capacity). Counts nothing.
+  void decode(const TensorTable& table, const RopeTables& rope, ConstMat x_in, ConstIVec tokens,
+              int pos, BlockCache& cache, Mat x_out, BlockScratch& s);
+  BlockCache new_cache(const ModelCfg& m, int capacity) const;
+
   // dx_out -> dx_in (assigned; may not alias dx_out); parameter gradients accumulate.
   // aux_scale: the weight of this micro-batch's MoE auxiliary losses in the step loss.
   void backward(TensorTable& table, const RopeTables& rope, ConstMat x_in, ConstMat dx_out,

@@ -43,7 +43,8 @@ std::int64_t Stage::workspace_bytes(const ModelCfg& m, const MoeCfg& e, const En
 Stage::Stage(const ModelCfg& m, const MoeCfg& e, int max_seqs, int T, TensorTable& table,
              const EngramCfg& g, const StagePlan& plan, const LayerComms& comms, StepStats* stats,
              ActivationPool* pool)
-    : D_(m.d_model),
+    : model_(m),
+      D_(m.d_model),
       T_(T),
       max_seqs_(max_seqs),
       first_(plan.first_block),
@@ -143,6 +144,43 @@ void Stage::finish_step(StepStats& stats, const ProcessGrid& grid) const {
 
 void Stage::after_optimizer_step(TensorTable& table, const StepStats& stats) const {
   for (const auto& block : blocks_) block->after_optimizer_step(table, stats);
+}
+
+DecodeCache Stage::new_decode_cache() const {
+  DecodeCache c;
+  for (const auto& block : blocks_) c.blocks.push_back(block->new_cache(model_, max_seqs_ * T_));
+  return c;
+}
+
+ConstMat Stage::decode(const TensorTable& table, const std::int32_t* ids, int pos, int n,
+                       DecodeCache& cache) {
+  const int L = pos + n;
+  KMOE_REQUIRE(n >= 1 && pos >= 0 && L <= max_seqs_ * T_,
+               "Stage::decode: positions [" << pos << ", " << L << ") beyond its "
+                                            << max_seqs_ * T_ << " positions");
+  nseq_ = 1;
+  // The sequence's ids so far stay on the device (Engram reads a window of them).
+  Kokkos::View<const std::int32_t*, HostSpace, Unmanaged> host_ids(ids, n);
+  Kokkos::deep_copy(ExecSpace(), Kokkos::subview(tokens_, Kokkos::make_pair(pos, L)), host_ids);
+  if (compress_.extent(0) > 0) {
+    auto map = compress_;
+    auto out = compressed_;
+    auto tok = tokens_;
+    Kokkos::parallel_for(
+        "stage::compress_tokens", Range(pos, L), KOKKOS_LAMBDA(int i) { out(i) = map(tok(i)); });
+  }
+  if (has_embed_) embed_->forward(table, ConstIVec(tokens_.data() + pos, n), resid(0, n));
+  const ConstIVec history = engram_tokens(L);
+  for (std::size_t l = 0; l < blocks_.size(); ++l)
+    blocks_[l]->decode(table, rope_, as_cmat(resid(l, n)), history, pos, cache.blocks[l],
+                       resid(l + 1, n), *scratch_);
+  if (!has_head_) return ConstMat();
+  return head_->logits(table, as_cmat(resid(blocks_.size(), n)));
+}
+
+ConstMat Stage::last_logits() const {
+  KMOE_REQUIRE(has_head_, "Stage::last_logits: the stage has no head");
+  return head_->last_logits(nseq_ * T_);
 }
 
 bool Stage::has_moe() const {

@@ -33,6 +33,11 @@ struct StagePlan {
   }
 };
 
+// What generation keeps of one sequence on a stage: every block's cache (Block::new_cache).
+struct DecodeCache {
+  std::vector<BlockCache> blocks;
+};
+
 class Stage {
  public:
   // Declares every tensor of its blocks into `table` (plus embedding and head); buffers are
@@ -79,6 +84,19 @@ class Stage {
   // gradient buckets of the step's last backward start on it).
   const float* backward(TensorTable& table, const std::function<void(int)>& ready = nullptr);
 
+  // Incremental decoding of one sequence (generation; kmoe-generate): positions [pos, pos + n)
+  // with host ids `ids` (n of them), the earlier positions given to earlier calls on `cache`;
+  // a stage without the embedding finds their (n, D) input rows in input_buffer(). The rows
+  // go through the stage's blocks (output() holds them for the next stage); the last stage
+  // returns their (n, V) logits, valid until its next call (an empty matrix elsewhere). The
+  // stage must be built with max_seqs = 1 and seq_len >= every position decoded.
+  ConstMat decode(const TensorTable& table, const std::int32_t* ids, int pos, int n,
+                  DecodeCache& cache);
+  // A cache for positions [0, max_seqs * seq_len).
+  DecodeCache new_decode_cache() const;
+  // The (N, V) logits of the last forward() (a stage with the head, grad_scale 0).
+  ConstMat last_logits() const;
+
   bool has_moe() const;
   // Each MoE block's routing of the last forward(): (block index, (N*k) expert ids).
   std::vector<std::pair<int, ConstIVec>> moe_routes() const;
@@ -101,6 +119,7 @@ class Stage {
                                    : ConstIVec(tokens_.data(), N);
   }
 
+  ModelCfg model_;
   int D_, T_, max_seqs_, first_;
   bool has_embed_, has_head_;
   RopeTables rope_;

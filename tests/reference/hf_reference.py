@@ -20,7 +20,9 @@ The semantics relied on (docs/INTEROP.md lists them):
 - logits = lm_head(norm(x)), or the embedding matrix when tie_word_embeddings.
 
 usage: hf_reference.py MODEL_DIR TOKENS.bin SEQ_LEN INSTANCES [uint16|uint32]
-prints `hf_loss <mean CE over the instances' targets> tokens <targets>`.
+         prints `hf_loss <mean CE over the instances' targets> tokens <targets>`;
+       hf_reference.py MODEL_DIR --logits IDS.npy OUT.npy
+         writes the logits (float64) of one sequence's positions.
 """
 import json
 import math
@@ -156,6 +158,10 @@ class HfModel:
 
 
 def main():
+    if len(sys.argv) == 5 and sys.argv[2] == "--logits":
+        ids = torch.from_numpy(np.load(sys.argv[3]).astype(np.int64))
+        np.save(sys.argv[4], HfModel(sys.argv[1]).logits(ids).numpy())
+        return
     model_dir, tokens_path, T, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     dtype = sys.argv[5] if len(sys.argv) > 5 else "uint16"
     ids = np.fromfile(tokens_path, dtype=np.dtype(dtype).newbyteorder("<")).astype(np.int64)

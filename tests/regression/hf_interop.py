@@ -7,7 +7,9 @@
    imported back: every tensor bit-identical, kmoe-eval's loss on the imported checkpoint equal
    to the original's bit for bit, and tests/reference/hf_reference.py (an independent float64
    reading of config.json and the safetensors files under Hugging Face's semantics) within
-   1e-5 of kmoe-eval's loss on the same validation instances.
+   1e-5 of kmoe-eval's loss on the same validation instances, and kmoe-generate's logits at
+   every position of a generated sequence within 1e-5 of the reading's. The imported MoE deck
+   trains on two expert-parallel ranks from the imported weights.
 2. A sharded export (--max-shard-size below the model's size): several shards and the index,
    the reference reads them, and the import from them is bit-identical too. A bf16 export holds
    each value rounded to bf16 (imported back: exactly the rounded values).
@@ -118,6 +120,28 @@ for arch, extra in MODELS.items():
     ref = reference_loss(f"{arch}_hf")
     h.check(rel(ref, mine) <= 1e-5, f"{arch}: the Hugging Face reading of the export {ref} vs "
             f"kmoe-eval {mine} ({rel(ref, mine):.1e}, tolerance 1e-5)")
+    # Logits at every position of a generated sequence: kmoe-generate's against the reading.
+    h.run(["kmoe-generate", "--checkpoint", ckpt, "--prompt", "number 12 is", "--max-new-tokens",
+           "16", "--dump-logits", f"{arch}_gen"])
+    subprocess.run(["/usr/bin/python3", REFERENCE, h.path(f"{arch}_hf"), "--logits",
+                    h.path(f"{arch}_gen.ids.npy"), h.path(f"{arch}_ref_logits.npy")], check=True)
+    mine_l = np.load(h.path(f"{arch}_gen.logits.npy")).astype(np.float64)
+    ref_l = np.load(h.path(f"{arch}_ref_logits.npy"))
+    worst = float(np.abs(mine_l - ref_l).max() / max(np.abs(ref_l).max(), 1.0))
+    h.check(mine_l.shape == ref_l.shape and worst <= 1e-5,
+            f"{arch}: kmoe-generate's logits at {len(ref_l)} positions vs the reading of the "
+            f"export: {worst:.1e} of the largest (tolerance 1e-5)")
+
+# The imported deck trains on another layout, from the imported weights (step 0 resumed): two
+# expert-parallel ranks.
+p = h.run(["kmoe-train", "-i", "flex_olmo_in.deck", "--parallel.ep=2", "--train.max_steps=2",
+           "--train.global_batch=4", "--output.dir=continued", "--checkpoint.dir=continued/ck",
+           "--checkpoint.every=0"], ranks=2)
+rows = h.metrics("continued")
+h.check("resuming from flex_olmo_in.h5 after step 0" in p.stdout and len(rows) == 2 and
+        all(float(r["loss"]) < 5.6 for r in rows),  # a fresh model starts at ln 320 = 5.77
+        f"the imported flex_olmo trains on (1,1,2) from its weights: losses "
+        f"{[r['loss'][:6] for r in rows]}")
 
 # 2. Shards and bf16.
 p = h.run(["kmoe-export", "flex_olmo/ck/step00000003.h5", "sharded_hf", "--max-shard-size", "0.1"])
