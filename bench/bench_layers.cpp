@@ -82,7 +82,7 @@ int main(int argc, char** argv) {
   TensorTable table;
   RopeTables rope(T, m.head_dim(), m.rope_theta);
   Attention attn(m, "blocks.0.attn.", b, T, table);
-  SwigluMlp mlp("blocks.0.mlp.", D, F, m.init_std, N, table);
+  SwigluMlp mlp("blocks.0.mlp.", m, F, N, table);
   const int embed = table.add(Embedding::weight_spec(V, D, 0.02));
   LmHead head(m, N, embed, table);
   table.allocate();

@@ -311,7 +311,15 @@ TrainState inspect(const H5File& f, const std::string& path, const Config& cfg,
   KMOE_REQUIRE(version == kFormatVersion, path << ": format_version " << version
                                                << " is not supported (this kmoe reads "
                                                << kFormatVersion << ")");
-  compare_decks(path, f.attr_string("/input", "deck"), cfg.resolved_text, changes);
+  // The saved deck read again: keys added to kmoe since it was saved take their defaults, so
+  // a checkpoint from before them resumes when the run leaves them at their defaults.
+  std::string saved = f.attr_string("/input", "deck");
+  try {
+    saved = parse_deck(saved, path + ":/input/deck").resolved_text;
+  } catch (const Error&) {
+    // a key kmoe no longer knows: compare the text as saved
+  }
+  compare_decks(path, saved, cfg.resolved_text, changes);
   TrainState s;
   s.step = static_cast<int>(f.attr_int("/", "step"));
   s.tokens_seen = f.attr_int("/", "tokens_seen");

@@ -45,7 +45,10 @@ void check_model(const ModelCfg& m, const Locate& locate) {
                                                                    "the two halves of a head)");
   KMOE_DECK_REQUIRE(m.norm_eps > 0, "model.norm_eps", "model.norm_eps must be positive");
   KMOE_DECK_REQUIRE(m.rope_theta > 0, "model.rope_theta", "model.rope_theta must be positive");
-  KMOE_DECK_REQUIRE(m.init_std >= 0, "model.init_std", "model.init_std must be non-negative");
+  KMOE_DECK_REQUIRE(m.init_std > 0, "model.init_std",
+                    "model.init_std = " << m.init_std << ": must be positive");
+  KMOE_DECK_REQUIRE(m.embed_init_std > 0, "model.embed_init_std",
+                    "model.embed_init_std = " << m.embed_init_std << ": must be positive");
   KMOE_DECK_REQUIRE(m.output_z_coef >= 0, "model.output_z_coef",
                     "model.output_z_coef must be non-negative");
 }
@@ -224,6 +227,8 @@ void check_engram(const EngramCfg& g, const ModelCfg& m, const Locate& locate) {
   KMOE_DECK_REQUIRE(!g.enabled() || (g.pad_id >= 0 && g.pad_id < m.vocab_size), "engram.pad_id",
                     "engram.pad_id must be a token id in [0, " << m.vocab_size << ")");
   KMOE_DECK_REQUIRE(g.lr_mult > 0, "engram.lr_mult", "engram.lr_mult must be positive");
+  KMOE_DECK_REQUIRE(g.init_std > 0, "engram.init_std",
+                    "engram.init_std = " << g.init_std << ": must be positive");
 }
 
 void check_consistency(const Config& cfg, const Locate& locate) {

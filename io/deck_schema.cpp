@@ -239,7 +239,16 @@ Schema::Schema(Config& c) : options_("kmoe input deck") {
   key(c.model.block_norm, "block_norm", BlockNorm::Reordered,
       "reordered (norm on the branch output, OLMo2) | pre (norm on the branch input, Llama)");
   key(c.model.tie_embeddings, "tie_embeddings", false, "LM head reuses the embedding matrix");
-  key(c.model.init_std, "init_std", 0.02, "std of the truncated-normal weight init");
+  key(c.model.init_std, "init_std", 0.02,
+      "std of the truncated-normal matrices under model.init = normal");
+  key(c.model.init, "init", InitScheme::Normal,
+      "matrix initialization (MODEL.md section 7): normal (N(0, model.init_std)) | fan_in "
+      "(N(0, 1/sqrt(input width)))");
+  key(c.model.init_depth_scale, "init_depth_scale", false,
+      "divide the output projections' std (attention wo, every w2) by sqrt(2 * n_layers)");
+  derived<double>(
+      c.model.embed_init_std, "embed_init_std", "model.init_std",
+      [&c] { return c.model.init_std; }, "std of the embedding matrix");
   key(c.model.output_z_coef, "output_z_coef", 0.0, "weight of the output z-loss");
 
   section("moe", "mixture of experts (MODEL.md section 3); experts = 0 is a dense model");

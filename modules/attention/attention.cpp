@@ -30,13 +30,14 @@ Attention::Attention(const ModelCfg& m, const std::string& prefix, int max_seqs,
       qk_norm_(m.qk_norm),
       eps_(static_cast<float>(m.norm_eps)) {
   const std::int64_t qd = H_ * dh_, kd = Hkv_ * dh_;
-  auto matrix = [&](const char* n, std::int64_t rows, std::int64_t cols) {
-    return table.add(TensorSpec::matrix(prefix + n, {rows, cols}, m.init_std).gemm_weight());
+  auto matrix = [&](const char* n, std::int64_t rows, std::int64_t cols, bool output) {
+    return table.add(
+        TensorSpec::matrix(prefix + n, {rows, cols}, m.matrix_std(cols, output)).gemm_weight());
   };
-  wq_ = matrix("wq", qd, D_);
-  matrix("wk", kd, D_);
-  matrix("wv", kd, D_);
-  wo_ = matrix("wo", D_, qd);
+  wq_ = matrix("wq", qd, D_, false);
+  matrix("wk", kd, D_, false);
+  matrix("wv", kd, D_, false);
+  wo_ = matrix("wo", D_, qd, true);
   if (qk_norm_) {
     q_norm_ = table.add(TensorSpec::gain(prefix + "q_norm.weight", qd));
     k_norm_ = table.add(TensorSpec::gain(prefix + "k_norm.weight", kd));

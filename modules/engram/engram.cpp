@@ -57,8 +57,10 @@ EngramLayer::EngramLayer(const ModelCfg& m, const EngramCfg& g, const EngramHash
   } else {
     table_ = table.add(table_spec);
   }
-  wk_ = table.add(TensorSpec::matrix(prefix + "wk", {D_, d_mem_}, std).gemm_weight());
-  wv_ = table.add(TensorSpec::matrix(prefix + "wv", {D_, d_mem_}, std).gemm_weight());
+  // The projections: engram.init_std, or under model.init = fan_in 1/sqrt(d_mem).
+  const double proj = m.init == InitScheme::FanIn ? m.matrix_std(d_mem_) : std;
+  wk_ = table.add(TensorSpec::matrix(prefix + "wk", {D_, d_mem_}, proj).gemm_weight());
+  wv_ = table.add(TensorSpec::matrix(prefix + "wv", {D_, d_mem_}, proj).gemm_weight());
   bk_ = table.add(TensorSpec::zeros(prefix + "bk", {D_}));
   bv_ = table.add(TensorSpec::zeros(prefix + "bv", {D_}));
   q_norm_ = table.add(TensorSpec::gain(prefix + "q_norm.weight", D_));

@@ -14,7 +14,8 @@ LmHead::LmHead(const ModelCfg& m, int max_tokens, int embed_weight, TensorTable&
   norm_ = table.add(TensorSpec::gain("final_norm.weight", D_));
   weight_ = m.tie_embeddings
                 ? embed_weight
-                : table.add(TensorSpec::matrix("lm_head.weight", {V_, D_}, m.init_std).gemm_weight());
+                : table.add(TensorSpec::matrix("lm_head.weight", {V_, D_}, m.matrix_std(D_))
+                                .gemm_weight());
   normed_ = View1F("head::normed", std::int64_t(max_tokens) * D_);
   rstd_ = View1F("head::rstd", max_tokens);
   logits_ = View1F("head::logits", std::int64_t(max_tokens) * V_);

@@ -70,12 +70,13 @@ std::int64_t SwigluMlp::workspace_bytes(std::int64_t rows, int hidden, bool bf16
   return std::max(bf16 ? up : 0, Workspace::rounded(4 * rows * hidden) + up);
 }
 
-SwigluMlp::SwigluMlp(const std::string& prefix, int d_model, int hidden, double init_std,
+SwigluMlp::SwigluMlp(const std::string& prefix, const ModelCfg& m, int hidden,
                      std::int64_t max_rows, TensorTable& table)
-    : D_(d_model), F_(hidden) {
-  w1_ = table.add(TensorSpec::matrix(prefix + "w1", {F_, D_}, init_std).gemm_weight());
-  table.add(TensorSpec::matrix(prefix + "w3", {F_, D_}, init_std).gemm_weight());
-  w2_ = table.add(TensorSpec::matrix(prefix + "w2", {D_, F_}, init_std).gemm_weight());
+    : D_(m.d_model), F_(hidden) {
+  const double in_std = m.matrix_std(D_), out_std = m.matrix_std(F_, /*output=*/true);
+  w1_ = table.add(TensorSpec::matrix(prefix + "w1", {F_, D_}, in_std).gemm_weight());
+  table.add(TensorSpec::matrix(prefix + "w3", {F_, D_}, in_std).gemm_weight());
+  w2_ = table.add(TensorSpec::matrix(prefix + "w2", {D_, F_}, out_std).gemm_weight());
   up_ = KeptOperand("mlp::up", max_rows * 2 * F_);
   act_ = KeptOperand("mlp::act", max_rows * F_);
 }

@@ -38,9 +38,10 @@ inline void swiglu_activate_backward(ConstMat up, ConstMat d_act, Mat d_up) {
 
 class SwigluMlp {
  public:
-  // Declares <prefix>w1, w3 ([F, D]) and w2 ([D, F]).
-  SwigluMlp(const std::string& prefix, int d_model, int hidden, double init_std,
-            std::int64_t max_rows, TensorTable& table);
+  // Declares <prefix>w1, w3 ([F, D]) and w2 ([D, F]), initialized as m says (ModelCfg::
+  // matrix_std: w2 an output projection).
+  SwigluMlp(const std::string& prefix, const ModelCfg& m, int hidden, std::int64_t max_rows,
+            TensorTable& table);
 
   // x, y: (N, D). In bf16 runs the fp32 up-projection passes through `ws`.
   void forward(const TensorTable& table, ConstMat x, Mat y, Workspace& ws);

@@ -46,8 +46,7 @@ Block::Block(const ModelCfg& m, const MoeCfg& e, const EngramCfg& g, const Engra
     moe_ = std::make_unique<MoeLayer>(m, e, block_prefix(layer) + "moe.", N, table, comms.ep,
                                       comms.ep_data, stats, layer);
   else
-    mlp_ = std::make_unique<SwigluMlp>(block_prefix(layer) + "mlp.", D_, m.ffn_hidden, m.init_std,
-                                       N, table);
+    mlp_ = std::make_unique<SwigluMlp>(block_prefix(layer) + "mlp.", m, m.ffn_hidden, N, table);
   if (!reordered_) {
     attn_in_ = saved_floats("block::attn_in", N * D_);
     ffn_in_ = saved_floats("block::ffn_in", N * D_);

@@ -63,7 +63,8 @@ Stage::Stage(const ModelCfg& m, const MoeCfg& e, int max_seqs, int T, TensorTabl
                "Stage: blocks [" << first_ << ", " << last << ") of " << m.n_layers);
   // Declaration order is the model's (embedding, blocks, head): checkpoints list it so.
   if (has_embed_) {
-    embed_ = std::make_unique<Embedding>(m.vocab_size, m.d_model, m.init_std, max_seqs * T, table);
+    embed_ =
+        std::make_unique<Embedding>(m.vocab_size, m.d_model, m.embedding_std(), max_seqs * T, table);
     embed_weight_ = embed_->weight_index();
   }
   // Engram's primes are drawn over all Engram layers of the model, in block order.
@@ -79,7 +80,7 @@ Stage::Stage(const ModelCfg& m, const MoeCfg& e, int max_seqs, int T, TensorTabl
   if (has_head_) {
     if (m.tie_embeddings && !has_embed_) {  // the last stage's replica of the tied matrix
       embed_weight_ =
-          table.add(Embedding::weight_spec(m.vocab_size, m.d_model, m.init_std).as_tied_copy());
+          table.add(Embedding::weight_spec(m.vocab_size, m.d_model, m.embedding_std()).as_tied_copy());
     }
     head_ = std::make_unique<LmHead>(m, max_seqs * T, embed_weight_, table);
   }

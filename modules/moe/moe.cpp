@@ -123,21 +123,21 @@ MoeLayer::MoeLayer(const ModelCfg& m, const MoeCfg& e, const std::string& prefix
   if (stats_) cols_ = declare_stats(*stats_, block, e);
   KMOE_REQUIRE(E_ % P_ == 0,
                "moe.experts (" << E_ << ") must be divisible by parallel.ep (" << P_ << ")");
-  const double std = m.init_std;
-  router_ = table.add(TensorSpec::matrix(prefix + "router", {E_, D_}, std));
-  // This ep rank's row block [E/P experts] of the global [E, ...] tensors.
-  auto expert = [&](const char* name, std::int64_t a, std::int64_t b) {
-    return table.add(TensorSpec::matrix(prefix + name, {E_, a, b}, std)
+  router_ = table.add(TensorSpec::matrix(prefix + "router", {E_, D_}, m.matrix_std(D_)));
+  // This ep rank's row block [E/P experts] of the global [E, ...] tensors; each expert's matrix
+  // initialized by its own input width (w2 an output projection).
+  auto expert = [&](const char* name, std::int64_t a, std::int64_t b, bool output) {
+    return table.add(TensorSpec::matrix(prefix + name, {E_, a, b}, m.matrix_std(b, output))
                          .row_block(Shard::Ep, e0_, El_)
                          .gemm_weight());
   };
-  w1_ = expert("experts.w1", Fe_, D_);
-  w3_ = expert("experts.w3", Fe_, D_);
-  w2_ = expert("experts.w2", D_, Fe_);
+  w1_ = expert("experts.w1", Fe_, D_, false);
+  w3_ = expert("experts.w3", Fe_, D_, false);
+  w2_ = expert("experts.w2", D_, Fe_, true);
   if (e.bias_update_rate > 0) bias_ = table.add(TensorSpec::buffer(prefix + "router_bias", {E_}));
   if (e.shared_experts > 0)
-    shared_ = std::make_unique<SwigluMlp>(
-        prefix + "shared.", D_, e.shared_experts * e.shared_hidden, std, max_tokens, table);
+    shared_ = std::make_unique<SwigluMlp>(prefix + "shared.", m, e.shared_experts * e.shared_hidden,
+                                          max_tokens, table);
   const std::int64_t slots = max_tokens * k_;
   logits_ = saved_floats("moe::logits", max_tokens * E_);
   probs_ = saved_floats("moe::probs", max_tokens * E_);

@@ -2,6 +2,7 @@
 // io/deck.cpp declares every key (type, default, help) and fills these; nothing else parses.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -25,6 +26,7 @@ enum class Precision { Fp32, Tf32, Bf16 };           // train.precision
 enum class Recompute { None, Block };                // train.recompute
 enum class OptimizerShard { None, Replicas };        // optimizer.shard
 enum class Tokenizer { Bytes, External };            // data.tokenizer
+enum class InitScheme { Normal, FanIn };             // model.init
 
 template <class E>
 struct Choice {
@@ -91,6 +93,11 @@ struct Choices<OptimizerShard> {
                                                    {OptimizerShard::Replicas, "replicas"}};
 };
 template <>
+struct Choices<InitScheme> {
+  static constexpr Choice<InitScheme> all[] = {{InitScheme::Normal, "normal"},
+                                               {InitScheme::FanIn, "fan_in"}};
+};
+template <>
 struct Choices<Tokenizer> {
   static constexpr Choice<Tokenizer> all[] = {{Tokenizer::Bytes, "bytes"},
                                               {Tokenizer::External, "external"}};
@@ -147,8 +154,22 @@ struct ModelCfg {
   bool tie_embeddings = false;
   double init_std = 0.02;
   double output_z_coef = 0.0;
+  // Initialization (MODEL.md section 7): the matrices' std, model.init_std (normal) or
+  // 1/sqrt(fan_in) (fan_in); the output projections (wo, every w2) divided by sqrt(2 * n_layers)
+  // with init_depth_scale; the embedding's own std (-1: model.init_std).
+  InitScheme init = InitScheme::Normal;
+  bool init_depth_scale = false;
+  double embed_init_std = -1.0;
 
   int head_dim() const { return d_model / n_heads; }
+  // The std of a matrix whose rows are `fan_in` wide (its input features); `output`: an
+  // output projection of its block (attention wo, a SwiGLU's w2).
+  double matrix_std(std::int64_t fan_in, bool output = false) const {
+    double s = init == InitScheme::FanIn ? 1.0 / std::sqrt(double(fan_in)) : init_std;
+    if (output && init_depth_scale) s /= std::sqrt(2.0 * n_layers);
+    return s;
+  }
+  double embedding_std() const { return embed_init_std > 0 ? embed_init_std : init_std; }
 };
 
 // Mixture of experts (MODEL.md section 3). experts = 0: a dense model.

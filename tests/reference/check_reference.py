@@ -134,6 +134,9 @@ def main():
     ap.add_argument("--engram-fold", type=int, default=0, help="compression map: id mod M")
     ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
                     help="train.precision")
+    ap.add_argument("--init", default="normal", choices=["normal", "fan_in"], help="model.init")
+    ap.add_argument("--init-depth-scale", action="store_true", help="model.init_depth_scale")
+    ap.add_argument("--embed-init-std", type=float, help="model.embed_init_std (omitted: default)")
     ap.add_argument("--reuse", action="store_true",
                     help="skip kmoe-prep/kmoe-train and check the outputs already in WORK_DIR")
     args = ap.parse_args()
@@ -192,6 +195,9 @@ ffn_hidden = 96
 block_norm = {args.block_norm}
 tie_embeddings = {'true' if args.tie else 'false'}
 output_z_coef = {args.z_coef!r}
+init = {args.init}
+init_depth_scale = {'true' if args.init_depth_scale else 'false'}
+{f"embed_init_std = {args.embed_init_std!r}" if args.embed_init_std else ""}
 [train]
 seq_len = 32
 global_batch = 8

@@ -138,6 +138,10 @@ class Config:
         self.block_norm = g("block_norm", "reordered")
         self.tie = g("tie_embeddings", False, bool)
         self.init_std = g("init_std", 0.02, float)
+        self.init = g("init", "normal")
+        assert self.init in ("normal", "fan_in"), self.init
+        self.init_depth_scale = g("init_depth_scale", False, bool)
+        self.embed_std = g("embed_init_std", self.init_std, float)
         self.output_z_coef = g("output_z_coef", 0.0, float)
         assert self.D % self.H == 0 and self.H % self.Hkv == 0
         self.dh = self.D // self.H
@@ -690,6 +694,21 @@ def init_normal(name, shape, seed, std):
     return torch.from_numpy(out.astype(np.float64)).view(*shape)
 
 
+def matrix_std(cfg, name, shape):
+    """Section 7: a matrix's std from model.init (normal: model.init_std; fan_in: 1/sqrt of
+    its input width, the last dimension), output projections (attn.wo, every w2) divided by
+    sqrt(2 L) under model.init_depth_scale; the embedding's model.embed_init_std; the Engram
+    table's engram.init_std, its projections engram.init_std unless fan_in."""
+    if name == "embed.weight":
+        return cfg.embed_std
+    if ".engram." in name and (name.endswith(".table") or cfg.init == "normal"):
+        return cfg.engram_std
+    std = cfg.init_std if cfg.init == "normal" else 1.0 / math.sqrt(shape[-1])
+    if cfg.init_depth_scale and name.endswith((".attn.wo", ".w2")):
+        std /= math.sqrt(2.0 * cfg.L)
+    return std
+
+
 def init_model(model, seed):
     """Section 7 init: matrices truncated normal, norms 1; Engram biases and conv 0."""
     with torch.no_grad():
@@ -699,7 +718,7 @@ def init_model(model, seed):
             elif n.endswith(("engram.bk", "engram.bv", "engram.conv")):
                 p.zero_()
             else:
-                std = model.cfg.engram_std if ".engram." in n else model.cfg.init_std
+                std = matrix_std(model.cfg, n, tuple(p.shape))
                 p.copy_(init_normal(n, tuple(p.shape), seed, std))
 
 

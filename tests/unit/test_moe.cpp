@@ -62,7 +62,7 @@ TEST(Moe, OneExpertTopOneIsTheDenseLayer) {
   const int N = 24, D = 16, F = 20;
   const ModelCfg m = model(D);
   TensorTable table;
-  SwigluMlp dense("dense.", D, F, m.init_std, N, table);
+  SwigluMlp dense("dense.", m, F, N, table);
   MoeLayer layer(m, moe(1, 1, F), "moe.", N, table);
   table.allocate();
   table.initialize(5);

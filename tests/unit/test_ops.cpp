@@ -132,7 +132,10 @@ TEST(SwigluMlp, ForwardAndBackward) {
   const std::string prefix = "blocks.0.mlp.";
   std::mt19937 gen(3);
   TensorTable table;
-  SwigluMlp mlp(prefix, D, F, 0.3, max_rows, table);
+  ModelCfg m;
+  m.d_model = D;
+  m.init_std = 0.3;
+  SwigluMlp mlp(prefix, m, F, max_rows, table);
   table.allocate();
   table.initialize(5);
   randomize_params(table, gen, 0.4f);

@@ -576,6 +576,86 @@ TEST(TensorTable, NormalInitIsTruncatedAtThreeStd) {
   EXPECT_NEAR(double(within_one) / n, 0.68453, 0.005);
 }
 
+// The schemes of model.init (MODEL.md section 7), written out here independently: for every
+// matrix of a model with dense and MoE blocks, shared experts, Engram and an untied head, the
+// std each scheme gives, and the statistics of the initialized values against it (mean within
+// sampling error of 0, std within 4 standard errors of the truncated normal's 0.98658 std, no
+// value beyond 3 std).
+TEST(InitSchemes, EveryMatrixFollowsItsFormula) {
+  ModelCfg m;
+  m.vocab_size = 96;
+  m.d_model = 48;
+  m.n_layers = 3;
+  m.n_heads = 4;
+  m.n_kv_heads = 2;
+  m.ffn_hidden = 80;
+  MoeCfg e;
+  e.experts = 4;
+  e.top_k = 2;
+  e.expert_hidden = 40;
+  e.dense_layers = {0};
+  e.shared_experts = 1;
+  e.shared_hidden = 24;
+  EngramCfg g;
+  g.layers = {1};
+  g.heads = 2;
+  g.embed_per_ngram = 16;
+  g.table_size = {211, 223};
+  g.init_std = 0.07;
+  const int d_mem = 2 * 16;
+  struct Scheme {
+    InitScheme init;
+    bool depth;
+    double embed;
+  };
+  for (const Scheme s : {Scheme{InitScheme::Normal, false, -1.0},
+                         Scheme{InitScheme::Normal, true, 0.5},
+                         Scheme{InitScheme::FanIn, false, 1.0},
+                         Scheme{InitScheme::FanIn, true, -1.0}}) {
+    m.init = s.init;
+    m.init_depth_scale = s.depth;
+    m.embed_init_std = s.embed;
+    SCOPED_TRACE(std::string(choice_name(s.init)) + (s.depth ? " depth" : ""));
+    TensorTable t;
+    Stage stage(m, e, 1, 8, t, g);
+    t.allocate();
+    t.initialize(11);
+    const auto all = to_host(t.params);
+    int checked = 0;
+    for (const TensorEntry& en : t.entries()) {
+      if (en.spec.init != InitKind::Normal) continue;
+      const std::string& n = en.spec.name;
+      auto ends = [&](const std::string& tail) {
+        return n.size() >= tail.size() && n.compare(n.size() - tail.size(), tail.size(), tail) == 0;
+      };
+      // The formula, from the tensor's role and its input width (the last dimension).
+      const double fan_in = double(en.spec.shape.back());
+      double want = s.init == InitScheme::FanIn ? 1.0 / std::sqrt(fan_in) : m.init_std;
+      if (s.depth && (ends(".attn.wo") || ends(".w2"))) want /= std::sqrt(2.0 * m.n_layers);
+      if (n == "embed.weight") want = s.embed > 0 ? s.embed : m.init_std;
+      if (ends("engram.table") || (n.find(".engram.w") != std::string::npos &&
+                                   s.init == InitScheme::Normal))
+        want = g.init_std;
+      if (n.find(".engram.w") != std::string::npos && s.init == InitScheme::FanIn) {
+        ASSERT_EQ(fan_in, d_mem);
+      }
+      EXPECT_DOUBLE_EQ(en.spec.init_std, want) << n;
+      double sum = 0.0, sq = 0.0, max_abs = 0.0;
+      for (std::int64_t j = en.offset; j < en.offset + en.size; ++j) {
+        sum += all[j];
+        sq += double(all[j]) * all[j];
+        max_abs = std::max(max_abs, std::fabs(double(all[j])));
+      }
+      const double k = double(en.size), mean = sum / k, sd = std::sqrt(sq / k - mean * mean);
+      EXPECT_LT(std::fabs(mean), 5.0 * want / std::sqrt(k)) << n;
+      EXPECT_NEAR(sd / (0.98658 * want), 1.0, 4.0 * 0.6 / std::sqrt(k) + 0.01) << n;
+      EXPECT_LE(max_abs, 3.0 * want * (1.0 + 1e-6)) << n;
+      ++checked;
+    }
+    EXPECT_GE(checked, 20);
+  }
+}
+
 TEST(TensorTable, OnesAndZerosAreExact) {
   TensorTable t;
   t.add(spec("n", {40}));
