@@ -1,6 +1,9 @@
 // Times each layer of the dense model, forward and backward, on one micro-batch of the tiny
 // config (or --d_model/--seq_len/... overrides), and prints time and GFLOP/s per op; the MoE
-// layer takes --experts, --top_k and --expert_hidden.
+// layer takes --experts, --top_k and --expert_hidden. --attention_sweep 1 prints only the
+// attention time per token (forward + backward) of the blocked kernel against the full-matrix
+// one (the test oracle, tests/unit/full_attention) for plain causal, document-masked and
+// windowed attention at T = 256, 1024 and 4096 (--sweep_tokens tokens per call, default 4096).
 #include <chrono>
 #include <cstdio>
 #include <functional>
@@ -19,6 +22,7 @@
 #include "modules/model/stage.hpp"
 #include "modules/moe/moe.hpp"
 #include "modules/norm/rmsnorm.hpp"
+#include "unit/full_attention.hpp"
 
 using namespace kmoe;
 
@@ -37,6 +41,59 @@ void report(const char* name, double s, double flops) {
   std::printf("  %-28s %9.3f ms  %8.1f GFLOP/s\n", name, 1e3 * s, flops / s / 1e9);
 }
 
+// Forward + backward time per token of the blocked attention and the full-matrix oracle on
+// b sequences of T tokens; masks: "causal", "documents" (a document ends every 256 tokens or
+// so), "window" (window 1024 below T, else T / 4).
+void attention_sweep(ModelCfg m, int tokens, int reps) {
+  std::printf("attention forward+backward per token (D %d, H %d, dh %d, %d tokens per call)\n",
+              m.d_model, m.n_heads, m.head_dim(), tokens);
+  std::printf("  %6s %-10s %12s %12s %8s\n", "T", "mask", "full us/tok", "blocked", "speedup");
+  for (int T : {256, 1024, 4096}) {
+    const int b = std::max(1, tokens / T), N = b * T, D = m.d_model;
+    for (const char* mask : {"causal", "documents", "window"}) {
+      const std::string k = mask;
+      const int window = k == "window" ? (T > 1024 ? 1024 : T / 4) : 0;
+      TensorTable ta, tb;
+      Attention blocked(m, "blocks.0.attn.", b, T, ta, window);
+      oracle::FullMatrixAttention full(m, "blocks.0.attn.", b, T, tb, window);
+      ta.allocate();
+      tb.allocate();
+      ta.initialize(1);
+      tb.initialize(1);
+      RopeTables rope(T, m.head_dim(), m.rope_theta);
+      Workspace wa, wb;
+      std::vector<int> ids(N, 1);
+      std::mt19937 gen(T);
+      for (int i = 0; i < N; ++i)
+        if (gen() % 256 == 0) ids[i] = 0;
+      View1I ids_dev("ids", N), starts("starts", N);
+      Kokkos::deep_copy(ids_dev, Kokkos::View<const int*, HostSpace, Kokkos::MemoryUnmanaged>(
+                                     ids.data(), N));
+      document_starts(ConstIVec(ids_dev.data(), N), b, T, 0, starts);
+      const DocStarts docs =
+          k == "documents" ? DocStarts{ConstIVec(starts.data(), N)} : DocStarts();
+      View1F x("x", std::int64_t(N) * D), y("y", std::int64_t(N) * D),
+          dx("dx", std::int64_t(N) * D);
+      Kokkos::deep_copy(x, 0.1f);
+      Kokkos::deep_copy(dx, 0.01f);
+      const double t_full = time_it(reps, [&] {
+        full.forward(tb, rope, as_cmat(x.data(), N, D), as_mat(y.data(), N, D), wb, docs);
+        full.backward(tb, rope, as_cmat(x.data(), N, D), as_cmat(dx.data(), N, D),
+                      as_mat(y.data(), N, D), wb);
+      });
+      const double t_blocked = time_it(reps, [&] {
+        blocked.forward(ta, rope, as_cmat(x.data(), N, D), as_mat(y.data(), N, D), wa, docs);
+        blocked.backward(ta, rope, as_cmat(x.data(), N, D), as_cmat(dx.data(), N, D),
+                         as_mat(y.data(), N, D), wa);
+      });
+      std::printf("  %6d %-10s %12.2f %12.2f %7.2fx\n", T,
+                  (k + (window ? " " + std::to_string(window) : "")).c_str(), 1e6 * t_full / N,
+                  1e6 * t_blocked / N, t_full / t_blocked);
+      std::fflush(stdout);
+    }
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -48,7 +105,7 @@ int main(int argc, char** argv) {
   m.n_heads = 4;
   m.n_kv_heads = 4;
   m.ffn_hidden = 768;
-  int b = 8, T = 256, reps = 5;
+  int b = 8, T = 256, reps = 5, sweep = 0, sweep_tokens = 4096;
   MoeCfg e;  // the MoE section's layer: 8 experts, top-2, Fe = F/2 unless overridden
   e.experts = 8;
   e.top_k = 2;
@@ -74,10 +131,18 @@ int main(int argc, char** argv) {
       e.top_k = v;
     else if (k == "--expert_hidden")
       e.expert_hidden = v;
+    else if (k == "--attention_sweep")
+      sweep = v;
+    else if (k == "--sweep_tokens")
+      sweep_tokens = v;
     else
       throw std::invalid_argument("bench_layers: unknown option " + k);
   }
   if (e.expert_hidden == 0) e.expert_hidden = m.ffn_hidden / 2;
+  if (sweep) {
+    attention_sweep(m, sweep_tokens, reps);
+    return 0;
+  }
   const int N = b * T, D = m.d_model, F = m.ffn_hidden, V = m.vocab_size;
   TensorTable table;
   RopeTables rope(T, m.head_dim(), m.rope_theta);

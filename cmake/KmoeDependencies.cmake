@@ -87,6 +87,34 @@ find_package(Boost REQUIRED COMPONENTS program_options)
 # nlohmann-json3-dev or any nlohmann_json >= 3.9 on CMAKE_PREFIX_PATH.
 find_package(nlohmann_json 3.9 REQUIRED)
 
+# SentencePiece (kmoe-prep --sentencepiece / --train-sentencepiece, data.tokenizer =
+# sentencepiece): Debian's libsentencepiece-dev through pkg-config, or SENTENCEPIECE_ROOT.
+# KMOE_ENABLE_SENTENCEPIECE = AUTO uses it when found; ON requires it; OFF builds without (the
+# options then say that this build has none).
+set(KMOE_ENABLE_SENTENCEPIECE AUTO CACHE STRING "SentencePiece tokenizers: AUTO, ON or OFF")
+if(NOT KMOE_ENABLE_SENTENCEPIECE STREQUAL "OFF")
+  find_path(SENTENCEPIECE_INCLUDE_DIR sentencepiece_processor.h
+            HINTS ${SENTENCEPIECE_ROOT} $ENV{SENTENCEPIECE_ROOT} PATH_SUFFIXES include)
+  find_library(SENTENCEPIECE_LIBRARY sentencepiece
+               HINTS ${SENTENCEPIECE_ROOT} $ENV{SENTENCEPIECE_ROOT} PATH_SUFFIXES lib lib64)
+  find_library(SENTENCEPIECE_TRAIN_LIBRARY sentencepiece_train
+               HINTS ${SENTENCEPIECE_ROOT} $ENV{SENTENCEPIECE_ROOT} PATH_SUFFIXES lib lib64)
+  if(SENTENCEPIECE_INCLUDE_DIR AND SENTENCEPIECE_LIBRARY AND SENTENCEPIECE_TRAIN_LIBRARY)
+    add_library(kmoe_sentencepiece INTERFACE)
+    add_library(kmoe::sentencepiece ALIAS kmoe_sentencepiece)
+    target_include_directories(kmoe_sentencepiece SYSTEM INTERFACE ${SENTENCEPIECE_INCLUDE_DIR})
+    target_link_libraries(kmoe_sentencepiece INTERFACE ${SENTENCEPIECE_TRAIN_LIBRARY}
+                                                       ${SENTENCEPIECE_LIBRARY})
+    message(STATUS "kmoe: SentencePiece (${SENTENCEPIECE_LIBRARY})")
+  elseif(KMOE_ENABLE_SENTENCEPIECE STREQUAL "ON")
+    message(FATAL_ERROR "kmoe: KMOE_ENABLE_SENTENCEPIECE=ON but sentencepiece_processor.h / "
+                        "libsentencepiece(_train) were not found; install libsentencepiece-dev or "
+                        "set SENTENCEPIECE_ROOT")
+  else()
+    message(STATUS "kmoe: no SentencePiece (data.tokenizer = sentencepiece unavailable)")
+  endif()
+endif()
+
 # The NCCL backend (KMOE_ENABLE_NCCL): nccl.h and libnccl from NCCL_ROOT, NCCL_HOME, the CUDA
 # toolkit or CMAKE_PREFIX_PATH, and the CUDA runtime. parallel/nccl_comm.cpp calls only host
 # APIs, so the host C++ compiler builds it; no CUDA language, nvcc or GPU is needed to compile

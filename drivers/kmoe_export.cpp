@@ -176,8 +176,12 @@ int main(int argc, char** argv) {
                 "weights in %.2f s\n",
                 checkpoint.c_str(), state.step, kmoe::hf_model_type(arch), out.string().c_str(),
                 weight_map.size(), shards.size(), total / (1024.0 * 1024.0), dtype.c_str(), secs);
-    if (cfg.data.tokenizer != kmoe::Tokenizer::Bytes)
+    if (cfg.data.tokenizer == kmoe::Tokenizer::External)
       std::printf("note: data.tokenizer = external: no tokenizer files written (the ids are "
                   "another tool's)\n");
+    if (cfg.data.tokenizer == kmoe::Tokenizer::SentencePiece)
+      std::printf("note: data.tokenizer = sentencepiece: no Hugging Face tokenizer files written; "
+                  "the model's SentencePiece file is %s\n",
+                  cfg.data.tokenizer_model.c_str());
   });
 }

@@ -23,6 +23,7 @@
 #include "io/checkpoint.hpp"
 #include "io/deck.hpp"
 #include "io/hdf5_file.hpp"
+#include "io/tokenizer.hpp"
 #include "modules/model/stage.hpp"
 #include "parallel/layer_comms.hpp"
 #include "train/planner.hpp"
@@ -120,10 +121,14 @@ std::vector<std::int32_t> prompt_ids(const Options& o, const kmoe::Config& cfg) 
       ids.push_back(id);
     }
   } else {
-    KMOE_REQUIRE(cfg.data.tokenizer == kmoe::Tokenizer::Bytes,
+    KMOE_REQUIRE(cfg.data.tokenizer != kmoe::Tokenizer::External,
                  "--prompt TEXT: the checkpoint's data.tokenizer = external (another tool's ids); "
                  "give --prompt-ids");
-    for (unsigned char c : o.prompt) ids.push_back(c);
+    ids = kmoe::deck_tokenizer(cfg.data)->encode(o.prompt);
+    for (std::int32_t id : ids)
+      KMOE_REQUIRE(id < cfg.model.vocab_size, "--prompt: the tokenizer gives id "
+                                                  << id << ", outside model.vocab_size "
+                                                  << cfg.model.vocab_size);
   }
   KMOE_REQUIRE(!ids.empty(), "the prompt is empty");
   return ids;
@@ -269,11 +274,15 @@ int main(int argc, char** argv) {
       }
       if (root) {  // the text, end-of-document ids left out (a prompt may start with one)
         std::string text;
-        for (std::int32_t id : ids) {
-          if (id == eod) continue;
-          text += cfg.data.tokenizer == kmoe::Tokenizer::Bytes && id < 256
-                      ? std::string(1, char(id))
-                      : "<" + std::to_string(id) + ">";
+        if (cfg.data.tokenizer == kmoe::Tokenizer::SentencePiece) {
+          text = kmoe::deck_tokenizer(cfg.data)->decode(ids);
+        } else {
+          for (std::int32_t id : ids) {
+            if (id == eod) continue;
+            text += cfg.data.tokenizer == kmoe::Tokenizer::Bytes && id < 256
+                        ? std::string(1, char(id))
+                        : "<" + std::to_string(id) + ">";
+          }
         }
         std::printf("sample %d (%zu new tokens%s):\n%s\n", s, ids.size() - P,
                     ids.back() == eod ? ", ended the document" : "", text.c_str());

@@ -1,19 +1,26 @@
-// kmoe-prep: UTF-8 text to token files with the byte-level tokenizer (RUNTIME.md section 3).
-//   kmoe-prep --fortunes [--input-dir DIR] --out-dir OUT
-//   kmoe-prep --out-dir OUT [--separator S] [--val-every N] [--dtype uint16|uint32] FILE...
+// kmoe-prep: text to token files with the byte-level tokenizer or a SentencePiece model
+// (RUNTIME.md section 3), and token files back to text.
+//   kmoe-prep --fortunes [--input-dir DIR] --out-dir OUT [tokenizer]
+//   kmoe-prep --out-dir OUT [--separator S] [--val-every N] [--dtype uint16|uint32]
+//             [tokenizer] FILE...
+//   tokenizer: --sentencepiece MODEL | --train-sentencepiece VOCAB
+//   kmoe-prep --decode TOKENS [--sentencepiece MODEL] [--dtype uint16|uint32] [--separator S]
 // Needs neither Kokkos nor MPI: it runs before any training job, often on a login node.
 #include <algorithm>
 #include <boost/program_options.hpp>
 #include <cstdio>
 #include <exception>
 #include <filesystem>
+#include <fstream>
 #include <iostream>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "core/error.hpp"
 #include "io/text_corpus.hpp"
+#include "io/tokenizer.hpp"
 
 namespace fs = std::filesystem;
 namespace po = boost::program_options;
@@ -80,18 +87,52 @@ std::vector<std::string> fortune_files(const std::string& dir) {
   return paths;
 }
 
+// --decode: a token file back to text, each document followed by a line holding the separator
+// (what kmoe-prep reads back into the same documents).
+int decode_file(const std::string& path, const std::string& dtype, kmoe::TextTokenizer& tok,
+                const std::string& separator) {
+  KMOE_REQUIRE(fs::is_regular_file(path), "--decode: " << path << " not found or not a file");
+  std::ifstream in(path, std::ios::binary);
+  const int width = dtype == "uint16" ? 2 : 4;
+  const auto bytes = static_cast<std::int64_t>(fs::file_size(path));
+  KMOE_REQUIRE(bytes % width == 0, "--decode: " << path << " holds " << bytes
+                                                << " bytes, not a whole number of " << dtype);
+  std::vector<unsigned char> raw(static_cast<std::size_t>(bytes));
+  in.read(reinterpret_cast<char*>(raw.data()), bytes);
+  KMOE_REQUIRE(in.good() || bytes == 0, "--decode: cannot read " << path);
+  std::vector<std::int32_t> doc;
+  auto flush = [&] {
+    std::cout << tok.decode(doc) << separator << "\n";
+    doc.clear();
+  };
+  for (std::int64_t i = 0; i < bytes; i += width) {
+    std::uint32_t id = raw[i] | (std::uint32_t(raw[i + 1]) << 8);
+    if (width == 4) id |= (std::uint32_t(raw[i + 2]) << 16) | (std::uint32_t(raw[i + 3]) << 24);
+    doc.push_back(static_cast<std::int32_t>(id));
+    if (static_cast<std::int32_t>(id) == tok.end_of_document()) flush();
+  }
+  if (!doc.empty()) flush();
+  return 0;
+}
+
 int run(int argc, char** argv) {
-  std::string input_dir = kFortunesDir, out_dir, dtype = "uint16", separator;
+  std::string input_dir = kFortunesDir, out_dir, dtype = "uint16", separator, sp_model, decode;
   std::int64_t val_every = 20;
+  int sp_vocab = 0;
   std::vector<std::string> files;
   bool fortunes = false;
 
   po::options_description visible(
       "Usage:\n"
-      "  kmoe-prep --fortunes [--input-dir DIR] --out-dir OUT\n"
-      "  kmoe-prep --out-dir OUT [--separator S] [--val-every N] [--dtype uint16|uint32] FILE...\n"
-      "Writes OUT/train.bin and OUT/val.bin: byte-level tokens (0..255 bytes, 256 end of "
-      "document,\nvocab_size 320), headerless little-endian.\n\nOptions");
+      "  kmoe-prep --fortunes [--input-dir DIR] --out-dir OUT [TOKENIZER]\n"
+      "  kmoe-prep --out-dir OUT [--separator S] [--val-every N] [--dtype uint16|uint32]\n"
+      "            [TOKENIZER] FILE...\n"
+      "  kmoe-prep --decode TOKENS [--sentencepiece MODEL] [--dtype ...] [--separator S]\n"
+      "TOKENIZER: --sentencepiece MODEL | --train-sentencepiece VOCAB (default: byte-level).\n"
+      "Writes OUT/train.bin and OUT/val.bin, headerless little-endian: byte-level tokens (0..255 "
+      "bytes,\n256 end of document, vocab_size 320) or the SentencePiece model's ids (its "
+      "end-of-sentence id\nends each document), and prints the deck's [model] vocab_size and "
+      "[data] lines.\n\nOptions");
   auto add = visible.add_options();
   add("help,h", "print this help");
   add("fortunes", po::bool_switch(&fortunes),
@@ -105,6 +146,16 @@ int run(int argc, char** argv) {
   add("val-every", po::value(&val_every)->default_value(20),
       "every N-th document goes to val.bin; 0 writes no val.bin");
   add("dtype", po::value(&dtype)->default_value("uint16"), "token dtype: uint16 or uint32");
+  add("sentencepiece", po::value(&sp_model),
+      "encode with this SentencePiece model (bytes that are not UTF-8 become its byte pieces "
+      "when it has byte fallback)");
+  add("train-sentencepiece", po::value(&sp_vocab),
+      "first train a SentencePiece model of about VOCAB pieces on the corpus (unigram, byte "
+      "fallback, no normalization: text comes back byte for byte) into OUT/sentencepiece.model, "
+      "then encode with it; reads the whole corpus into memory");
+  add("decode", po::value(&decode),
+      "write the text of a token file to standard output, each document followed by a line "
+      "holding the separator (default '%')");
   po::options_description all;
   all.add(visible).add_options()("file", po::value(&files));
   po::positional_options_description positional;
@@ -117,9 +168,17 @@ int run(int argc, char** argv) {
     std::cout << visible << "\n";
     return 0;
   }
-  KMOE_REQUIRE(!out_dir.empty(), "--out-dir is required (see --help)");
   KMOE_REQUIRE(dtype == "uint16" || dtype == "uint32",
                "--dtype must be uint16 or uint32, got '" << dtype << "'");
+  KMOE_REQUIRE(sp_model.empty() || !vm.count("train-sentencepiece"),
+               "give --sentencepiece MODEL or --train-sentencepiece VOCAB, not both");
+  if (!decode.empty()) {
+    KMOE_REQUIRE(files.empty() && out_dir.empty() && !fortunes && !vm.count("train-sentencepiece"),
+                 "--decode takes only --sentencepiece, --dtype and --separator");
+    auto tok = sp_model.empty() ? kmoe::byte_tokenizer() : kmoe::load_sentencepiece(sp_model);
+    return decode_file(decode, dtype, *tok, vm.count("separator") ? separator : "%");
+  }
+  KMOE_REQUIRE(!out_dir.empty(), "--out-dir is required (see --help)");
   KMOE_REQUIRE(val_every >= 0, "--val-every must be >= 0, got " << val_every);
   std::optional<std::string> sep;
   if (vm.count("separator")) sep = separator;
@@ -140,21 +199,59 @@ int run(int argc, char** argv) {
     total_bytes += static_cast<std::int64_t>(fs::file_size(f));
   }
 
-  kmoe::CorpusWriter writer(out_dir, dtype, val_every);
-  kmoe::DocumentSplitter splitter(sep, [&writer](std::string_view d) { writer.add_document(d); });
-  ProgressBar progress(total_bytes);
-  for (const std::string& f : files) {
-    kmoe::feed_text_file(f, splitter, [&progress](std::int64_t n) { progress.advance(n); });
+  // The tokenizer: byte-level, a given SentencePiece model, or one trained here on the corpus
+  // (read whole first).
+  std::unique_ptr<kmoe::TextTokenizer> tok;
+  std::vector<std::string> documents;
+  if (vm.count("train-sentencepiece")) {
+    kmoe::DocumentSplitter collect(sep, [&](std::string_view d) { documents.emplace_back(d); });
+    for (const std::string& f : files) kmoe::feed_text_file(f, collect);
+    std::error_code ec;
+    fs::create_directories(out_dir, ec);
+    KMOE_REQUIRE(!ec, "cannot create directory " << out_dir << ": " << ec.message());
+    sp_model = (fs::path(out_dir) / "sentencepiece.model").string();
+    std::cerr << "kmoe-prep: training a SentencePiece model of " << sp_vocab << " pieces on "
+              << documents.size() << " documents\n";
+    kmoe::train_sentencepiece(documents, sp_vocab, sp_model);
   }
-  progress.finish();
+  tok = sp_model.empty() ? kmoe::byte_tokenizer() : kmoe::load_sentencepiece(sp_model);
+  if (!sp_model.empty()) kmoe::check_vocab_fits(tok->pieces(), dtype, sp_model);
+  const std::int64_t vocab = kmoe::round_up_vocab(tok->pieces());
+
+  kmoe::CorpusWriter writer(out_dir, dtype, val_every);
+  auto add_doc = [&](std::string_view d) {
+    if (sp_model.empty()) return writer.add_document(d);
+    std::vector<std::int32_t> ids = tok->encode(d);
+    ids.push_back(tok->end_of_document());
+    writer.add_ids(ids);
+  };
+  if (!documents.empty()) {
+    for (const std::string& d : documents) add_doc(d);
+  } else {
+    kmoe::DocumentSplitter splitter(sep, add_doc);
+    ProgressBar progress(total_bytes);
+    for (const std::string& f : files) {
+      kmoe::feed_text_file(f, splitter, [&progress](std::int64_t n) { progress.advance(n); });
+    }
+    progress.finish();
+  }
   const kmoe::CorpusCounts c = writer.finish();
 
   std::cout << "kmoe-prep: " << files.size() << " files, " << total_bytes << " bytes\n"
             << "  documents: train " << c.documents_train << ", val " << c.documents_val << "\n"
             << "  tokens:    train " << c.tokens_train << ", val " << c.tokens_val << "\n"
-            << "  vocab_size " << kmoe::kByteVocabSize << " (model.vocab_size), dtype " << dtype
-            << "\n"
-            << "  wrote " << writer.train_path();
+            << "  tokenizer: " << tok->describe() << "\n"
+            << "  vocab_size " << vocab << " (model.vocab_size), dtype " << dtype << "\n";
+  if (!sp_model.empty()) {
+    std::cout << "  deck: [data] tokenizer = sentencepiece, tokenizer_model = "
+              << fs::absolute(sp_model).string() << ", eod_id = " << tok->end_of_document()
+              << ", dtype = " << dtype << "\n";
+    if (tok->unknown_bytes() > 0)
+      std::cout << "  note: " << tok->unknown_bytes()
+                << " bytes were not UTF-8 and the model has no byte pieces: they became its "
+                   "unknown id\n";
+  }
+  std::cout << "  wrote " << writer.train_path();
   if (val_every > 0) std::cout << " and " << writer.val_path();
   std::cout << "\n";
   if (c.removed_stale_val)

@@ -99,6 +99,8 @@ Config DeckParser::parse(const std::string& text, const std::vector<std::string>
   read_overrides(overrides);
   assign(convert());
   deck::check_consistency(cfg_, [this](const std::string& name) { return locate(name); });
+  cfg_.model.document_eod =
+      cfg_.train.document_mask ? cfg_.data.end_of_document(cfg_.model.vocab_size) : -1;
   cfg_.resolved_text = resolved_text();
   return cfg_;
 }

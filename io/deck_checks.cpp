@@ -26,6 +26,8 @@ void require_one_of(const Locate& locate, const char* key, const std::string& va
                         << "'");
 }
 
+void check_distinct(const std::vector<int>& blocks, const char* key, const Locate& locate);
+
 void check_model(const ModelCfg& m, const Locate& locate) {
   const std::pair<const char*, int> dims[] = {
       {"model.vocab_size", m.vocab_size}, {"model.d_model", m.d_model},
@@ -47,10 +49,20 @@ void check_model(const ModelCfg& m, const Locate& locate) {
   KMOE_DECK_REQUIRE(m.rope_theta > 0, "model.rope_theta", "model.rope_theta must be positive");
   KMOE_DECK_REQUIRE(m.init_std > 0, "model.init_std",
                     "model.init_std = " << m.init_std << ": must be positive");
+  KMOE_DECK_REQUIRE(m.init_gain > 0, "model.init_gain",
+                    "model.init_gain = " << m.init_gain << ": must be positive");
   KMOE_DECK_REQUIRE(m.embed_init_std > 0, "model.embed_init_std",
                     "model.embed_init_std = " << m.embed_init_std << ": must be positive");
   KMOE_DECK_REQUIRE(m.output_z_coef >= 0, "model.output_z_coef",
                     "model.output_z_coef must be non-negative");
+  KMOE_DECK_REQUIRE(m.sliding_window >= 0, "model.sliding_window",
+                    "model.sliding_window = " << m.sliding_window
+                                              << ": must be a positive window or 0 (off)");
+  for (int l : m.window_layers)
+    KMOE_DECK_REQUIRE(
+        l >= 0 && l < m.n_layers, "model.window_layers",
+        "model.window_layers entry " << l << " is not a block in [0, " << m.n_layers << ")");
+  check_distinct(m.window_layers, "model.window_layers", locate);
 }
 
 void check_train(const TrainCfg& t, const Locate& locate) {
@@ -94,6 +106,16 @@ void check_optimizer(const OptimizerCfg& o, int max_steps, const Locate& locate)
 void check_data(const DataCfg& d, int vocab_size, const Locate& locate) {
   require_one_of(locate, "data.dtype", d.dtype, {"uint16", "uint32"});
   KMOE_DECK_REQUIRE(!d.paths.empty(), "data.paths", "data.paths must name at least one file");
+  KMOE_DECK_REQUIRE(d.tokenizer != Tokenizer::SentencePiece || !d.tokenizer_model.empty(),
+                    "data.tokenizer_model",
+                    "data.tokenizer = sentencepiece needs data.tokenizer_model (the .model file)");
+  KMOE_DECK_REQUIRE(d.tokenizer != Tokenizer::SentencePiece || d.eod_id >= 0, "data.eod_id",
+                    "data.tokenizer = sentencepiece needs data.eod_id (the model's end-of-"
+                    "document id, which kmoe-prep prints)");
+  KMOE_DECK_REQUIRE(d.tokenizer == Tokenizer::SentencePiece || d.tokenizer_model.empty(),
+                    "data.tokenizer_model",
+                    "data.tokenizer_model is given but data.tokenizer = "
+                        << choice_name(d.tokenizer) << " (set data.tokenizer = sentencepiece)");
   KMOE_DECK_REQUIRE(d.dtype != "uint16" || vocab_size <= 65536, "model.vocab_size",
                     "model.vocab_size (" << vocab_size
                                          << ") exceeds 65536, the most data.dtype = uint16 can "
@@ -238,6 +260,11 @@ void check_consistency(const Config& cfg, const Locate& locate) {
   check_train(cfg.train, locate);
   check_optimizer(cfg.optimizer, cfg.train.max_steps, locate);
   check_data(cfg.data, cfg.model.vocab_size, locate);
+  KMOE_DECK_REQUIRE(!cfg.train.document_mask || cfg.data.end_of_document(cfg.model.vocab_size) >= 0,
+                    "train.document_mask",
+                    "train.document_mask = true needs an end-of-document id: set data.eod_id (the "
+                    "tokenizer '" << choice_name(cfg.data.tokenizer) << "' of a "
+                                  << cfg.model.vocab_size << "-id vocabulary has none)");
   check_parallel(cfg, locate);
   check_outputs(cfg.checkpoint, cfg.output, locate);
 }

@@ -243,13 +243,27 @@ Schema::Schema(Config& c) : options_("kmoe input deck") {
       "std of the truncated-normal matrices under model.init = normal");
   key(c.model.init, "init", InitScheme::Normal,
       "matrix initialization (MODEL.md section 7): normal (N(0, model.init_std)) | fan_in "
-      "(N(0, 1/sqrt(input width)))");
+      "(N(0, model.init_gain / sqrt(input width)))");
+  key(c.model.init_gain, "init_gain", 1.0,
+      "model.init = fan_in: the gain of every matrix's std (1/sqrt(3) = 0.577 gives "
+      "PyTorch's nn.Linear default variance)");
   key(c.model.init_depth_scale, "init_depth_scale", false,
       "divide the output projections' std (attention wo, every w2) by sqrt(2 * n_layers)");
   derived<double>(
       c.model.embed_init_std, "embed_init_std", "model.init_std",
       [&c] { return c.model.init_std; }, "std of the embedding matrix");
   key(c.model.output_z_coef, "output_z_coef", 0.0, "weight of the output z-loss");
+  key(c.model.sliding_window, "sliding_window", 0,
+      "sliding-window attention: a position reads its W most recent positions (itself "
+      "included) in the blocks of window_layers; 0 = off");
+  derived<std::vector<int>>(
+      c.model.window_layers, "window_layers", "every block but each 4th",
+      [&c] {
+        return c.model.sliding_window > 0 ? ModelCfg::default_window_layers(c.model.n_layers)
+                                          : std::vector<int>{};
+      },
+      "blocks with the sliding window, comma-separated; default OLMo 3's pattern: every block "
+      "but 3, 7, 11, ... (those keep full causal attention)");
 
   section("moe", "mixture of experts (MODEL.md section 3); experts = 0 is a dense model");
   key(c.moe.experts, "experts", 0, "routed experts E; 0 = dense");
@@ -314,6 +328,10 @@ Schema::Schema(Config& c) : options_("kmoe input deck") {
       "activation recompute: none | block (a block keeps only its input and runs its forward "
       "again just before its backward; bit-identical results, the blocks share one set of "
       "activation buffers)");
+  key(c.train.document_mask, "document_mask", false,
+      "a position reads only earlier positions of its own document (documents end at "
+      "data.eod_id, which belongs to the document it ends): attention, Engram's n-grams and its "
+      "convolution stop at the boundary; RoPE positions keep counting from the sequence start");
 
   section("optimizer", "AdamW and the learning-rate schedule");
   required(c.optimizer.lr, "lr", "peak learning rate");
@@ -339,11 +357,15 @@ Schema::Schema(Config& c) : options_("kmoe input deck") {
   key(c.data.dtype, "dtype", "uint16", "token type of the files: uint16 | uint32");
   key(c.data.tokenizer, "tokenizer", Tokenizer::Bytes,
       "what the token ids mean: bytes (kmoe-prep's byte-level ids: 0..255 the bytes, 256 the "
-      "end of a document) | external (another tool's, e.g. a model imported from Hugging "
-      "Face); kmoe-export and kmoe-generate read it from the checkpoint's deck");
+      "end of a document) | sentencepiece (kmoe-prep --sentencepiece or --train-sentencepiece "
+      "with data.tokenizer_model) | external (another tool's, e.g. a model imported from "
+      "Hugging Face); kmoe-export and kmoe-generate read it from the checkpoint's deck");
+  key(c.data.tokenizer_model, "tokenizer_model", "",
+      "data.tokenizer = sentencepiece: the model file (kmoe-prep prints the deck lines)");
   key(c.data.eod_id, "eod_id", -1,
       "the id that ends a document, where generation stops; -1: the tokenizer's (bytes: 256, "
-      "external: none); an imported model's eos_token_id");
+      "external: none; sentencepiece: give it, kmoe-prep prints it); an imported model's "
+      "eos_token_id");
 
   section("parallel", "process grid: world = pp * dp * ep ranks");
   key(c.parallel.pp, "pp", 1, "pipeline stages");

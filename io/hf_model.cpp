@@ -81,6 +81,10 @@ HfArch hf_arch_for(const Config& cfg) {
   KMOE_REQUIRE(!cfg.engram.enabled(),
                "engram.layers = " << cfg.engram.layers.size()
                                   << " layer(s): no Hugging Face model type has Engram memory");
+  KMOE_REQUIRE(m.sliding_window == 0 || m.window_layers.empty(),
+               "model.sliding_window = " << m.sliding_window
+                                         << ": olmo2, llama, olmoe and flex_olmo have no "
+                                            "sliding-window attention");
   if (!e.enabled()) {
     KMOE_REQUIRE(!reordered || m.qk_norm,
                  "model.qk_norm = false: olmo2 (model.block_norm = reordered) always applies "

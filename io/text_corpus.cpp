@@ -178,8 +178,11 @@ std::string CorpusWriter::val_path() const {
 }
 
 void CorpusWriter::add_document(std::string_view document) {
+  add_ids(byte_tokenize_document(document));
+}
+
+void CorpusWriter::add_ids(const std::vector<std::int32_t>& ids) {
   const std::int64_t index = counts_.documents_train + counts_.documents_val;
-  const std::vector<std::int32_t> ids = byte_tokenize_document(document);
   const auto n = static_cast<std::int64_t>(ids.size());
   if (val_every_ > 0 && index % val_every_ == val_every_ - 1) {
     val_->append(ids);

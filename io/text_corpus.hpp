@@ -101,7 +101,9 @@ class CorpusWriter {
  public:
   CorpusWriter(const std::string& out_dir, const std::string& dtype, std::int64_t val_every);
 
-  void add_document(std::string_view document);
+  void add_document(std::string_view document);  // byte-level ids
+  // A document another tokenizer encoded, its end-of-document id included.
+  void add_ids(const std::vector<std::int32_t>& ids);
   // Commits the files; throws kmoe::Error (leaving no token files) if no document reached
   // train.bin. With val_every = 0 an existing out_dir/val.bin (another corpus's) is removed.
   CorpusCounts finish();

@@ -5,7 +5,7 @@ packages=(
   g++ make cmake
   libtrilinos-kokkos-dev libtrilinos-kokkos-kernels-dev libopenblas-dev
   libopenmpi-dev openmpi-bin libhdf5-openmpi-dev hdf5-tools
-  libboost-program-options-dev libgtest-dev nlohmann-json3-dev
+  libboost-program-options-dev libgtest-dev nlohmann-json3-dev libsentencepiece-dev
   python3 python3-matplotlib python3-torch python3-h5py
   fortunes
   slurm-wlm munge procps

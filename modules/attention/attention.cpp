@@ -9,10 +9,33 @@
 
 namespace kmoe {
 
-std::int64_t Attention::workspace_bytes(const ModelCfg& m, int max_seqs, int T, bool bf16) {
+std::vector<Attention::Tile> Attention::tiles(int T, int window) {
+  std::vector<Tile> v;
+  std::int64_t before = 0;
+  for (int r0 = 0; r0 < T; r0 += kTile) {
+    Tile t;
+    t.r0 = r0;
+    t.rows = std::min(kTile, T - r0);
+    t.k0 = window > 0 ? std::max(0, r0 - window + 1) / kTile * kTile : 0;
+    t.nk = r0 + t.rows - t.k0;
+    t.before = before;
+    before += std::int64_t(t.rows) * t.nk;
+    v.push_back(t);
+  }
+  return v;
+}
+
+std::int64_t Attention::band_elements(int T, int window) {
+  const Tile last = tiles(T, window).back();
+  return last.before + std::int64_t(last.rows) * last.nk;
+}
+
+std::int64_t Attention::workspace_bytes(const ModelCfg& m, int max_seqs, int T, bool bf16,
+                                        int window) {
   const std::int64_t N = std::int64_t(max_seqs) * T, dh = m.head_dim();
   const std::int64_t qd = m.n_heads * dh, kd = m.n_kv_heads * dh;
-  const std::int64_t probs = Workspace::rounded(4 * std::int64_t(max_seqs) * m.n_heads * T * T);
+  const std::int64_t probs =
+      Workspace::rounded(4 * std::int64_t(max_seqs) * m.n_heads * band_elements(T, window));
   const std::int64_t heads = Workspace::rounded(4 * N * qd);
   const std::int64_t forward = heads + (bf16 ? probs : 0);
   const std::int64_t backward = heads + probs + 2 * Workspace::rounded(4 * N * kd) +
@@ -21,12 +44,13 @@ std::int64_t Attention::workspace_bytes(const ModelCfg& m, int max_seqs, int T, 
 }
 
 Attention::Attention(const ModelCfg& m, const std::string& prefix, int max_seqs, int seq_len,
-                     TensorTable& table)
+                     TensorTable& table, int window)
     : D_(m.d_model),
       H_(m.n_heads),
       Hkv_(m.n_kv_heads),
       dh_(m.head_dim()),
       T_(seq_len),
+      window_(window),
       qk_norm_(m.qk_norm),
       eps_(static_cast<float>(m.norm_eps)) {
   const std::int64_t qd = H_ * dh_, kd = Hkv_ * dh_;
@@ -49,53 +73,109 @@ Attention::Attention(const ModelCfg& m, const std::string& prefix, int max_seqs,
   q_ = KeptOperand("attn::q", N * qd);
   k_ = KeptOperand("attn::k", N * kd);
   v_ = KeptOperand("attn::v", N * kd);
-  probs_ = KeptOperand("attn::probs", static_cast<std::int64_t>(max_seqs) * H_ * T_ * T_);
+  tiles_ = tiles(T_, window_);
+  band_ = band_elements(T_, window_);
+  tile_before_ = Kokkos::View<std::int64_t*, Layout, MemSpace>("attn::tile_before", tiles_.size());
+  auto hb = Kokkos::create_mirror_view(tile_before_);
+  for (std::size_t i = 0; i < tiles_.size(); ++i) hb(i) = tiles_[i].before;
+  Kokkos::deep_copy(tile_before_, hb);
+  probs_ = KeptOperand("attn::probs", static_cast<std::int64_t>(max_seqs) * H_ * band_);
   merged_ = KeptOperand("attn::merged", N * qd);
 }
 
 namespace {
 
-// Element (r, c) of concatenated heads (N, H*dh) in the head layout (nseq, H, T, dh).
-KOKKOS_INLINE_FUNCTION std::int64_t head_index(int r, int c, int T, int H, int dh) {
-  return ((std::int64_t(r / T) * H + c / dh) * T + r % T) * dh + c % dh;
+// Element i of query head h at position t of sequence s in the query layout
+// (nseq, Hkv, T, G, dh): the G heads of a kv head side by side at each position.
+KOKKOS_INLINE_FUNCTION std::int64_t query_index(int s, int h, int t, int i, int T, int Hkv, int G,
+                                                int dh) {
+  return (((std::int64_t(s) * Hkv + h / G) * T + t) * G + h % G) * dh + i;
 }
 
-// Concatenated heads (N, H*dh) into the head layout.
-void split_heads(ConstMat merged, float* heads, int T, int H, int dh) {
+// Element (r, c) of concatenated heads (N, H*dh) in the query layout.
+KOKKOS_INLINE_FUNCTION std::int64_t head_index(int r, int c, int T, int Hkv, int G, int dh) {
+  return query_index(r / T, c / dh, r % T, c % dh, T, Hkv, G, dh);
+}
+
+// Concatenated heads (N, H*dh) into the query layout.
+void split_heads(ConstMat merged, float* heads, int T, int Hkv, int G, int dh) {
   Kokkos::parallel_for(
-      "attn::split_heads", Range2({0, 0}, {int(merged.extent(0)), H * dh}),
-      KOKKOS_LAMBDA(int r, int c) { heads[head_index(r, c, T, H, dh)] = merged(r, c); });
+      "attn::split_heads", Range2({0, 0}, {int(merged.extent(0)), Hkv * G * dh}),
+      KOKKOS_LAMBDA(int r, int c) { heads[head_index(r, c, T, Hkv, G, dh)] = merged(r, c); });
 }
 
-// The head layout into N rows of concatenated heads, kept for the output projection.
-void merge_heads(const float* heads, KeptOut merged, int N, int T, int H, int dh) {
-  const int qd = H * dh;
+// The query layout into N rows of concatenated heads, kept for the output projection.
+void merge_heads(const float* heads, KeptOut merged, int N, int T, int Hkv, int G, int dh) {
+  const int qd = Hkv * G * dh;
   Kokkos::parallel_for(
       "attn::merge_heads", Range2({0, 0}, {N, qd}), KOKKOS_LAMBDA(int r, int c) {
-        merged.set(std::int64_t(r) * qd + c, heads[head_index(r, c, T, H, dh)]);
+        merged.set(std::int64_t(r) * qd + c, heads[head_index(r, c, T, Hkv, G, dh)]);
       });
 }
 
-// One row of the causal softmax backward in place: g = P * (g - sum_j P g) * scale over keys
-// [0, t], 0 beyond, with P as kept (fp32 or bf16 pointer, row start applied).
+// The first element of a strided operand moved by `offset` elements.
+Strided shifted(Strided x, std::int64_t offset) {
+  if (x.data) x.data += offset;
+  if (x.b16) x.b16 += offset;
+  return x;
+}
+
+// A row of the band: which tile, sequence, head and position the league index `r` of a kernel
+// over all nseq * H * T rows of the probabilities is, and where its nk values start. Rows come
+// tile after tile; within a tile, (sequence, kv head) blocks of G * rows rows, each position's
+// G heads adjacent.
+struct BandRow {
+  int s, t, k0, nk;
+  std::int64_t start;
+};
+KOKKOS_INLINE_FUNCTION BandRow band_row(int r, int nseq, int H, int Hkv, int G, int T, int window,
+                                        const std::int64_t* before) {
+  const int tile_rows = nseq * H * Attention::kTile;  // league rows of one full tile
+  const int nt = (T + Attention::kTile - 1) / Attention::kTile;
+  int i = r / tile_rows;
+  if (i > nt - 1) i = nt - 1;
+  const int r0 = i * Attention::kTile;
+  const int rows = T - r0 < Attention::kTile ? T - r0 : Attention::kTile;
+  const int local = r - nseq * H * r0;  // rows before this tile: nseq * H * r0
+  const int block = local / (G * rows), rr = local % (G * rows);
+  BandRow b;
+  b.s = block / Hkv;
+  b.t = r0 + rr / G;
+  const int first = window > 0 && r0 - window + 1 > 0 ? r0 - window + 1 : 0;
+  b.k0 = first / Attention::kTile * Attention::kTile;
+  b.nk = r0 + rows - b.k0;
+  b.start = std::int64_t(nseq) * H * before[i] + std::int64_t(local) * b.nk;
+  return b;
+}
+
+// The first key position t reads: its document's start, and within the window.
+KOKKOS_INLINE_FUNCTION int first_key(int t, int doc_start, int window) {
+  const int w = window > 0 ? t - window + 1 : 0;
+  return doc_start > w ? doc_start : w;
+}
+
+// One band row of the masked softmax backward in place: g = P * (g - sum_j P g) * scale over
+// its entries [lo, hi] (keys lo + k0 .. hi + k0), 0 elsewhere of its nk, with P as kept (fp32
+// or bf16 pointer, row start applied).
 template <class P>
-KOKKOS_INLINE_FUNCTION void softmax_row_backward(const TeamMember& tm, int t, int T, P pr, float* g,
-                                                 float scale) {
+KOKKOS_INLINE_FUNCTION void softmax_row_backward(const TeamMember& tm, int lo, int hi, int nk, P pr,
+                                                 float* g, float scale) {
   float dot = 0.0f;
   Kokkos::parallel_reduce(
-      Kokkos::TeamThreadRange(tm, t + 1), [&](int j, float& s) { s += kept_load(pr, j) * g[j]; },
-      dot);
+      Kokkos::TeamThreadRange(tm, lo, hi + 1),
+      [&](int j, float& s) { s += kept_load(pr, j) * g[j]; }, dot);
   tm.team_barrier();  // every read of g before the first write
-  Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, T), [&](int j) {
-    g[j] = j <= t ? kept_load(pr, j) * (g[j] - dot) * scale : 0.0f;
+  Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, nk), [&](int j) {
+    g[j] = j >= lo && j <= hi ? kept_load(pr, j) * (g[j] - dot) * scale : 0.0f;
   });
 }
 
 }  // namespace
 
 void Attention::forward(const TensorTable& table, const RopeTables& rope, ConstMat a, Mat out,
-                        Workspace& ws) {
+                        Workspace& ws, DocStarts docs) {
   Workspace::Frame frame(ws);
+  docs_ = docs;
   const int N = a.extent(0), T = T_, nseq = N / T, H = H_, Hkv = Hkv_, dh = dh_, half = dh / 2;
   const int qd = H * dh, kd = Hkv * dh, W = qd + 2 * kd, G = H / Hkv;
   const float eps = eps_;
@@ -141,7 +221,8 @@ void Attention::forward(const TensorTable& table, const RopeTables& rope, ConstM
             a1 *= is_q ? gq[w0 + half] : gk[w0 + half];
           }
           rope_rotate(a0, a1, cs(t, i), sn(t, i));
-          const std::int64_t base = ((std::int64_t(s) * (is_q ? H : Hkv) + h) * T + t) * dh;
+          const std::int64_t base = is_q ? query_index(s, h, t, 0, T, Hkv, G, dh)
+                                         : ((std::int64_t(s) * Hkv + h) * T + t) * dh;
           const KeptOut& dst = is_q ? q : k;
           dst.set(base + i, a0);
           dst.set(base + i + half, a1);
@@ -152,46 +233,62 @@ void Attention::forward(const TensorTable& table, const RopeTables& rope, ConstM
       });
 
   const float scale = 1.0f / std::sqrt(static_cast<float>(dh));
-  const std::int64_t TT = std::int64_t(T) * T, Tdh = std::int64_t(T) * dh;
-  // The G query heads of a kv head are adjacent in the head layout (nseq, H, T, dh), so each
-  // (sequence, kv head) is one (G*T, dh) matrix against the kv head's (T, dh): a strided batch.
-  const int groups = nseq * Hkv;
-  // Per (sequence, kv head), strided: scores (G*T, T) = q k^T / sqrt(dh), into the kept
-  // probabilities (fp32 runs: the softmax works in place) or a workspace buffer (bf16 runs: the
-  // softmax rounds the probabilities into the kept bf16 buffer).
-  float* scores =
-      probs_.product_target(probs_.is_bf16() ? frame.floats(std::int64_t(nseq) * H * TT) : nullptr);
-  gemm_strided_batched(Trans::N, Trans::T, scale, q_.strided(G * T, dh, G * Tdh),
-                       k_.strided(T, dh, Tdh), 0.0f, scores, G * T, T, G * TT, groups);
+  const std::int64_t Tdh = std::int64_t(T) * dh, TGdh = Tdh * G;
+  const int groups = nseq * Hkv;  // every GEMM below is a strided batch over (sequence, kv head)
+  // Per query tile: scores (G*rows, nk) = q_tile k_range^T / sqrt(dh) for every (sequence, kv
+  // head), into the kept probabilities (fp32 runs: the softmax works in place) or a workspace
+  // buffer (bf16 runs: the softmax rounds the probabilities into the kept bf16 buffer).
+  const std::int64_t band = std::int64_t(nseq) * H * band_;
+  float* scores = probs_.product_target(probs_.is_bf16() ? frame.floats(band) : nullptr);
+  const Strided qs = q_.strided(G * T, dh, TGdh), ks = k_.strided(T, dh, Tdh);
+  for (const Tile& tl : tiles_) {
+    const int m = G * tl.rows;
+    gemm_strided_batched(Trans::N, Trans::T, scale, shifted({qs.data, m, dh, TGdh, qs.b16},
+                                                            std::int64_t(tl.r0) * G * dh),
+                         shifted({ks.data, tl.nk, dh, Tdh, ks.b16}, std::int64_t(tl.k0) * dh), 0.0f,
+                         scores + std::int64_t(nseq) * H * tl.before, m, tl.nk,
+                         std::int64_t(m) * tl.nk, groups);
+  }
 
-  // Causal softmax, one team per row, its threads over the keys (on CPUs a one-thread team:
-  // the exp loop is branch-free, exp_poly, and vectorizes; the max and the sum run in column
-  // order).
-  auto sc = as_mat(scores, nseq * H * T, T);
+  // Masked softmax over each band row's keys [lo, t] (causal, document, window), one team per
+  // row, its threads over the keys (on CPUs a one-thread team: the exp loop is branch-free,
+  // exp_poly, and vectorizes; the max and the sum run in key order).
   const KeptOut p = probs_.out();
+  const int window = window_;
+  const std::int64_t* before = tile_before_.data();
   Kokkos::parallel_for(
       "attn::causal_softmax", row_policy(nseq * H * T), KOKKOS_LAMBDA(const TeamMember& tm) {
-        const int r = tm.league_rank(), t = r % T;
-        float* row = &sc(r, 0);
+        const BandRow b = band_row(tm.league_rank(), nseq, H, Hkv, G, T, window, before);
+        const int lo = first_key(b.t, docs(b.s * T + b.t), window) - b.k0, hi = b.t - b.k0;
+        float* row = scores + b.start;
         float mx = 0.0f, sum = 0.0f;
         Kokkos::parallel_reduce(
-            Kokkos::TeamThreadRange(tm, t + 1),
+            Kokkos::TeamThreadRange(tm, lo, hi + 1),
             [&](int j, float& m) { m = row[j] > m ? row[j] : m; }, Kokkos::Max<float>(mx));
-        Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, t + 1),
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, lo, hi + 1),
                              [&](int j) { row[j] = math::exp_poly(row[j] - mx); });
         tm.team_barrier();
         Kokkos::parallel_reduce(
-            Kokkos::TeamThreadRange(tm, t + 1), [&](int j, float& s) { s += row[j]; }, sum);
+            Kokkos::TeamThreadRange(tm, lo, hi + 1), [&](int j, float& s) { s += row[j]; }, sum);
         const float inv = 1.0f / sum;
-        const std::int64_t base = std::int64_t(r) * T;
-        Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, T),
-                             [&](int j) { p.set(base + j, j <= t ? row[j] * inv : 0.0f); });
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, b.nk), [&](int j) {
+          p.set(b.start + j, j >= lo && j <= hi ? row[j] * inv : 0.0f);
+        });
       });
 
-  float* heads = frame.floats(std::int64_t(N) * qd);  // (nseq, H, T, dh) head outputs
-  gemm_strided_batched(Trans::N, Trans::N, 1.0f, probs_.strided(G * T, T, G * TT),
-                       v_.strided(T, dh, Tdh), 0.0f, heads, G * T, dh, G * Tdh, groups);
-  merge_heads(heads, merged_.out(), N, T, H, dh);
+  // Per query tile: heads (G*rows, dh) = P_tile v_range, into the query layout.
+  float* heads = frame.floats(std::int64_t(N) * qd);
+  const Strided ps = probs_.strided(0, 0, 0), vs = v_.strided(T, dh, Tdh);
+  for (const Tile& tl : tiles_) {
+    const int m = G * tl.rows;
+    gemm_strided_batched(
+        Trans::N, Trans::N, 1.0f,
+        shifted({ps.data, m, tl.nk, std::int64_t(m) * tl.nk, ps.b16},
+                std::int64_t(nseq) * H * tl.before),
+        shifted({vs.data, tl.nk, dh, Tdh, vs.b16}, std::int64_t(tl.k0) * dh), 0.0f,
+        heads + std::int64_t(tl.r0) * G * dh, m, dh, TGdh, groups);
+  }
+  merge_heads(heads, merged_.out(), N, T, Hkv, G, dh);
   gemm(Trans::N, Trans::T, 1.0f, merged_.matrix(N, qd), table.weight(wo_, D_, qd), 0.0f, out);
 }
 
@@ -201,15 +298,15 @@ void Attention::backward(TensorTable& table, const RopeTables& rope, ConstMat a,
   const int qd = H * dh, kd = Hkv * dh, W = qd + 2 * kd, G = H / Hkv;
   const bool qk_norm = qk_norm_;
   const float scale = 1.0f / std::sqrt(static_cast<float>(dh));
-  const std::int64_t TT = std::int64_t(T) * T, Tdh = std::int64_t(T) * dh;
-  // The G query heads of a kv head are adjacent in the head layout (nseq, H, T, dh), so each
-  // (sequence, kv head) is one (G*T, dh) matrix against the kv head's (T, dh): a strided batch.
-  const int groups = nseq * Hkv;
+  const std::int64_t Tdh = std::int64_t(T) * dh, TGdh = Tdh * G;
+  const int groups = nseq * Hkv;  // every GEMM below is a strided batch over (sequence, kv head)
   Workspace::Frame frame(ws);
-  float* d_heads = frame.floats(std::int64_t(N) * qd);  // (nseq, H, T, dh): dO, then dQ
-  float* d_probs = frame.floats(std::int64_t(nseq) * H * TT);
-  float* d_k = frame.floats(std::int64_t(N) * kd);  // (nseq, Hkv, T, dh)
+  float* d_heads = frame.floats(std::int64_t(N) * qd);  // query layout: dO, then dQ
+  float* d_probs = frame.floats(std::int64_t(nseq) * H * band_);
+  float* d_k = frame.floats(std::int64_t(N) * kd);  // (nseq, Hkv, T, dh), summed over tiles
   float* d_v = frame.floats(std::int64_t(N) * kd);
+  Kokkos::deep_copy(ExecSpace(), Vec(d_k, std::int64_t(N) * kd), 0.0f);
+  Kokkos::deep_copy(ExecSpace(), Vec(d_v, std::int64_t(N) * kd), 0.0f);
 
   // Output projection: dWo += dout^T merged; d_merged = dout Wo, split into heads.
   gemm(Trans::T, Trans::N, 1.0f, dout, merged_.matrix(N, qd), 1.0f,
@@ -218,33 +315,52 @@ void Attention::backward(TensorTable& table, const RopeTables& rope, ConstMat a,
     Workspace::Frame merged(ws);  // d_merged's memory becomes d_qkv's below
     Mat d_merged = merged.mat(N, qd);
     gemm(Trans::N, Trans::N, 1.0f, dout, table.weight(wo_, D_, qd), 0.0f, d_merged);
-    split_heads(as_cmat(d_merged), d_heads, T, H, dh);
+    split_heads(as_cmat(d_merged), d_heads, T, Hkv, G, dh);
   }
 
-  // dP = dO v^T; dv = P^T dO (summed over the group's heads by the GEMM itself).
-  gemm_strided_batched(Trans::N, Trans::T, 1.0f, {d_heads, G * T, dh, G * Tdh},
-                       v_.strided(T, dh, Tdh), 0.0f, d_probs, G * T, T, G * TT, groups);
-  gemm_strided_batched(Trans::T, Trans::N, 1.0f, probs_.strided(G * T, T, G * TT),
-                       {d_heads, G * T, dh, G * Tdh}, 0.0f, d_v, T, dh, Tdh, groups);
+  // Per query tile: dP = dO_tile v_range^T; dv_range += P_tile^T dO_tile (summed over the
+  // group's heads by the GEMM itself, then over the tiles in order).
+  const Strided ps = probs_.strided(0, 0, 0), qs = q_.strided(0, 0, 0), ks = k_.strided(0, 0, 0),
+                vs = v_.strided(0, 0, 0);
+  for (const Tile& tl : tiles_) {
+    const int m = G * tl.rows;
+    const std::int64_t at = std::int64_t(nseq) * H * tl.before, mk = std::int64_t(m) * tl.nk;
+    const Strided d_out{d_heads + std::int64_t(tl.r0) * G * dh, m, dh, TGdh};
+    gemm_strided_batched(Trans::N, Trans::T, 1.0f, d_out,
+                         shifted({vs.data, tl.nk, dh, Tdh, vs.b16}, std::int64_t(tl.k0) * dh),
+                         0.0f, d_probs + at, m, tl.nk, mk, groups);
+    gemm_strided_batched(Trans::T, Trans::N, 1.0f, shifted({ps.data, m, tl.nk, mk, ps.b16}, at),
+                         d_out, 1.0f, d_v + std::int64_t(tl.k0) * dh, tl.nk, dh, Tdh, groups);
+  }
 
   // Softmax backward in place: dS = P * (dP - sum_j P dP) * scale (P as kept: R(P) in bf16).
   const KeptIn p = probs_.in();
-  auto dp = as_mat(d_probs, nseq * H * T, T);
+  const DocStarts docs = docs_;
+  const int window = window_;
+  const std::int64_t* before = tile_before_.data();
   Kokkos::parallel_for(
       "attn::softmax_backward", row_policy(nseq * H * T), KOKKOS_LAMBDA(const TeamMember& tm) {
-        const int r = tm.league_rank(), t = r % T;
-        const std::int64_t base = std::int64_t(r) * T;
+        const BandRow b = band_row(tm.league_rank(), nseq, H, Hkv, G, T, window, before);
+        const int lo = first_key(b.t, docs(b.s * T + b.t), window) - b.k0, hi = b.t - b.k0;
         if (p.b16)
-          softmax_row_backward(tm, t, T, p.b16 + base, &dp(r, 0), scale);
+          softmax_row_backward(tm, lo, hi, b.nk, p.b16 + b.start, d_probs + b.start, scale);
         else
-          softmax_row_backward(tm, t, T, p.f32 + base, &dp(r, 0), scale);
+          softmax_row_backward(tm, lo, hi, b.nk, p.f32 + b.start, d_probs + b.start, scale);
       });
 
-  // dq = dS k (overwrites dO in d_heads, no longer needed); dk = dS^T q.
-  gemm_strided_batched(Trans::N, Trans::N, 1.0f, {d_probs, G * T, T, G * TT},
-                       k_.strided(T, dh, Tdh), 0.0f, d_heads, G * T, dh, G * Tdh, groups);
-  gemm_strided_batched(Trans::T, Trans::N, 1.0f, {d_probs, G * T, T, G * TT},
-                       q_.strided(G * T, dh, G * Tdh), 0.0f, d_k, T, dh, Tdh, groups);
+  // Per query tile: dq_tile = dS k_range (overwrites dO, no longer needed); dk_range +=
+  // dS^T q_tile.
+  for (const Tile& tl : tiles_) {
+    const int m = G * tl.rows;
+    const std::int64_t at = std::int64_t(nseq) * H * tl.before, mk = std::int64_t(m) * tl.nk;
+    const Strided d_s{d_probs + at, m, tl.nk, mk};
+    gemm_strided_batched(Trans::N, Trans::N, 1.0f, d_s,
+                         shifted({ks.data, tl.nk, dh, Tdh, ks.b16}, std::int64_t(tl.k0) * dh),
+                         0.0f, d_heads + std::int64_t(tl.r0) * G * dh, m, dh, TGdh, groups);
+    gemm_strided_batched(Trans::T, Trans::N, 1.0f, d_s,
+                         shifted({qs.data, m, dh, TGdh, qs.b16}, std::int64_t(tl.r0) * G * dh),
+                         1.0f, d_k + std::int64_t(tl.k0) * dh, tl.nk, dh, Tdh, groups);
+  }
 
   // Back to (N, W) rows: inverse RoPE on dq, dk (gradients w.r.t. the normalized q, k), dv.
   Mat d_qkv = frame.mat(N, W);
@@ -257,7 +373,8 @@ void Attention::backward(TensorTable& table, const RopeTables& rope, ConstMat a,
         Kokkos::parallel_for(Kokkos::TeamThreadRange(team, (H + Hkv) * half), [&](int j) {
           const bool is_q = j < H * half;
           const int jj = is_q ? j : j - H * half, h = jj / half, i = jj % half;
-          const std::int64_t base = ((std::int64_t(s) * (is_q ? H : Hkv) + h) * T + t) * dh;
+          const std::int64_t base = is_q ? query_index(s, h, t, 0, T, Hkv, G, dh)
+                                         : ((std::int64_t(s) * Hkv + h) * T + t) * dh;
           float g0 = (is_q ? dq : dk)(base + i), g1 = (is_q ? dq : dk)(base + i + half);
           rope_rotate_transpose(g0, g1, cs(t, i), sn(t, i));
           const int c0 = (is_q ? 0 : qd) + h * dh + i;
@@ -316,7 +433,7 @@ KvCache::KvCache(const ModelCfg& m, int cap)
       capacity(cap) {}
 
 void Attention::decode(const TensorTable& table, const RopeTables& rope, ConstMat a, int pos,
-                       KvCache& cache, Mat out, Workspace& ws) const {
+                       KvCache& cache, Mat out, Workspace& ws, DocStarts docs) const {
   const int n = a.extent(0), H = H_, Hkv = Hkv_, dh = dh_, half = dh / 2, G = H / Hkv;
   const int qd = H * dh, kd = Hkv * dh, W = qd + 2 * kd, L = pos + n, C = cache.capacity;
   KMOE_REQUIRE(L <= C && L <= int(rope.cos.extent(0)),
@@ -376,18 +493,20 @@ void Attention::decode(const TensorTable& table, const RopeTables& rope, ConstMa
         });
       });
 
-  // Per (new row, head): scores against keys 0..t, the causal softmax as forward() computes
+  // Per (new row, head): scores against keys lo..t, the masked softmax as forward() computes
   // it (exp_poly of the shifted scores, then 1/sum), the weighted values into merged heads.
   const float scale = 1.0f / std::sqrt(static_cast<float>(dh));
+  const int window = window_;
   Mat p = frame.mat(n * H, L);
   Mat merged = frame.mat(n, qd);
   Kokkos::parallel_for(
       "attn::decode_softmax_values", TeamPolicy(n * H, Kokkos::AUTO),
       KOKKOS_LAMBDA(const TeamMember& tm) {
         const int row = tm.league_rank(), r = row / H, h = row % H, t = pos + r;
+        const int lo = first_key(t, docs(t), window);
         const std::int64_t kv0 = std::int64_t(h / G) * C * dh;
         float* s = &p(row, 0);
-        Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, t + 1), [&](int j) {
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, lo, t + 1), [&](int j) {
           float acc = 0.0f;
           for (int i = 0; i < dh; ++i) acc += q(r, h * dh + i) * kc(kv0 + std::int64_t(j) * dh + i);
           s[j] = acc * scale;
@@ -395,18 +514,18 @@ void Attention::decode(const TensorTable& table, const RopeTables& rope, ConstMa
         tm.team_barrier();
         float mx = 0.0f, sum = 0.0f;
         Kokkos::parallel_reduce(
-            Kokkos::TeamThreadRange(tm, t + 1),
+            Kokkos::TeamThreadRange(tm, lo, t + 1),
             [&](int j, float& m) { m = s[j] > m ? s[j] : m; }, Kokkos::Max<float>(mx));
-        Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, t + 1),
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, lo, t + 1),
                              [&](int j) { s[j] = math::exp_poly(s[j] - mx); });
         tm.team_barrier();
         Kokkos::parallel_reduce(
-            Kokkos::TeamThreadRange(tm, t + 1), [&](int j, float& acc) { acc += s[j]; }, sum);
+            Kokkos::TeamThreadRange(tm, lo, t + 1), [&](int j, float& acc) { acc += s[j]; }, sum);
         const float inv = 1.0f / sum;
         tm.team_barrier();
         Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, dh), [&](int i) {
           float acc = 0.0f;
-          for (int j = 0; j <= t; ++j) acc += s[j] * inv * vc(kv0 + std::int64_t(j) * dh + i);
+          for (int j = lo; j <= t; ++j) acc += s[j] * inv * vc(kv0 + std::int64_t(j) * dh + i);
           merged(r, h * dh + i) = acc;
         });
       });

@@ -4,8 +4,10 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "core/config.hpp"
+#include "core/doc_starts.hpp"
 #include "core/kept_operand.hpp"
 #include "core/kokkos_types.hpp"
 #include "core/tensor_table.hpp"
@@ -26,13 +28,16 @@ struct KvCache {
 class Attention {
  public:
   // Declares blocks.<l>.attn.{wq,wk,wv,wo,q_norm,k_norm} (wq|wk|wv adjacent: one GEMM).
+  // window > 0: position t reads keys (t - window, t] only (model.sliding_window).
   Attention(const ModelCfg& m, const std::string& prefix, int max_seqs, int seq_len,
-            TensorTable& table);
+            TensorTable& table, int window = 0);
 
-  // a: (N, D) with N = nseq * T  ->  out: (N, D). Saves what backward needs; its temporaries
-  // (the head outputs; in bf16 runs the fp32 scores) come from `ws`.
+  // a: (N, D) with N = nseq * T  ->  out: (N, D). Position t of a row reads keys
+  // [max(docs(row), t - window + 1), t] (docs: train.document_mask; empty: from 0). Saves what
+  // backward needs (`docs` must stay valid until then); its temporaries (the head outputs; in
+  // bf16 runs the fp32 scores) come from `ws`.
   void forward(const TensorTable& table, const RopeTables& rope, ConstMat a, Mat out,
-               Workspace& ws);
+               Workspace& ws, DocStarts docs = DocStarts());
   // dout: (N, D) -> da: (N, D) (assigned); parameter gradients accumulate. Temporaries from
   // `ws`: dO and dQ (nseq, H, T, dh), dP (nseq, H, T, T), dK and dV (nseq, Hkv, T, dh), the
   // merged dO (N, H*dh) and then d(q|k|v) (N, (H+2Hkv)*dh).
@@ -42,23 +47,47 @@ class Attention {
   // Incremental decoding (generation): a: (n, D), the rows of positions [pos, pos + n) of one
   // sequence whose earlier positions' keys and values `cache` holds -> out: (n, D), what
   // forward() gives those rows of the whole sequence (up to the order of the sums). Their keys
-  // and values join the cache. Saves nothing for backward; temporaries from `ws`.
+  // and values join the cache; docs(p): the document start of position p, for p < pos + n.
+  // Saves nothing for backward; temporaries from `ws`.
   void decode(const TensorTable& table, const RopeTables& rope, ConstMat a, int pos,
-              KvCache& cache, Mat out, Workspace& ws) const;
+              KvCache& cache, Mat out, Workspace& ws, DocStarts docs = DocStarts()) const;
 
-  // The workspace bytes the deepest of the two calls takes, for max_seqs sequences.
-  static std::int64_t workspace_bytes(const ModelCfg& m, int max_seqs, int seq_len, bool bf16);
+  // The workspace bytes the deepest of the two calls takes, for max_seqs sequences, in a block
+  // whose window is `window` (0: none).
+  static std::int64_t workspace_bytes(const ModelCfg& m, int max_seqs, int seq_len, bool bf16,
+                                      int window = 0);
+
+  // Blocked attention: queries in tiles of kTile positions; the tile of rows [r0, r0 + rows)
+  // reads the keys [k0, r0 + rows), k0 its window's first key rounded down to a tile (0
+  // without a window), and nothing else is computed or kept: per sequence and query head the
+  // probabilities hold band_elements(T, window) values instead of T * T.
+  static constexpr int kTile = 64;
+  struct Tile {
+    int r0, rows, k0, nk;
+    std::int64_t before;  // band elements of the tiles before this one (per sequence and head)
+  };
+  static std::vector<Tile> tiles(int T, int window);
+  static std::int64_t band_elements(int T, int window);
 
  private:
-  int D_, H_, Hkv_, dh_, T_;
+  int D_, H_, Hkv_, dh_, T_, window_;
   bool qk_norm_;
+  DocStarts docs_;  // the last forward's
+  std::vector<Tile> tiles_;
+  Kokkos::View<std::int64_t*, Layout, MemSpace> tile_before_;  // tiles_[i].before, on the device
+  std::int64_t band_ = 0;                                       // band_elements(T, window)
   float eps_;
   int wq_, wo_, q_norm_ = -1, k_norm_ = -1;
   // Saved activations, sized for max_seqs sequences.
   View1F qkv_;              // (N, (H+2Hkv)*dh), before QK-norm
   View1F rstd_q_, rstd_k_;  // (N)
-  KeptOperand q_, k_, v_;   // (nseq, H|Hkv, T, dh), after norm and RoPE (bf16 in bf16 runs)
-  KeptOperand probs_;       // (nseq, H, T, T), causal softmax (bf16 in bf16 runs)
+  // After norm and RoPE (bf16 in bf16 runs): q (nseq, Hkv, T, G, dh), the G query heads of a
+  // kv head interleaved per position so that a query tile of a kv head's group is one
+  // (G * rows, dh) matrix; k, v (nseq, Hkv, T, dh).
+  KeptOperand q_, k_, v_;
+  // The masked softmax, tile after tile: tile i's (nseq * Hkv) blocks of (G * rows, nk) at
+  // nseq * H * before (bf16 in bf16 runs).
+  KeptOperand probs_;
   KeptOperand merged_;      // (N, H*dh), heads concatenated (bf16 in bf16 runs)
 };
 

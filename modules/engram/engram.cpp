@@ -57,7 +57,7 @@ EngramLayer::EngramLayer(const ModelCfg& m, const EngramCfg& g, const EngramHash
   } else {
     table_ = table.add(table_spec);
   }
-  // The projections: engram.init_std, or under model.init = fan_in 1/sqrt(d_mem).
+  // The projections: engram.init_std, or under model.init = fan_in init_gain/sqrt(d_mem).
   const double proj = m.init == InitScheme::FanIn ? m.matrix_std(d_mem_) : std;
   wk_ = table.add(TensorSpec::matrix(prefix + "wk", {D_, d_mem_}, proj).gemm_weight());
   wv_ = table.add(TensorSpec::matrix(prefix + "wv", {D_, d_mem_}, proj).gemm_weight());
@@ -79,10 +79,11 @@ EngramLayer::EngramLayer(const ModelCfg& m, const EngramCfg& g, const EngramHash
   gate_now_ = Kokkos::View<double, MemSpace>("engram::gate_now");
 }
 
-Operand EngramLayer::lookup(const TensorTable& table, ConstIVec tokens, bool count) {
+Operand EngramLayer::lookup(const TensorTable& table, ConstIVec tokens, bool count,
+                            DocStarts docs) {
   const int N = tokens.extent(0), dh = dh_;
   auto rows = Kokkos::subview(rows_, Kokkos::make_pair(0, N), Kokkos::ALL);
-  hasher_.rows(tokens, T_, rows_);
+  hasher_.rows(tokens, T_, rows_, docs);
   if (stats_ && count) {  // lookups per row, for the rows-touched metric (integer atomics: exact)
     auto touched = stats_->counters(cols_.touched, R_);
     Kokkos::parallel_for(
@@ -108,11 +109,12 @@ Operand EngramLayer::lookup(const TensorTable& table, ConstIVec tokens, bool cou
 }
 
 void EngramLayer::forward(const TensorTable& table, ConstMat x, ConstIVec tokens, Mat out,
-                          bool count) {
+                          bool count, DocStarts docs) {
   const int N = x.extent(0), D = D_, T = T_, dm = d_mem_;
   const int Nn = Nn_, ker = kernel_;
   N_ = N;
-  const Operand mem = lookup(table, tokens, count);
+  docs_ = docs;
+  const Operand mem = lookup(table, tokens, count, docs);
 
   Mat key = as_mat(key_.data(), N, D), val = as_mat(val_.data(), N, D);
   gemm(Trans::N, Trans::T, 1.0f, mem, table.weight(wk_, D, dm), 0.0f, key);
@@ -155,7 +157,7 @@ void EngramLayer::forward(const TensorTable& table, ConstMat x, ConstIVec tokens
         "engram::gate_mean", Range(0, 1), KOKKOS_LAMBDA(int) { gsum(0) += now() / N; });
   }
 
-  // u = RMSNorm_c(v); causal depthwise conv with dilation N within each sequence;
+  // u = RMSNorm_c(v); causal depthwise conv with dilation N within each sequence (document);
   // out = v + silu(c).
   Mat u = as_mat(u_.data(), N, D), c = as_mat(c_.data(), N, D);
   rmsnorm_forward(as_cmat(v), ConstVec(table.param(c_norm_), D), eps_, ConstMat(), u,
@@ -163,11 +165,11 @@ void EngramLayer::forward(const TensorTable& table, ConstMat x, ConstIVec tokens
   auto wc = as_cmat(table.param(conv_), D, ker);
   Kokkos::parallel_for(
       "engram::conv", Range2({0, 0}, {N, D}), KOKKOS_LAMBDA(int r, int d) {
-        const int t = r % T;
+        const int t = r % T, first = docs(r);
         float acc = 0.0f;
         for (int i = 0; i < ker; ++i) {
           const int back = (ker - 1 - i) * Nn;
-          if (t - back >= 0) acc += wc(d, i) * u(r - back, d);
+          if (t - back >= first) acc += wc(d, i) * u(r - back, d);
         }
         c(r, d) = acc;
         out(r, d) = v(r, d) + math::silu(acc);
@@ -186,6 +188,7 @@ void EngramLayer::backward(TensorTable& table, ConstMat x, ConstMat dout, Mat dx
   auto u = as_cmat(u_.data(), N, D), c = as_cmat(c_.data(), N, D);
   auto v = as_cmat(v_.data(), N, D), val = as_cmat(val_.data(), N, D);
   auto wc = as_cmat(table.param(conv_), D, ker);
+  const DocStarts docs = docs_;
   Workspace::Frame frame(ws);
   Mat dc = frame.mat(N, D), du = frame.mat(N, D);
 
@@ -201,7 +204,7 @@ void EngramLayer::backward(TensorTable& table, ConstMat x, ConstMat dout, Mat dx
       "engram::conv_weight_grad", N, D * ker,
       KOKKOS_LAMBDA(int r, int c) {
         const int d = c / ker, back = (ker - 1 - c % ker) * Nn;
-        return r % T - back >= 0 ? dc(r, d) * u(r - back, d) : 0.0f;
+        return r % T - back >= docs(r) ? dc(r, d) * u(r - back, d) : 0.0f;
       },
       Vec(table.grad(conv_), D * ker));
   Kokkos::parallel_for(
@@ -210,7 +213,8 @@ void EngramLayer::backward(TensorTable& table, ConstMat x, ConstMat dout, Mat dx
         float acc = 0.0f;
         for (int i = 0; i < ker; ++i) {
           const int fwd = (ker - 1 - i) * Nn;
-          if (t + fwd < T) acc += wc(d, i) * dc(r + fwd, d);
+          // position t + fwd reads t when both are in one document
+          if (t + fwd < T && docs(r + fwd) <= t) acc += wc(d, i) * dc(r + fwd, d);
         }
         du(r, d) = acc;
       });

@@ -49,8 +49,10 @@ class EngramLayer {
 
   // x: (N, D) residual stream, tokens: (N) compressed ids (EngramCompression) -> out: (N, D).
   // count = false: a recompute of a forward already counted (train.recompute), which adds
-  // nothing to the statistics.
-  void forward(const TensorTable& table, ConstMat x, ConstIVec tokens, Mat out, bool count = true);
+  // nothing to the statistics. docs (train.document_mask): n-grams and the convolution do not
+  // reach before a position's document start; kept for backward, like the buffers.
+  void forward(const TensorTable& table, ConstMat x, ConstIVec tokens, Mat out, bool count = true,
+               DocStarts docs = DocStarts());
   // dout: (N, D) -> dx: (N, D) gradient through the gate's RMSNorm_q(x) (assigned). Once per
   // forward: it reuses saved buffers as temporaries, and takes two (N, D), an (N) and an
   // (N, d_mem) from `ws`.
@@ -62,7 +64,8 @@ class EngramLayer {
   // Steps 1-6 alone (the first part of forward): hashes the N tokens, counts the lookups and
   // gathers the rows -> (N, d_mem) (bf16 values in bf16 runs), valid until the next call.
   // Gathers N * d_mem values.
-  Operand lookup(const TensorTable& table, ConstIVec tokens, bool count = true);
+  Operand lookup(const TensorTable& table, ConstIVec tokens, bool count = true,
+                 DocStarts docs = DocStarts());
   int memory_width() const { return d_mem_; }
   // How many earlier positions one position's output reads (generation): the convolution's
   // reach, (kernel - 1) * max_ngram, and the n-gram context of its earliest tap, max_ngram - 1.
@@ -90,6 +93,7 @@ class EngramLayer {
   EngramStatColumns cols_;
   Kokkos::View<double, MemSpace> gate_now_;  // this forward's gate sum
   int N_ = 0;
+  DocStarts docs_;  // the last forward's
   std::unique_ptr<EngramShard> shard_;  // a row-sharded table (more than one member)
 };
 

@@ -112,7 +112,8 @@ EngramHasher::EngramHasher(const EngramHashPlan& plan, int max_ngram, int heads,
   Kokkos::deep_copy(offsets_, ho);
 }
 
-void EngramHasher::rows(ConstIVec tokens, int T, Kokkos::View<int**, Layout, MemSpace> rows) const {
+void EngramHasher::rows(ConstIVec tokens, int T, Kokkos::View<int**, Layout, MemSpace> rows,
+                        DocStarts docs) const {
   const int N = max_ngram_, K = heads_, n_tok = tokens.extent(0);
   const std::uint64_t pad = static_cast<std::uint64_t>(pad_c_);
   auto mult = mult_;
@@ -120,10 +121,10 @@ void EngramHasher::rows(ConstIVec tokens, int T, Kokkos::View<int**, Layout, Mem
   auto offsets = offsets_;
   Kokkos::parallel_for(
       "engram::rows", Range(0, n_tok), KOKKOS_LAMBDA(int i) {
-        const int t = i % T;
+        const int t = i % T, first = docs(i);  // the earliest position its n-grams read
         std::uint64_t mix = 0;  // XOR over k < n of S_k[t] * m_k, grown one order at a time
         for (int k = 0; k < N; ++k) {
-          const std::uint64_t s = t >= k ? static_cast<std::uint64_t>(tokens(i - k)) : pad;
+          const std::uint64_t s = t - k >= first ? static_cast<std::uint64_t>(tokens(i - k)) : pad;
           mix ^= s * mult(k);
           if (k == 0) continue;  // orders start at n = 2
           const int n = k + 1;

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "core/config.hpp"
+#include "core/doc_starts.hpp"
 #include "core/kokkos_types.hpp"
 
 namespace kmoe {
@@ -45,8 +46,10 @@ EngramCompression load_engram_compression(const EngramCfg& cfg, int vocab_size);
 class EngramHasher {
  public:
   EngramHasher(const EngramHashPlan& plan, int max_ngram, int heads, int pad_c);
-  // tokens: (nseq * T) compressed ids -> rows: (nseq * T, (N-1)*K) table rows.
-  void rows(ConstIVec tokens, int T, Kokkos::View<int**, Layout, MemSpace> rows) const;
+  // tokens: (nseq * T) compressed ids -> rows: (nseq * T, (N-1)*K) table rows. With `docs`
+  // (train.document_mask) n-grams do not reach before their position's document start either.
+  void rows(ConstIVec tokens, int T, Kokkos::View<int**, Layout, MemSpace> rows,
+            DocStarts docs = DocStarts()) const;
   int heads_total() const { return (max_ngram_ - 1) * heads_; }
 
  private:

@@ -18,7 +18,7 @@ std::int64_t Block::workspace_bytes(const ModelCfg& m, const MoeCfg& e, const En
   const std::int64_t ffn = e.is_moe_layer(layer)
                                ? MoeLayer::workspace_bytes(m, e, N, ep, bf16)
                                : SwigluMlp::workspace_bytes(N, m.ffn_hidden, bf16);
-  const std::int64_t layers = std::max({Attention::workspace_bytes(m, max_seqs, T, bf16), ffn,
+  const std::int64_t layers = std::max({Attention::workspace_bytes(m, max_seqs, T, bf16, m.window(layer)), ffn,
                                         engram ? EngramLayer::workspace_bytes(m, g, N) : 0});
   return (engram ? 4 : 3) * Workspace::rounded(4 * N * m.d_model) + layers;
 }
@@ -31,7 +31,7 @@ Block::Block(const ModelCfg& m, const MoeCfg& e, const EngramCfg& g, const Engra
       eps_(static_cast<float>(m.norm_eps)),
       attn_norm_(table.add(TensorSpec::gain(block_prefix(layer) + "attn_norm.weight", D_))),
       ffn_norm_(table.add(TensorSpec::gain(block_prefix(layer) + "ffn_norm.weight", D_))),
-      attn_(m, block_prefix(layer) + "attn.", max_seqs, T, table) {
+      attn_(m, block_prefix(layer) + "attn.", max_seqs, T, table, m.window(layer)) {
   const std::int64_t N = std::int64_t(max_seqs) * T;
   if (plan) {
     EngramLayer::Sharding sh;
@@ -59,12 +59,12 @@ Block::Block(const ModelCfg& m, const MoeCfg& e, const EngramCfg& g, const Engra
 }
 
 void Block::forward(const TensorTable& table, const RopeTables& rope, ConstMat x_block,
-                    ConstIVec tokens, Mat x_out, BlockScratch& s, bool count) {
+                    ConstIVec tokens, Mat x_out, BlockScratch& s, bool count, DocStarts docs) {
   const int N = x_block.extent(0);
   ConstMat x_in = x_block;
   if (engram_) {  // x_in = x + Engram(x, tokens)
     Mat xe = buf(x_engram_, N);
-    engram_->forward(table, x_block, tokens, xe, count);
+    engram_->forward(table, x_block, tokens, xe, count, docs);
     add(x_block, as_cmat(xe), xe);
     x_in = as_cmat(xe);
   }
@@ -72,14 +72,14 @@ void Block::forward(const TensorTable& table, const RopeTables& rope, ConstMat x
   Vec rstd_attn(rstd_attn_.data(), N), rstd_ffn(rstd_ffn_.data(), N);
   Mat attn_out = buf(attn_out_, N), h = buf(h_, N), ffn_out = buf(ffn_out_, N);
   if (reordered_) {
-    attn_.forward(table, rope, x_in, attn_out, s.work);
+    attn_.forward(table, rope, x_in, attn_out, s.work, docs);
     rmsnorm_forward(as_cmat(attn_out), g_attn, eps_, x_in, h, rstd_attn);
     ffn_forward(table, as_cmat(h), ffn_out, s, count);
     rmsnorm_forward(as_cmat(ffn_out), g_ffn, eps_, as_cmat(h), x_out, rstd_ffn);
   } else {
     Mat attn_in = buf(attn_in_, N), ffn_in = buf(ffn_in_, N);
     rmsnorm_forward(x_in, g_attn, eps_, ConstMat(), attn_in, rstd_attn);
-    attn_.forward(table, rope, as_cmat(attn_in), attn_out, s.work);
+    attn_.forward(table, rope, as_cmat(attn_in), attn_out, s.work, docs);
     add(x_in, as_cmat(attn_out), h);
     rmsnorm_forward(as_cmat(h), g_ffn, eps_, ConstMat(), ffn_in, rstd_ffn);
     ffn_forward(table, as_cmat(ffn_in), ffn_out, s, count);
@@ -95,7 +95,8 @@ BlockCache Block::new_cache(const ModelCfg& m, int capacity) const {
 }
 
 void Block::decode(const TensorTable& table, const RopeTables& rope, ConstMat x_block,
-                   ConstIVec tokens, int pos, BlockCache& cache, Mat x_out, BlockScratch& s) {
+                   ConstIVec tokens, int pos, BlockCache& cache, Mat x_out, BlockScratch& s,
+                   DocStarts docs) {
   const int n = x_block.extent(0), D = D_;
   ConstMat x_in = x_block;
   if (engram_) {
@@ -106,7 +107,7 @@ void Block::decode(const TensorTable& table, const RopeTables& rope, ConstMat x_
     const int w0 = std::max(0, pos - engram_->context()), W = pos + n - w0;
     Mat ew = buf(x_engram_, W);
     engram_->forward(table, ConstMat(cache.inputs.data() + std::int64_t(w0) * D, W, D),
-                     ConstIVec(tokens.data() + w0, W), ew, /*count=*/false);
+                     ConstIVec(tokens.data() + w0, W), ew, /*count=*/false, docs.window(w0, W));
     Mat xe(ew.data() + std::int64_t(W - n) * D, n, D);  // x + Engram(x) of the new rows
     add(x_block, as_cmat(xe), xe);
     x_in = as_cmat(xe);
@@ -115,14 +116,14 @@ void Block::decode(const TensorTable& table, const RopeTables& rope, ConstMat x_
   Vec rstd_attn(rstd_attn_.data(), n), rstd_ffn(rstd_ffn_.data(), n);
   Mat attn_out = buf(attn_out_, n), h = buf(h_, n), ffn_out = buf(ffn_out_, n);
   if (reordered_) {
-    attn_.decode(table, rope, x_in, pos, cache.kv, attn_out, s.work);
+    attn_.decode(table, rope, x_in, pos, cache.kv, attn_out, s.work, docs);
     rmsnorm_forward(as_cmat(attn_out), g_attn, eps_, x_in, h, rstd_attn);
     ffn_forward(table, as_cmat(h), ffn_out, s, /*count=*/false);
     rmsnorm_forward(as_cmat(ffn_out), g_ffn, eps_, as_cmat(h), x_out, rstd_ffn);
   } else {
     Mat attn_in = buf(attn_in_, n), ffn_in = buf(ffn_in_, n);
     rmsnorm_forward(x_in, g_attn, eps_, ConstMat(), attn_in, rstd_attn);
-    attn_.decode(table, rope, as_cmat(attn_in), pos, cache.kv, attn_out, s.work);
+    attn_.decode(table, rope, as_cmat(attn_in), pos, cache.kv, attn_out, s.work, docs);
     add(x_in, as_cmat(attn_out), h);
     rmsnorm_forward(as_cmat(h), g_ffn, eps_, ConstMat(), ffn_in, rstd_ffn);
     ffn_forward(table, as_cmat(ffn_in), ffn_out, s, /*count=*/false);

@@ -42,17 +42,19 @@ class Block {
         int layer, int max_seqs, int seq_len, TensorTable& table,
         const LayerComms& comms = LayerComms(), StepStats* stats = nullptr);
 
-  // x_in, x_out: (N, D); tokens: (N) ids (Engram). Saves what backward needs (x_in itself is
-  // kept by the caller). count = false: the recompute of a forward already run (statistics and
-  // the MoE loss terms were counted then).
+  // x_in, x_out: (N, D); tokens: (N) ids (Engram); docs: document starts (train.document_mask;
+  // valid until backward). Saves what backward needs (x_in itself is kept by the caller).
+  // count = false: the recompute of a forward already run (statistics and the MoE loss terms
+  // were counted then).
   void forward(const TensorTable& table, const RopeTables& rope, ConstMat x_in, ConstIVec tokens,
-               Mat x_out, BlockScratch& s, bool count = true);
+               Mat x_out, BlockScratch& s, bool count = true, DocStarts docs = DocStarts());
   // Incremental decoding (generation): x_in: (n, D) rows of positions [pos, pos + n) of one
   // sequence whose earlier positions `cache` holds; tokens: its compressed ids at positions
-  // [0, pos + n) (Engram) -> x_out: (n, D), as forward() computes those rows (MoE dropless
-  // when the layer was built without a capacity). Counts nothing.
+  // [0, pos + n) (Engram); docs: the document starts of positions [0, pos + n) -> x_out:
+  // (n, D), as forward() computes those rows (MoE dropless when the layer was built without a
+  // capacity). Counts nothing.
   void decode(const TensorTable& table, const RopeTables& rope, ConstMat x_in, ConstIVec tokens,
-              int pos, BlockCache& cache, Mat x_out, BlockScratch& s);
+              int pos, BlockCache& cache, Mat x_out, BlockScratch& s, DocStarts docs = DocStarts());
   BlockCache new_cache(const ModelCfg& m, int capacity) const;
 
   // dx_out -> dx_in (assigned; may not alias dx_out); parameter gradients accumulate.

@@ -38,7 +38,7 @@ struct Shapes {
         N(Size(b) * T),
         H(m.n_heads),
         W(qd + Size(2) * kd),
-        probs(Size(b) * m.n_heads * T * T),
+        probs(Size(b) * m.n_heads * Attention::band_elements(T, 0)),  // windows: at most
         kb(precision == Precision::Bf16 ? 2 : 4),
         tied(m.tie_embeddings),
         pre(m.block_norm == BlockNorm::Pre) {}
@@ -52,13 +52,15 @@ struct Shapes {
   Size mlp_saved() const { return kb * N * 3 * F; }
   Size block_saved() const { return attn_saved() + mlp_saved(); }
   // An MoE layer saves logits/probs (N, E), up to N*k rows of inputs (kept unless ep > 1 with
-  // d_model odd), outputs and hiddens (kept), and its shared experts' pre-activations and
-  // activation (kept). With expert parallelism the expert side keeps its received rows and
-  // hiddens, sized for twice a balanced share of the rows.
+  // d_model odd), outputs, the hiddens (kept; without expert parallelism only: with it the
+  // expert side keeps them), and its shared experts' pre-activations and activation (kept).
+  // With expert parallelism the expert side keeps its received rows and hiddens, sized for
+  // twice a balanced share of the rows.
   Size moe_saved(int ep) const {
     const Size slots = N * k, rows_kb = ep == 1 || D.get() % 2 == 0 ? kb : Size(4);
     Size bytes = Size(4) * (Size(2) * N * E + N + Size(3) * slots + slots * D) +
-                 rows_kb * slots * D + kb * slots * Size(3) * Fe + kb * N * Size(3) * Fs;
+                 rows_kb * slots * D + kb * N * Size(3) * Fs;
+    if (ep <= 1) bytes += kb * slots * Size(3) * Fe;
     return bytes + expert_side_saved(ep);
   }
   // With expert parallelism: what the expert side keeps for backward (the received rows and

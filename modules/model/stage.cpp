@@ -91,6 +91,7 @@ Stage::Stage(const ModelCfg& m, const MoeCfg& e, int max_seqs, int T, TensorTabl
     Kokkos::deep_copy(compress_, h);
     compressed_ = View1I("stage::compressed_tokens", max_seqs * T);
   }
+  if (m.document_eod >= 0) doc_start_ = View1I("stage::doc_start", max_seqs * T);
   for (std::size_t l = 0; l <= blocks_.size(); ++l)
     resid_.emplace_back("stage::resid", std::int64_t(max_seqs) * T * m.d_model);
   scratch_ = pool ? pool->shared<BlockScratch>("stage::scratch") : std::make_shared<BlockScratch>();
@@ -121,10 +122,12 @@ LossSums Stage::forward(const TensorTable& table, const std::int32_t* tokens, in
         "stage::compress_tokens", Range(0, N), KOKKOS_LAMBDA(int i) { out(i) = map(tok(i)); });
   }
   const ConstIVec engram_tok = engram_tokens(N);
+  if (model_.document_eod >= 0) document_starts(tok, nseq, T_, model_.document_eod, doc_start_);
   const bool moe = has_moe();
   if (moe) Kokkos::deep_copy(ExecSpace(), scratch_->moe_aux, 0.0);
   for (std::size_t l = 0; l < blocks_.size(); ++l)
-    blocks_[l]->forward(table, rope_, as_cmat(resid(l, N)), engram_tok, resid(l + 1, N), *scratch_);
+    blocks_[l]->forward(table, rope_, as_cmat(resid(l, N)), engram_tok, resid(l + 1, N), *scratch_,
+                        /*count=*/true, docs(N));
   LossSums sums;
   if (has_head_)
     sums = head_->forward(table, as_cmat(resid(blocks_.size(), N)), tok, T_, grad_scale, loss_sums);
@@ -172,9 +175,12 @@ ConstMat Stage::decode(const TensorTable& table, const std::int32_t* ids, int po
   }
   if (has_embed_) embed_->forward(table, ConstIVec(tokens_.data() + pos, n), resid(0, n));
   const ConstIVec history = engram_tokens(L);
+  // The document starts of positions [0, L), the whole history as one sequence.
+  if (model_.document_eod >= 0)
+    document_starts(ConstIVec(tokens_.data(), L), 1, L, model_.document_eod, doc_start_);
   for (std::size_t l = 0; l < blocks_.size(); ++l)
     blocks_[l]->decode(table, rope_, as_cmat(resid(l, n)), history, pos, cache.blocks[l],
-                       resid(l + 1, n), *scratch_);
+                       resid(l + 1, n), *scratch_, docs(L));
   if (!has_head_) return ConstMat();
   return head_->logits(table, as_cmat(resid(blocks_.size(), n)));
 }
@@ -209,7 +215,7 @@ const float* Stage::backward(TensorTable& table, const std::function<void(int)>&
   for (int l = static_cast<int>(blocks_.size()) - 1; l >= 0; --l) {
     if (recompute_)  // the block's saved buffers again, from its kept input
       blocks_[l]->forward(table, rope_, as_cmat(resid(l, N)), engram_tokens(N),
-                          as_mat(recomputed_.data(), N, D_), *scratch_, /*count=*/false);
+                          as_mat(recomputed_.data(), N, D_), *scratch_, /*count=*/false, docs(N));
     blocks_[l]->backward(table, rope_, as_cmat(resid(l, N)), as_cmat(dy), dx, *scratch_,
                          aux_scale_);
     std::swap(dx, dy);

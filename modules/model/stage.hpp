@@ -119,6 +119,11 @@ class Stage {
                                    : ConstIVec(tokens_.data(), N);
   }
 
+  // The document starts of the last forward's rows (train.document_mask), else none.
+  DocStarts docs(int N) const {
+    return doc_start_.extent(0) > 0 ? DocStarts{ConstIVec(doc_start_.data(), N)} : DocStarts();
+  }
+
   ModelCfg model_;
   int D_, T_, max_seqs_, first_;
   bool has_embed_, has_head_;
@@ -133,6 +138,7 @@ class Stage {
   std::shared_ptr<BlockScratch> scratch_;
   View1I tokens_;                 // (max_seqs * T) device copy of the ids
   View1I compress_, compressed_;  // Engram: (V) canonical ids, (max_seqs * T) compressed ids
+  View1I doc_start_;              // (max_seqs * T) train.document_mask: each row's document start
   std::vector<View1F> resid_;     // blocks+1 residual streams (N, D): block inputs and output
   View1F d_x_, d_y_;              // (N, D) backward ping-pong
   bool recompute_ = false;

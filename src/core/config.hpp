@@ -25,7 +25,7 @@ enum class ExpertGemm { Auto, Grouped, PerExpert };  // moe.expert_gemm
 enum class Precision { Fp32, Tf32, Bf16 };           // train.precision
 enum class Recompute { None, Block };                // train.recompute
 enum class OptimizerShard { None, Replicas };        // optimizer.shard
-enum class Tokenizer { Bytes, External };            // data.tokenizer
+enum class Tokenizer { Bytes, SentencePiece, External };            // data.tokenizer
 enum class InitScheme { Normal, FanIn };             // model.init
 
 template <class E>
@@ -100,6 +100,7 @@ struct Choices<InitScheme> {
 template <>
 struct Choices<Tokenizer> {
   static constexpr Choice<Tokenizer> all[] = {{Tokenizer::Bytes, "bytes"},
+                                              {Tokenizer::SentencePiece, "sentencepiece"},
                                               {Tokenizer::External, "external"}};
 };
 template <>
@@ -158,18 +159,41 @@ struct ModelCfg {
   // 1/sqrt(fan_in) (fan_in); the output projections (wo, every w2) divided by sqrt(2 * n_layers)
   // with init_depth_scale; the embedding's own std (-1: model.init_std).
   InitScheme init = InitScheme::Normal;
+  double init_gain = 1.0;  // fan_in: every matrix's std is init_gain / sqrt(fan_in)
   bool init_depth_scale = false;
   double embed_init_std = -1.0;
+  // Sliding-window attention (MODEL.md section 1): in the blocks of window_layers a position
+  // reads the sliding_window most recent positions (itself included); 0: no window.
+  int sliding_window = 0;
+  std::vector<int> window_layers;  // resolved: every block but each 4th (l % 4 == 3) when empty
+  // Document masking (train.document_mask): the id that ends a document, where attention,
+  // Engram's n-grams and its convolution stop; -1: none. Resolved from train.document_mask and
+  // data.eod_id when the deck is read.
+  int document_eod = -1;
 
   int head_dim() const { return d_model / n_heads; }
   // The std of a matrix whose rows are `fan_in` wide (its input features); `output`: an
   // output projection of its block (attention wo, a SwiGLU's w2).
   double matrix_std(std::int64_t fan_in, bool output = false) const {
-    double s = init == InitScheme::FanIn ? 1.0 / std::sqrt(double(fan_in)) : init_std;
+    double s = init == InitScheme::FanIn ? init_gain / std::sqrt(double(fan_in)) : init_std;
     if (output && init_depth_scale) s /= std::sqrt(2.0 * n_layers);
     return s;
   }
   double embedding_std() const { return embed_init_std > 0 ? embed_init_std : init_std; }
+  // The attention window of block `layer` (0: the whole causal prefix).
+  int window(int layer) const {
+    if (sliding_window <= 0) return 0;
+    for (int l : window_layers)
+      if (l == layer) return sliding_window;
+    return 0;
+  }
+  // OLMo 3's pattern: every block but each 4th (3, 7, ...) has a window.
+  static std::vector<int> default_window_layers(int n_layers) {
+    std::vector<int> v;
+    for (int l = 0; l < n_layers; ++l)
+      if (l % 4 != 3) v.push_back(l);
+    return v;
+  }
 };
 
 // Mixture of experts (MODEL.md section 3). experts = 0: a dense model.
@@ -230,6 +254,7 @@ struct TrainCfg {
   bool check_memory = true;               // refuse a run its node or device cannot hold
   Precision precision = Precision::Fp32;  // GEMM inputs: fp32, TF32 (GPUs) or bf16 (MODEL.md 8)
   Recompute recompute = Recompute::None;  // block: keep block inputs, run forward again
+  bool document_mask = false;             // attention and Engram stop at data.eod_id
 };
 
 struct OptimizerCfg {
@@ -253,6 +278,7 @@ struct DataCfg {
   // What the ids mean: kmoe-prep's byte-level ids (0..255 bytes, 256 end of document), or
   // another tool's (a model imported from Hugging Face, pre-tokenized files).
   Tokenizer tokenizer = Tokenizer::Bytes;
+  std::string tokenizer_model;  // data.tokenizer = sentencepiece: the model file
   int eod_id = -1;  // the id that ends a document; -1: the tokenizer's (bytes: 256; none)
 
   // The end-of-document id of a model of `vocab` ids, or -1 when it has none.

@@ -18,7 +18,8 @@ Usage: check_reference.py BIN_DIR WORK_DIR [--block-norm reordered|pre] [--kv-he
          [--lb-coef X] [--router-z-coef X]]
          [--engram-layers L,.. [--engram-gate sigmoid|signed_sqrt] [--engram-ngram N]
          [--engram-heads K] [--engram-embed DE] [--engram-table-size S,..] [--engram-kernel W]
-         [--engram-fold M]] [--precision fp32|bf16] [--reuse]
+         [--engram-fold M]] [--precision fp32|bf16] [--document-mask]
+         [--sliding-window W [--window-layers L,..]] [--reuse]
 With --engram-layers the deck gets an [engram] section; --engram-fold M writes a compression map
 folding token ids mod M (engram.compression_map).
 With --precision bf16 (train.precision, MODEL.md section 8) the reference rounds the same
@@ -136,7 +137,11 @@ def main():
                     help="train.precision")
     ap.add_argument("--init", default="normal", choices=["normal", "fan_in"], help="model.init")
     ap.add_argument("--init-depth-scale", action="store_true", help="model.init_depth_scale")
+    ap.add_argument("--init-gain", type=float, default=1.0, help="model.init_gain")
     ap.add_argument("--embed-init-std", type=float, help="model.embed_init_std (omitted: default)")
+    ap.add_argument("--document-mask", action="store_true", help="train.document_mask")
+    ap.add_argument("--sliding-window", type=int, default=0, help="model.sliding_window")
+    ap.add_argument("--window-layers", default="", help="model.window_layers (omitted: default)")
     ap.add_argument("--reuse", action="store_true",
                     help="skip kmoe-prep/kmoe-train and check the outputs already in WORK_DIR")
     args = ap.parse_args()
@@ -197,7 +202,10 @@ tie_embeddings = {'true' if args.tie else 'false'}
 output_z_coef = {args.z_coef!r}
 init = {args.init}
 init_depth_scale = {'true' if args.init_depth_scale else 'false'}
+init_gain = {args.init_gain!r}
 {f"embed_init_std = {args.embed_init_std!r}" if args.embed_init_std else ""}
+sliding_window = {args.sliding_window}
+{f"window_layers = {args.window_layers}" if args.window_layers else ""}
 [train]
 seq_len = 32
 global_batch = 8
@@ -205,6 +213,7 @@ micro_batch = 2
 max_steps = 3
 seed = 7
 precision = {args.precision}
+document_mask = {'true' if args.document_mask else 'false'}
 [optimizer]
 lr = 3e-3
 warmup_steps = 2

@@ -140,9 +140,14 @@ class Config:
         self.init_std = g("init_std", 0.02, float)
         self.init = g("init", "normal")
         assert self.init in ("normal", "fan_in"), self.init
+        self.init_gain = g("init_gain", 1.0, float)
         self.init_depth_scale = g("init_depth_scale", False, bool)
         self.embed_std = g("embed_init_std", self.init_std, float)
         self.output_z_coef = g("output_z_coef", 0.0, float)
+        # Sliding windows (MODEL.md section 1): OLMo 3's pattern unless listed.
+        self.window = g("sliding_window", 0, int)
+        self.window_layers = (_layers(g("window_layers", [], list))
+                              or [l for l in range(self.L) if l % 4 != 3]) if self.window else []
         assert self.D % self.H == 0 and self.H % self.Hkv == 0
         self.dh = self.D // self.H
         assert self.block_norm in ("reordered", "pre"), self.block_norm
@@ -155,6 +160,11 @@ class Config:
         self.max_steps, self.seed = t("max_steps"), t("seed", 0)
         self.precision = t("precision", "fp32", str)
         assert self.precision in ("fp32", "bf16"), self.precision  # tf32 is GPU-only
+        # Document masking: documents end at data.eod_id (byte-level ids: 256).
+        eod = _get(cp, "data", "eod_id", -1, int)
+        if eod < 0 and _get(cp, "data", "tokenizer", "bytes") == "bytes" and self.V > 256:
+            eod = 256
+        self.eod = eod if t("document_mask", False, bool) else None
 
         o = lambda k, d=None, ty=float: _get(cp, "optimizer", k, d, ty)  # noqa: E731
         self.lr, self.beta1, self.beta2 = o("lr"), o("beta1", 0.9), o("beta2", 0.95)
@@ -261,10 +271,31 @@ def apply_rope(u, cos, sin):
     return torch.cat([u1 * c - u2 * s, u2 * c + u1 * s], dim=-1)
 
 
+def document_ids(tokens, eod):
+    """[b, T] int64: the index of each position's document in its sequence (an end-of-document
+    id belongs to the document it ends); all 0 without document masking."""
+    if eod is None:
+        return torch.zeros_like(tokens)
+    ends = (tokens == eod).long()
+    return torch.cumsum(ends, dim=1) - ends
+
+
+def attention_mask(doc, window):
+    """[b, 1, T, T] bool, True where query t may not read key j: j > t, another document, or
+    t - j >= window (window > 0)."""
+    T = doc.shape[1]
+    t = torch.arange(T)[:, None]
+    j = torch.arange(T)[None, :]
+    masked = (j > t)[None] | (doc[:, :, None] != doc[:, None, :])
+    if window:
+        masked = masked | (t - j >= window)[None]
+    return masked[:, None]
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, window=0):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.window = cfg, window
         D, H, Hkv, dh = cfg.D, cfg.H, cfg.Hkv, cfg.dh
         self.wq = nn.Parameter(torch.zeros(H * dh, D, dtype=DT))
         self.wk = nn.Parameter(torch.zeros(Hkv * dh, D, dtype=DT))
@@ -274,7 +305,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(H * dh, cfg.norm_eps)
             self.k_norm = RMSNorm(Hkv * dh, cfg.norm_eps)
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, doc):
         c = self.cfg
         b, T, _ = x.shape
         q, k, v = mm(x, self.wq.T), mm(x, self.wk.T), mm(x, self.wv.T)
@@ -287,8 +318,7 @@ class Attention(nn.Module):
         k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, H, T, dh]
         scores = mm(q, k.transpose(-1, -2)) / math.sqrt(c.dh)
-        causal = torch.ones(T, T, dtype=torch.bool).triu(1)
-        scores = scores.masked_fill(causal, float("-inf"))
+        scores = scores.masked_fill(attention_mask(doc, self.window), float("-inf"))
         o = mm(attention_softmax(scores), v)  # [b, H, T, dh]
         return mm(o.transpose(1, 2).reshape(b, T, c.H * c.dh), self.wo.T)
 
@@ -442,19 +472,24 @@ class Engram(nn.Module):
         self.conv_norm = RMSNorm(D, cfg.norm_eps)
         self.conv = nn.Parameter(torch.zeros(D, cfg.kernel, dtype=DT))
 
-    def rows(self, tokens):
-        """int64 [b, T, (N-1)*K]: steps 1-6's row of every head (each sequence hashed alone)."""
+    def rows(self, tokens, doc):
+        """int64 [b, T, (N-1)*K]: steps 1-6's row of every head (each document hashed alone)."""
         c = self.cfg
-        out = [ehash.rows([int(v) for v in seq], self.layer, seed=c.engram_seed, max_ngram=c.N,
-                          heads=c.Ke, vocab_c=c.Vc, pad_id=c.pad_id,
-                          layer_moduli=c.moduli[self.layer], compress=c.compress)[0]
-               for seq in tokens]
+        out = []
+        for seq, ids in zip(tokens.tolist(), doc.tolist()):
+            rows = []
+            for d in sorted(set(ids)):
+                part = [v for v, i in zip(seq, ids) if i == d]
+                rows += ehash.rows(part, self.layer, seed=c.engram_seed, max_ngram=c.N,
+                                   heads=c.Ke, vocab_c=c.Vc, pad_id=c.pad_id,
+                                   layer_moduli=c.moduli[self.layer], compress=c.compress)[0]
+            out.append(rows)
         return torch.tensor(out, dtype=torch.int64)
 
-    def forward(self, x, tokens):
+    def forward(self, x, tokens, doc):
         c = self.cfg
         b, T, D = x.shape
-        e = self.table[self.rows(tokens)].reshape(b, T, c.d_mem)  # order-2 heads first
+        e = self.table[self.rows(tokens, doc)].reshape(b, T, c.d_mem)  # order-2 heads first
         key, val = mm(e, self.wk.T) + self.bk, mm(e, self.wv.T) + self.bv
         s = (self.k_norm(key) * self.q_norm(x)).sum(-1) / math.sqrt(D)
         if c.gate == "signed_sqrt":
@@ -462,10 +497,11 @@ class Engram(nn.Module):
         v = torch.sigmoid(s)[..., None] * val
         u = self.conv_norm(v)
         conv = torch.zeros_like(u)
-        for i in range(c.kernel):  # tap i reads u[t - (kernel-1-i)*N]
+        for i in range(c.kernel):  # tap i reads u[t - (kernel-1-i)*N] of the same document
             shift = (c.kernel - 1 - i) * c.N
             if shift < T:
-                conv[:, shift:] = conv[:, shift:] + self.conv[:, i] * u[:, :T - shift]
+                same = (doc[:, shift:] == doc[:, :T - shift])[..., None]
+                conv[:, shift:] = conv[:, shift:] + same * self.conv[:, i] * u[:, :T - shift]
         return v + nn.functional.silu(conv)
 
 
@@ -473,7 +509,7 @@ class Block(nn.Module):
     def __init__(self, cfg, layer):
         super().__init__()
         self.cfg, self.layer = cfg, layer
-        self.attn = Attention(cfg)
+        self.attn = Attention(cfg, cfg.window if layer in cfg.window_layers else 0)
         self.attn_norm = RMSNorm(cfg.D, cfg.norm_eps)
         self.ffn_norm = RMSNorm(cfg.D, cfg.norm_eps)
         if layer in cfg.engram_layers:
@@ -486,13 +522,13 @@ class Block(nn.Module):
     def ffn(self, h, ctx):
         return self.moe(h, ctx) if self.layer in self.cfg.moe_layers else self.mlp(h)
 
-    def forward(self, x, cos, sin, ctx, tokens):
+    def forward(self, x, cos, sin, ctx, tokens, doc):
         if self.layer in self.cfg.engram_layers:  # residual injection before attention
-            x = x + self.engram(x, tokens)
+            x = x + self.engram(x, tokens, doc)
         if self.cfg.block_norm == "reordered":
-            h = x + self.attn_norm(self.attn(x, cos, sin))
+            h = x + self.attn_norm(self.attn(x, cos, sin, doc))
             return h + self.ffn_norm(self.ffn(h, ctx))
-        h = x + self.attn(self.attn_norm(x), cos, sin)
+        h = x + self.attn(self.attn_norm(x), cos, sin, doc)
         return h + self.ffn(self.ffn_norm(h), ctx)
 
 
@@ -515,8 +551,9 @@ class Model(nn.Module):
         cos, sin = self.cos[:T], self.sin[:T]
         ctx = ctx if ctx is not None else MoEContext()
         x = self.embed.weight[tokens]
+        doc = document_ids(tokens, self.cfg.eod)
         for blk in self.blocks:
-            x = blk(x, cos, sin, ctx, tokens)
+            x = blk(x, cos, sin, ctx, tokens, doc)
         head = self.embed.weight if self.cfg.tie else self.lm_head.weight
         return mm(self.final_norm(x), head.T)
 
@@ -695,15 +732,15 @@ def init_normal(name, shape, seed, std):
 
 
 def matrix_std(cfg, name, shape):
-    """Section 7: a matrix's std from model.init (normal: model.init_std; fan_in: 1/sqrt of
-    its input width, the last dimension), output projections (attn.wo, every w2) divided by
+    """Section 7: a matrix's std from model.init (normal: model.init_std; fan_in:
+    model.init_gain / sqrt of its input width, the last dimension), output projections (attn.wo, every w2) divided by
     sqrt(2 L) under model.init_depth_scale; the embedding's model.embed_init_std; the Engram
     table's engram.init_std, its projections engram.init_std unless fan_in."""
     if name == "embed.weight":
         return cfg.embed_std
     if ".engram." in name and (name.endswith(".table") or cfg.init == "normal"):
         return cfg.engram_std
-    std = cfg.init_std if cfg.init == "normal" else 1.0 / math.sqrt(shape[-1])
+    std = cfg.init_std if cfg.init == "normal" else cfg.init_gain / math.sqrt(shape[-1])
     if cfg.init_depth_scale and name.endswith((".attn.wo", ".w2")):
         std /= math.sqrt(2.0 * cfg.L)
     return std

@@ -161,11 +161,11 @@ def check_moe_layer():
     return ok
 
 
-def naive_engram(eng, x, tokens):
+def naive_engram(eng, x, tokens, doc):
     """MODEL.md section 4 steps 6-10 for one sequence, position by position: [T, D]."""
     c = eng.cfg
     T, D = x.shape
-    rows = eng.rows(tokens[None])[0]
+    rows = eng.rows(tokens[None], doc[None])[0]
     rms = lambda v, g: g * v / math.sqrt(float(v.pow(2).mean()) + c.norm_eps)  # noqa: E731
     vs, us, out = [], [], []
     for t in range(T):
@@ -180,28 +180,67 @@ def naive_engram(eng, x, tokens):
         conv = torch.zeros(D, dtype=DT)
         for i in range(c.kernel):
             src = t - (c.kernel - 1 - i) * c.N
-            if src >= 0:
+            if src >= 0 and doc[src] == doc[t]:
                 conv = conv + eng.conv[:, i] * us[src]
         out.append(vs[t] + conv * torch.sigmoid(conv))
     return torch.stack(out)
 
 
+def masked_deck(extra=""):
+    """TEST_DECK with document masking at id 3 (and `extra` [model] keys)."""
+    return (TEST_DECK.replace("max_steps = 60", "max_steps = 60\ndocument_mask = true")
+            .replace("output_z_coef = {z}", "output_z_coef = {z}\n" + extra) + "[data]\neod_id = 3\n")
+
+
 def check_engram_layer():
     ok = True
     for eng_deck in (ENGRAM_SIGMOID, ENGRAM_SIGNED_SQRT):
-        cfg = Config(TEST_DECK.format(block_norm="reordered", tie="false", z="0", moe=eng_deck))
-        model = Model(cfg)
-        ref.init_model(model, seed=4)
-        eng = model.blocks[1].engram
+        for masked in (False, True):
+            deck = masked_deck() if masked else TEST_DECK
+            cfg = Config(deck.format(block_norm="reordered", tie="false", z="0", moe=eng_deck))
+            model = Model(cfg)
+            ref.init_model(model, seed=4)
+            eng = model.blocks[1].engram
+            with torch.no_grad():
+                for p in eng.parameters():
+                    p.add_(0.5 * torch.randn_like(p))
+                x = torch.randn(2, cfg.T, cfg.D, dtype=DT)
+                tokens = torch.randint(4, cfg.V, (2, cfg.T))
+                tokens[0, 1], tokens[1, 3] = 3, 3  # documents end inside both sequences
+                doc = ref.document_ids(tokens, cfg.eod)
+                y = eng(x, tokens, doc)
+                err = max(float((y[i] - naive_engram(eng, x[i], tokens[i], doc[i])).abs().max())
+                          for i in range(2))
+            ok &= report(err < 1e-12, f"Engram {cfg.gate} N={cfg.N} kernel={cfg.kernel} document "
+                         f"mask {masked}: per-position loop err {err:.1e}:")
+    return ok
+
+
+def check_attention_masks():
+    """Which inputs each attention output reads, by perturbing one position at a time: exactly
+    the keys j <= t of t's document within the window (MODEL.md section 1)."""
+    ok = True
+    for window in (0, 2):
+        cfg = Config(masked_deck(f"sliding_window = {window}\nwindow_layers = 0,1").format(
+            block_norm="reordered", tie="false", z="0", moe=""))
+        attn = Model(cfg).blocks[0].attn
         with torch.no_grad():
-            for p in eng.parameters():
-                p.add_(0.5 * torch.randn_like(p))
-            x = torch.randn(2, cfg.T, cfg.D, dtype=DT)
-            tokens = torch.randint(0, cfg.V, (2, cfg.T))
-            y = eng(x, tokens)
-            err = max(float((y[i] - naive_engram(eng, x[i], tokens[i])).abs().max()) for i in range(2))
-        ok &= report(err < 1e-12, f"Engram {cfg.gate} N={cfg.N} kernel={cfg.kernel}: per-position "
-                     f"loop err {err:.1e}:")
+            for p in attn.parameters():
+                p.copy_(torch.randn_like(p))
+            T = cfg.T
+            tokens = torch.tensor([[5, 3, 7, 8, 3, 9]])
+            doc = ref.document_ids(tokens, cfg.eod)
+            cos, sin = ref.rope_tables(T, cfg.dh, cfg.rope_theta)
+            x = torch.randn(1, T, cfg.D, dtype=DT)
+            y = attn(x, cos, sin, doc)
+            for j in range(T):
+                xp = x.clone()
+                xp[0, j] += 1.0
+                moved = (attn(xp, cos, sin, doc) - y).abs().amax(-1)[0] > 1e-12
+                want = [j <= t and int(doc[0, j]) == int(doc[0, t]) and (not window or t - j < window)
+                        for t in range(T)]
+                ok &= report(moved.tolist() == want, f"attention window {window} documents "
+                             f"{doc[0].tolist()}: position {j} reaches {moved.tolist()}:")
     return ok
 
 
@@ -304,6 +343,7 @@ def main():
     ok &= check_moe_layer()
     ok &= check_route_comparison()
     ok &= check_engram_layer()
+    ok &= check_attention_masks()
     for v in VARIANTS:
         ok &= check_variant(*v)
     ok &= check_gradcheck()

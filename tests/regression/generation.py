@@ -6,7 +6,10 @@
    pass over the whole sequence (--check), and the seeded sample is the same text on all three
    layouts and on a second run; another seed gives another text.
 2. Greedy decoding with --check on a dense pre-norm model without QK-norm and on the MoE model
-   trained with a capacity (generation routes without one, as the check's whole pass does).
+   trained with a capacity (generation routes without one, as the check's whole pass does);
+   a model trained with document masking and sliding windows, prompted across a document
+   boundary, on (1,1,1) and (2,1,1): the text after the boundary is the one the second
+   document alone gives.
 3. --dump-logits writes the first sample's ids and logits as .npy files of the right shapes.
 4. Bad input: --prompt when the checkpoint's ids are another tool's (data.tokenizer = external),
    an id outside the vocabulary, both prompt forms, a top-p of 0: errors naming them.
@@ -117,6 +120,26 @@ for name, ckpt in [("dense pre-norm", dense), ("MoE trained with a capacity", ca
     diff, rel = check_line(p)
     h.check(rel is not None and rel <= 1e-5 and sample_text(p) is not None,
             f"{name}, greedy: within 1e-5 ({diff}, {rel}): {sample_text(p)!r}")
+
+# 2b. Document masking with sliding windows: a prompt holding the end of an earlier document.
+# The incremental logits follow the whole pass on one rank and pipelined, and what follows the
+# boundary reads nothing before it, so the greedy text is the one the second document alone
+# gives (RoPE is relative: positions that do not restart change only the rounding).
+masked = train("masked", "--train.document_mask=true", "--model.sliding_window=7",
+               "--model.window_layers=0,2,3")
+first, second = "number 12 is even.", "number 5"
+ids = ",".join(str(b) for b in first.encode()) + ",256," + ",".join(str(b) for b in second.encode())
+alone = sample_text(generate(masked, "--prompt", second, "--max-new-tokens", "20"))
+for grid, ranks in [("1,1,1", 1), ("2,1,1", 2)]:
+    pp, dp, ep = grid.split(",")
+    p = generate(masked, "--prompt-ids", ids, "--max-new-tokens", "20", "--check",
+                 f"--parallel.pp={pp}", f"--parallel.dp={dp}", f"--parallel.ep={ep}", ranks=ranks)
+    diff, rel = check_line(p)
+    text = sample_text(p)
+    h.check(rel is not None and rel <= 1e-5 and text is not None and alone is not None
+            and text == first + second + alone[len(second):],
+            f"({grid}) document-masked, windowed: within 1e-5 ({diff}, {rel}); after the "
+            f"boundary {text!r} continues as the second document alone: {alone!r}")
 
 # 3. The logits dump.
 p = generate(moe, "--prompt", "number 8", "--max-new-tokens", "10", "--dump-logits", "dump",

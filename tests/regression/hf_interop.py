@@ -188,7 +188,8 @@ for name, extra, words in [
         ("sigmoid", MOE + ["--moe.score=sigmoid"], ["moe.score = sigmoid"]),
         ("bias", MOE + ["--moe.bias_update_rate=0.01"], ["moe.bias_update_rate"]),
         ("dense_block", MOE + ["--moe.dense_layers=0"], ["block 0 is dense"]),
-        ("pre_qk", ["--model.block_norm=pre"], ["model.qk_norm = true", "llama"])]:
+        ("pre_qk", ["--model.block_norm=pre"], ["model.qk_norm = true", "llama"]),
+        ("window", ["--model.sliding_window=8"], ["model.sliding_window = 8"])]:
     ckpt = train(f"bad_{name}", *extra, steps=1)
     refused(["kmoe-export", ckpt, f"bad_{name}_hf"], words, f"export with {name}")
 refused(["kmoe-export", "olmo2/ck/step00000003.h5", "olmo2_hf"], ["--overwrite"],

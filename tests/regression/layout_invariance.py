@@ -7,7 +7,7 @@ updates, no capacity) trains 20 steps on 1 rank and on every layout below; each 
   2. steps 1-3: every loss within 1e-5,
   3. all 20 steps (and the final validation loss) within 5e-3,
   4. the same layout twice: bit-identical losses.
-Also: Engram sharding (ep, stage), GPipe, pipeline transfers that complete only when matched
+Also: document masking with sliding windows, Engram sharding (ep, stage), GPipe, pipeline transfers that complete only when matched
 (as NCCL's on one stream), tied embeddings across stages, the watchdog on a rank
 that stops taking part (a test-only hook), and clear errors for bad grids before any
 allocation.
@@ -69,6 +69,15 @@ for name, grid, extra, base in (("rdv_l411", (4, 1, 1), [], "l411"),
     train(name, *grid, *extra, "--parallel.watchdog_seconds=60", env=RDV)
     h.check(h.losses(name) == h.losses(base),
             f"{name}: rendezvous transfers, losses bit-identical to {base}")
+# Document masking and sliding windows (blocks 0 and 2; Engram at 1 and 2 stops at documents
+# too): the same function on every layout.
+MASK = ["--train.document_mask=true", "--model.sliding_window=12", "--model.window_layers=0,2"]
+train("mask111", 1, 1, 1, *MASK)
+h.check(h.losses("mask111") != h.losses("l111"), "document masking and windows change the losses")
+for grid in ((2, 1, 2), (1, 2, 2), (2, 2, 1), (2, 2, 2)):
+    name = "mask" + "".join(map(str, grid))
+    train(name, *grid, *MASK)
+    compare(name, "mask111")
 # Router-bias updates and capacity drops are discontinuous: same-layout checks only.
 SWITCHY = ["--moe.bias_update_rate=0.01", "--moe.capacity_factor=1.0", "--train.max_steps=6",
            "--train.eval_every=0"]

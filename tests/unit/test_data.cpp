@@ -14,6 +14,7 @@
 #include "core/error.hpp"
 #include "core/rng.hpp"
 #include "io/text_corpus.hpp"
+#include "io/tokenizer.hpp"
 #include "io/token_data.hpp"
 
 namespace kmoe {
@@ -266,6 +267,31 @@ TEST(InstanceStream, ConcatenatesEpochPermutations) {
   EXPECT_EQ(stream.instance_at(2), expect[2]);  // going back recomputes the earlier epoch
   InstanceStream fresh(n, seed);
   EXPECT_EQ(fresh.instance_at(n + 3), expect[n + 3]);
+}
+
+// The byte-level tokenizer: bytes both ways (not UTF-8 included); a vocabulary too large for
+// the token dtype is an error naming the model and the dtype.
+TEST(Tokenizer, BytesBothWaysAndVocabularyFits) {
+  auto tok = byte_tokenizer();
+  const std::string text = "caf\xc3\xa9 \xff\xfe end\n";
+  std::vector<std::int32_t> ids = tok->encode(text);
+  ASSERT_EQ(ids.size(), text.size());
+  EXPECT_EQ(ids[6], 0xff);
+  ids.push_back(tok->end_of_document());
+  EXPECT_EQ(tok->decode(ids), text);
+  EXPECT_EQ(tok->pieces(), 257);
+  EXPECT_NO_THROW(check_vocab_fits(65536, "uint16", "m.model"));
+  EXPECT_NO_THROW(check_vocab_fits(70000, "uint32", "m.model"));
+  try {
+    check_vocab_fits(65537, "uint16", "big.model");
+    ADD_FAILURE() << "65537 ids fit uint16";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("big.model"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("uint32"), std::string::npos) << e.what();
+  }
+  DataCfg external;
+  external.tokenizer = Tokenizer::External;
+  EXPECT_THROW(deck_tokenizer(external), Error);
 }
 
 TEST(TextCorpus, SplitsAtSeparatorLinesAndSkipsBlankDocuments) {

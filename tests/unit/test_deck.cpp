@@ -311,6 +311,33 @@ TEST(Deck, BadChoicesAndRanges) {
   expect_contains(deck_error(deck_with("paths", "paths =")), {"test.deck:19:", "data.paths"});
 }
 
+// Sequences (MODEL.md section 1): document masking resolves the end-of-document id; windows
+// default to OLMo 3's pattern; bad values name their key.
+TEST(Deck, DocumentMaskAndSlidingWindow) {
+  const Config plain = parse_deck(kDeck, "t");
+  EXPECT_EQ(plain.model.document_eod, -1);
+  EXPECT_TRUE(plain.model.window_layers.empty());
+  EXPECT_EQ(plain.model.window(0), 0);
+  const Config c = parse_deck(kDeck, "t", {"--train.document_mask=true", "--model.sliding_window=8"});
+  EXPECT_EQ(c.model.document_eod, 256);  // the byte-level tokenizer's
+  EXPECT_EQ(c.model.window_layers, (std::vector<int>{0, 1, 2}));
+  EXPECT_EQ(c.model.window(2), 8);
+  EXPECT_EQ(c.model.window(3), 0);
+  const Config r = parse_deck(c.resolved_text, "resolved");  // the resolved deck says the same
+  EXPECT_EQ(r.model.window_layers, c.model.window_layers);
+  EXPECT_EQ(r.model.document_eod, 256);
+  EXPECT_EQ(parse_deck(kDeck, "t", {"--train.document_mask=true", "--data.eod_id=7"})
+                .model.document_eod,
+            7);
+  expect_contains(deck_error(kDeck, {"--train.document_mask=true", "--data.tokenizer=external"}),
+                  {"train.document_mask", "data.eod_id", "external"});
+  expect_contains(deck_error(kDeck, {"--model.sliding_window=-4"}),
+                  {"command line: --model.sliding_window=-4", "-4"});
+  expect_contains(deck_error(kDeck, {"--model.sliding_window=4", "--model.window_layers=1,4"}),
+                  {"model.window_layers", "entry 4", "[0, 4)"});
+  expect_contains(deck_error(kDeck, {"--model.window_layers=1,1"}), {"model.window_layers"});
+}
+
 TEST(Deck, BadOverrides) {
   expect_contains(deck_error(kDeck, {"--model.n_head=2"}),
                   {"command line: --model.n_head=2:", "unknown key model.n_head"});
@@ -326,10 +353,11 @@ TEST(Deck, HelpListsEverySectionAndKey) {
   const std::pair<const char*, std::vector<const char*>> sections[] = {
       {"[model]",
        {"vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "norm_eps",
-        "rope_theta", "qk_norm", "block_norm", "tie_embeddings", "init_std", "output_z_coef"}},
+        "rope_theta", "qk_norm", "block_norm", "tie_embeddings", "init_std", "output_z_coef",
+        "sliding_window", "window_layers"}},
       {"[train]",
        {"seq_len", "global_batch", "micro_batch", "max_steps", "seed", "eval_every",
-        "eval_instances"}},
+        "eval_instances", "document_mask"}},
       {"[optimizer]",
        {"lr", "beta1", "beta2", "eps", "weight_decay", "clip", "schedule", "warmup_steps",
         "final_lr_ratio", "decay_steps"}},

@@ -46,6 +46,10 @@ void check_gradients(const ModelCfg& m, const MoeCfg& e = MoeCfg(), float eps = 
   std::vector<std::int32_t> tokens(nseq * T);
   std::uniform_int_distribution<int> tok(0, m.vocab_size - 1);
   for (auto& t : tokens) t = tok(gen);
+  if (m.document_eod >= 0) {  // documents end inside both sequences, at different places
+    tokens[2] = tokens[5] = m.document_eod;
+    tokens[T + 4] = m.document_eod;
+  }
 
   const int targets = nseq * (T - 1);
   stage.forward(table, tokens.data(), nseq, 1.0f / targets);
@@ -132,6 +136,33 @@ TEST(ModelGradient, EngramAndMoe) {
   check_gradients(m, tiny_moe("softmax", false, 0.0, 0), 3e-3f, g);
   g.gate = EngramGate::SignedSqrt;
   check_gradients(tiny_model("pre", true, 4), MoeCfg(), 3e-3f, g);
+}
+
+// Document masking (train.document_mask) and sliding windows (block 0 windowed, block 1 full),
+// with GQA in both norm orders; then with Engram, whose n-grams and convolution stop at
+// document boundaries too.
+ModelCfg masked(ModelCfg m, int window) {
+  m.document_eod = 5;
+  m.sliding_window = window;
+  m.window_layers = {0};
+  return m;
+}
+TEST(ModelGradient, DocumentMaskAndWindowGqa) {
+  check_gradients(masked(tiny_model("reordered", false, 2), 3));
+  check_gradients(masked(tiny_model("pre", true, 2), 0));
+  check_gradients(masked(tiny_model("pre", false, 1), 2));
+}
+TEST(ModelGradient, DocumentMaskEngram) {
+  EngramCfg g;
+  g.layers = {0, 1};
+  g.max_ngram = 3;
+  g.heads = 2;
+  g.embed_per_ngram = 8;
+  g.table_size = {7, 11};
+  g.kernel = 3;
+  g.init_std = 0.3;
+  check_gradients(masked(tiny_model("reordered", false, 2), 4), tiny_moe("softmax", false, 0.0, 0),
+                  3e-3f, g);
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "full_attention.hpp"
 #include "modules/attention/attention.hpp"
 #include "modules/attention/rope.hpp"
 #include "op_test_util.hpp"
@@ -22,9 +23,11 @@ const char* const kPrefix = "blocks.0.attn.";
 // MODEL.md section 1 attention for nseq = a.rows / T sequences of T tokens, in double:
 // projections, QK-norm over the whole q and k widths, NeoX RoPE with positions restarting at 0
 // in every sequence, causal softmax scaled by 1/sqrt(dh), query head h reading kv head
-// h / (H/Hkv), output projection.
+// h / (H/Hkv), output projection. Position t reads keys [max(doc(t), t - window + 1), t]
+// (doc: each row's document start, empty = 0; window 0 = none).
 HostMat attention_ref(const ModelCfg& m, int T, const HostMat& a, const TensorTable& table,
-                      const std::vector<float>& params) {
+                      const std::vector<float>& params, int window = 0,
+                      const std::vector<int>& doc = {}) {
   const int N = a.rows, H = m.n_heads, Hkv = m.n_kv_heads, dh = m.d_model / H, half = dh / 2;
   auto p = [&](const char* n) { return param_mat(table, params, kPrefix + std::string(n)); };
   HostMat q = linear(a, p("wq")), k = linear(a, p("wk")), v = linear(a, p("wv"));
@@ -47,18 +50,19 @@ HostMat attention_ref(const ModelCfg& m, int T, const HostMat& a, const TensorTa
   HostMat o(N, H * dh);
   for (int r = 0; r < N; ++r) {
     const int first = r - r % T, t = r % T;  // the sequence's first row, the position
+    const int lo = std::max(doc.empty() ? 0 : doc[r], window > 0 ? t - window + 1 : 0);
     for (int h = 0; h < H; ++h) {
       const int g = h / (H / Hkv);
       std::vector<double> score(t + 1);
       double mx = -1e300, sum = 0.0;
-      for (int j = 0; j <= t; ++j) {
+      for (int j = lo; j <= t; ++j) {
         double s = 0.0;
         for (int d = 0; d < dh; ++d) s += q(r, h * dh + d) * k(first + j, g * dh + d);
         score[j] = s / std::sqrt(static_cast<double>(dh));
         mx = std::max(mx, score[j]);
       }
-      for (int j = 0; j <= t; ++j) sum += std::exp(score[j] - mx);
-      for (int j = 0; j <= t; ++j)
+      for (int j = lo; j <= t; ++j) sum += std::exp(score[j] - mx);
+      for (int j = lo; j <= t; ++j)
         for (int d = 0; d < dh; ++d)
           o(r, h * dh + d) += std::exp(score[j] - mx) / sum * v(first + j, g * dh + d);
     }
@@ -126,6 +130,108 @@ TEST(Attention, MultiHeadWithoutQkNorm) { check_attention(attention_cfg(2, 2, fa
 TEST(Attention, FewerSequencesThanBuffers) {
   check_attention(attention_cfg(4, 2, true), 3, 2);
   check_attention(attention_cfg(4, 1, true), 3, 1);
+}
+
+// Blocked attention (tiles of Attention::kTile positions, only the band a tile's keys need)
+// against the full-matrix oracle (tests/unit/full_attention) on the same weights and inputs:
+// output and input gradient within 1e-6 (relative to the tensor's norm), every parameter
+// gradient within 2e-6 (the key and value gradients sum over the tiles one after another
+// instead of in one product, which moves a reduction over all rows such as k_norm.weight's by
+// about 1e-6 in fp32), and the output against the double reference; T = 150 is not a multiple of the tile,
+// window 1, windows inside a tile and across tiles, W >= T (plain causal), document starts.
+double rel_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  double num = 0.0, den = 0.0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    num += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
+    den += double(b[i]) * b[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-300));
+}
+
+void check_blocked(const ModelCfg& m, int T, int nseq, int window, bool documents) {
+  const int D = m.d_model, N = nseq * T, max_seqs = nseq + 1;
+  SCOPED_TRACE("H " + std::to_string(m.n_heads) + " Hkv " + std::to_string(m.n_kv_heads) +
+               " T " + std::to_string(T) + " window " + std::to_string(window) +
+               (documents ? " documents" : ""));
+  std::mt19937 gen(T + window + 7 * m.n_kv_heads + documents);
+  TensorTable ta, tb;
+  Attention blocked(m, kPrefix, max_seqs, T, ta, window);
+  oracle::FullMatrixAttention full(m, kPrefix, max_seqs, T, tb, window);
+  ta.allocate();
+  tb.allocate();
+  ta.initialize(11);
+  randomize_params(ta, gen, 0.35f);
+  ASSERT_EQ(ta.total_elements(), tb.total_elements());
+  Kokkos::deep_copy(tb.params, ta.params);
+  RopeTables rope(T, m.head_dim(), m.rope_theta);
+  Workspace wa, wb;
+
+  // Documents: ends at a few positions of each sequence (one right at a tile's edge).
+  std::vector<int> doc(N, 0);
+  View1I doc_dev("doc", N);
+  DocStarts docs;
+  if (documents) {
+    std::vector<int> ids(N, 1);
+    for (int e : {5, 63, 64, 101}) ids[e] = 0;
+    for (int e : {30, 127, 128}) ids[std::min(N - 1, T + e)] = 0;
+    View1I ids_dev("ids", N);
+    Kokkos::deep_copy(ids_dev, Kokkos::View<const int*, HostSpace, Unmanaged>(ids.data(), N));
+    document_starts(ConstIVec(ids_dev.data(), N), nseq, T, 0, doc_dev);
+    Kokkos::deep_copy(Kokkos::View<int*, HostSpace, Unmanaged>(doc.data(), N), doc_dev);
+    docs = DocStarts{ConstIVec(doc_dev.data(), N)};
+  }
+
+  const auto a = uniform(gen, N * D, -1.0f, 1.0f), R = uniform(gen, N * D, -1.0f, 1.0f);
+  View1F a_dev = device_copy(a), R_dev = device_copy(R);
+  View1F oa("oa", N * D), ob("ob", N * D), da("da", N * D), db("db", N * D);
+  blocked.forward(ta, rope, as_cmat(a_dev.data(), N, D), as_mat(oa.data(), N, D), wa, docs);
+  full.forward(tb, rope, as_cmat(a_dev.data(), N, D), as_mat(ob.data(), N, D), wb, docs);
+  const auto out_a = to_host(oa.data(), N * D), out_b = to_host(ob.data(), N * D);
+  EXPECT_LT(rel_diff(out_a, out_b), 1e-6) << "output";
+  const auto params = to_host(ta.params.data(), ta.total_elements());
+  EXPECT_LT(rel_diff(out_a, [&] {
+              const auto r = attention_ref(m, T, HostMat(a.data(), N, D), ta, params, window, doc);
+              return std::vector<float>(r.v.begin(), r.v.end());
+            }()),
+            2e-6)
+      << "output against the double reference";
+
+  Kokkos::deep_copy(ta.grads, 0.0f);
+  Kokkos::deep_copy(tb.grads, 0.0f);
+  blocked.backward(ta, rope, as_cmat(a_dev.data(), N, D), as_cmat(R_dev.data(), N, D),
+                   as_mat(da.data(), N, D), wa);
+  full.backward(tb, rope, as_cmat(a_dev.data(), N, D), as_cmat(R_dev.data(), N, D),
+                as_mat(db.data(), N, D), wb);
+  EXPECT_LT(rel_diff(to_host(da.data(), N * D), to_host(db.data(), N * D)), 1e-6) << "da";
+  const auto ga = to_host(ta.grads.data(), ta.total_elements());
+  const auto gb = to_host(tb.grads.data(), tb.total_elements());
+  for (const auto& t : ta.entries()) {
+    const std::vector<float> x(ga.begin() + t.offset, ga.begin() + t.offset + t.size),
+        y(gb.begin() + t.offset, gb.begin() + t.offset + t.size);
+    EXPECT_LT(rel_diff(x, y), 2e-6) << t.spec.name;
+  }
+}
+
+TEST(BlockedAttention, MatchesFullMatrix) {
+  for (const auto& hk : {std::pair{4, 2}, std::pair{4, 1}, std::pair{2, 2}})
+    for (int window : {0, 1, 20, 70, 150, 200}) {
+      check_blocked(attention_cfg(hk.first, hk.second, true), 150, 2, window, false);
+      check_blocked(attention_cfg(hk.first, hk.second, true), 150, 2, window, true);
+    }
+  check_blocked(attention_cfg(4, 2, false), 64, 2, 0, true);  // one whole tile
+  check_blocked(attention_cfg(4, 2, true), 40, 3, 7, true);   // less than a tile
+  check_blocked(attention_cfg(4, 2, true), 200, 1, 64, false);
+}
+
+TEST(BlockedAttention, BandFollowsTheMask) {
+  // Plain causal: about half of T * T; a window W: about W * T plus a tile's rounding.
+  EXPECT_EQ(Attention::band_elements(64, 0), 64 * 64);
+  EXPECT_EQ(Attention::band_elements(256, 0), 64 * 64 * (1 + 2 + 3 + 4));
+  EXPECT_EQ(Attention::band_elements(150, 0), 64 * 64 + 64 * 128 + 22 * 150);
+  EXPECT_EQ(Attention::band_elements(4096, 0), std::int64_t(64) * 64 * 64 * 65 / 2);
+  EXPECT_EQ(Attention::band_elements(256, 1), 64 * 64 * 4);
+  EXPECT_EQ(Attention::band_elements(4096, 4096), Attention::band_elements(4096, 0));
+  EXPECT_LT(Attention::band_elements(4096, 1024), 4096 * (1024 + 2 * 64));
 }
 
 // The tables hold cos/sin of p * theta^(-2i/dh) computed in double, rounded to float once.

@@ -606,15 +606,17 @@ TEST(InitSchemes, EveryMatrixFollowsItsFormula) {
   struct Scheme {
     InitScheme init;
     bool depth;
-    double embed;
+    double embed, gain;
   };
-  for (const Scheme s : {Scheme{InitScheme::Normal, false, -1.0},
-                         Scheme{InitScheme::Normal, true, 0.5},
-                         Scheme{InitScheme::FanIn, false, 1.0},
-                         Scheme{InitScheme::FanIn, true, -1.0}}) {
+  for (const Scheme s : {Scheme{InitScheme::Normal, false, -1.0, 1.0},
+                         Scheme{InitScheme::Normal, true, 0.5, 0.3},
+                         Scheme{InitScheme::FanIn, false, 1.0, 1.0},
+                         Scheme{InitScheme::FanIn, true, -1.0, 1.0},
+                         Scheme{InitScheme::FanIn, true, 0.8, 0.577}}) {
     m.init = s.init;
     m.init_depth_scale = s.depth;
     m.embed_init_std = s.embed;
+    m.init_gain = s.gain;
     SCOPED_TRACE(std::string(choice_name(s.init)) + (s.depth ? " depth" : ""));
     TensorTable t;
     Stage stage(m, e, 1, 8, t, g);
@@ -630,7 +632,7 @@ TEST(InitSchemes, EveryMatrixFollowsItsFormula) {
       };
       // The formula, from the tensor's role and its input width (the last dimension).
       const double fan_in = double(en.spec.shape.back());
-      double want = s.init == InitScheme::FanIn ? 1.0 / std::sqrt(fan_in) : m.init_std;
+      double want = s.init == InitScheme::FanIn ? s.gain / std::sqrt(fan_in) : m.init_std;
       if (s.depth && (ends(".attn.wo") || ends(".w2"))) want /= std::sqrt(2.0 * m.n_layers);
       if (n == "embed.weight") want = s.embed > 0 ? s.embed : m.init_std;
       if (ends("engram.table") || (n.find(".engram.w") != std::string::npos &&
