@@ -16,16 +16,26 @@ import sys
 from benchlib import ensure_fortunes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCHEMES = {
-    "normal": [],
-    "normal_depth": ["--model.init_depth_scale=true"],
-    "normal_embed1": ["--model.embed_init_std=1.0"],
-    "fan_in": ["--model.init=fan_in"],
-    "fan_in_depth": ["--model.init=fan_in", "--model.init_depth_scale=true"],
-    "fan_in_embed1": ["--model.init=fan_in", "--model.embed_init_std=1.0"],
-    "fan_in_depth_embed1": ["--model.init=fan_in", "--model.init_depth_scale=true",
-                            "--model.embed_init_std=1.0"],
+# Each scheme sets every init key, whatever the deck says (the decks use fan_in_g0.58_embed1).
+BASE = {"init": "normal", "init_gain": "1.0", "init_depth_scale": "false",
+        "embed_init_std": "0.02"}
+VARIANTS = {
+    "normal": {},
+    "normal_depth": {"init_depth_scale": "true"},
+    "normal_embed1": {"embed_init_std": "1.0"},
+    "fan_in": {"init": "fan_in"},
+    "fan_in_depth": {"init": "fan_in", "init_depth_scale": "true"},
+    "fan_in_embed1": {"init": "fan_in", "embed_init_std": "1.0"},
+    "fan_in_depth_embed1": {"init": "fan_in", "init_depth_scale": "true",
+                            "embed_init_std": "1.0"},
+    # gain 1/sqrt(3): the variance of PyTorch's nn.Linear default (uniform in +-1/sqrt(fan_in))
+    "fan_in_g0.58": {"init": "fan_in", "init_gain": "0.577"},
+    "fan_in_g0.58_embed1": {"init": "fan_in", "init_gain": "0.577", "embed_init_std": "1.0"},
+    "fan_in_g0.58_depth_embed1": {"init": "fan_in", "init_gain": "0.577",
+                                  "init_depth_scale": "true", "embed_init_std": "1.0"},
 }
+SCHEMES = {name: [f"--model.{k}={v}" for k, v in dict(BASE, **over).items()]
+           for name, over in VARIANTS.items()}
 
 
 def main():

@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "modules/model/stage.hpp"
@@ -121,17 +122,23 @@ TEST(ModelGradient, MoeCapacityDrops) {
   check_gradients(tiny_model("reordered", true, 4), tiny_moe("softmax", true, 0.5, 1), 3e-3f);
 }
 
-// Engram at block 1 (small tables: rows collide) together with MoE at block 1: the residual
-// injection before attention, the gate on the block input, and every Engram tensor.
-TEST(ModelGradient, EngramAndMoe) {
+// Engram at `layers` with small tables (rows collide) and a convolution of `kernel` taps.
+EngramCfg tiny_engram(std::vector<int> layers, int kernel) {
   EngramCfg g;
-  g.layers = {1};
+  g.layers = std::move(layers);
   g.max_ngram = 3;
   g.heads = 2;
   g.embed_per_ngram = 8;
   g.table_size = {7, 11};
-  g.kernel = 2;
+  g.kernel = kernel;
   g.init_std = 0.3;
+  return g;
+}
+
+// Engram at block 1 together with MoE at block 1: the residual injection before attention,
+// the gate on the block input, and every Engram tensor.
+TEST(ModelGradient, EngramAndMoe) {
+  EngramCfg g = tiny_engram({1}, 2);
   auto m = tiny_model("reordered", false, 2);
   check_gradients(m, tiny_moe("softmax", false, 0.0, 0), 3e-3f, g);
   g.gate = EngramGate::SignedSqrt;
@@ -153,16 +160,8 @@ TEST(ModelGradient, DocumentMaskAndWindowGqa) {
   check_gradients(masked(tiny_model("pre", false, 1), 2));
 }
 TEST(ModelGradient, DocumentMaskEngram) {
-  EngramCfg g;
-  g.layers = {0, 1};
-  g.max_ngram = 3;
-  g.heads = 2;
-  g.embed_per_ngram = 8;
-  g.table_size = {7, 11};
-  g.kernel = 3;
-  g.init_std = 0.3;
   check_gradients(masked(tiny_model("reordered", false, 2), 4), tiny_moe("softmax", false, 0.0, 0),
-                  3e-3f, g);
+                  3e-3f, tiny_engram({0, 1}, 3));
 }
 
 }  // namespace
