@@ -230,6 +230,10 @@ int main(int argc, char** argv) {
     const int P = static_cast<int>(prompt.size()), D = cfg.model.d_model, V = cfg.model.vocab_size;
     const int capacity = P + o.max_new;
     const int eod = cfg.data.end_of_document(V);
+    // The samples' text through the checkpoint's SentencePiece model (loaded once), if it has one.
+    const auto sentencepiece = root && cfg.data.tokenizer == kmoe::Tokenizer::SentencePiece
+                                   ? kmoe::deck_tokenizer(cfg.data)
+                                   : nullptr;
 
     // 2. One sequence at a time, fp32, every MoE layer without a capacity.
     const kmoe::GemmPrecisionScope precision(kmoe::Precision::Fp32);
@@ -274,8 +278,8 @@ int main(int argc, char** argv) {
       }
       if (root) {  // the text, end-of-document ids left out (a prompt may start with one)
         std::string text;
-        if (cfg.data.tokenizer == kmoe::Tokenizer::SentencePiece) {
-          text = kmoe::deck_tokenizer(cfg.data)->decode(ids);
+        if (sentencepiece) {
+          text = sentencepiece->decode(ids);
         } else {
           for (std::int32_t id : ids) {
             if (id == eod) continue;
