@@ -22,10 +22,7 @@ struct DocStarts {
     if (empty()) return DocStarts();
     return DocStarts{ConstIVec(start.data() + first, n), shift + first};
   }
-  // Rows [first, first + n) of the same sequence (positions unchanged).
-  DocStarts rows(int first, int n) const {
-    if (empty()) return DocStarts();
-    return DocStarts{ConstIVec(start.data() + first, n), shift};
+};
   }
 };
 
