@@ -23,8 +23,6 @@ struct DocStarts {
     return DocStarts{ConstIVec(start.data() + first, n), shift + first};
   }
 };
-  }
-};
 
 // start(s * T + t) = the position within sequence s of the first token of t's document: 0, or
 // one past the last `eod` at a position before t. nseq sequences of T ids.
