@@ -200,6 +200,26 @@ KOKKOS_INLINE_FUNCTION int first_key(int t, int doc_start, int window) {
   return doc_start > w ? doc_start : w;
 }
 
+// Tile i's sequences in runs that skip the same keys (train.document_mask, planned on the host
+// from the ids): fn(s0, count, off) for sequences [s0, s0 + count), whose query tile reads no
+// key before k0 + off, off = its first row's document start past k0 (0 without a plan). A run's
+// products are one strided batch over its (sequence, kv head) pairs with rows `nk` apart.
+template <class Fn>
+void for_each_run(const DocStarts& docs, const Attention::Tile& tl, int i, int nseq,
+                  const Fn& fn) {
+  const bool plan = docs.tile_start != nullptr && gemm_rows_apart();
+  auto off = [&](int s) {
+    return plan ? std::max(0, docs.tile_start[std::size_t(s) * docs.tiles + i] - tl.k0) : 0;
+  };
+  for (int s0 = 0; s0 < nseq;) {
+    const int o = off(s0);
+    int s1 = s0 + 1;
+    while (s1 < nseq && off(s1) == o) ++s1;
+    fn(s0, s1 - s0, o);
+    s0 = s1;
+  }
+}
+
 // One band row of the masked softmax backward in place: g = P * (g - sum_j P g) * scale over
 // its entries [lo, hi] (keys lo + k0 .. hi + k0), 0 elsewhere of its nk, with P as kept (fp32
 // or bf16 pointer, row start applied).
@@ -259,20 +279,34 @@ void Attention::forward(const TensorTable& table, const RopeTables& rope, ConstM
 
   const float scale = 1.0f / std::sqrt(static_cast<float>(dh));
   const std::int64_t Tdh = std::int64_t(T) * dh, TGdh = Tdh * G;
-  const int groups = nseq * Hkv;  // every GEMM below is a strided batch over (sequence, kv head)
+  KMOE_REQUIRE(!docs.tile_start ||
+                   (docs.tile_rows == kTile && docs.tiles == static_cast<int>(tiles_.size())),
+               "attention: a document plan of " << docs.tiles << " tiles of " << docs.tile_rows
+                                                << " rows for " << tiles_.size() << " of "
+                                                << kTile);
   // Per query tile: scores (G*rows, nk) = q_tile k_range^T / sqrt(dh) for every (sequence, kv
-  // head), into the kept probabilities (fp32 runs: the softmax works in place) or a workspace
-  // buffer (bf16 runs: the softmax rounds the probabilities into the kept bf16 buffer).
+  // head), a strided batch per run of sequences (for_each_run), into the kept probabilities
+  // (fp32 runs: the softmax works in place) or a workspace buffer (bf16 runs: the softmax
+  // rounds the probabilities into the kept bf16 buffer). Keys a run skips stay unwritten: no
+  // row of it reads them.
   const std::int64_t band = std::int64_t(nseq) * H * band_;
   float* scores = probs_.product_target(probs_.is_bf16() ? frame.floats(band) : nullptr);
   const Strided qs = q_.strided(G * T, dh, TGdh), ks = k_.strided(T, dh, Tdh);
-  for (const Tile& tl : tiles_) {
+  scores_computed_ = 0;
+  for (std::size_t i = 0; i < tiles_.size(); ++i) {
+    const Tile& tl = tiles_[i];
     const int m = G * tl.rows;
-    gemm_strided_batched(Trans::N, Trans::T, scale, shifted({qs.data, m, dh, TGdh, qs.b16},
-                                                            std::int64_t(tl.r0) * G * dh),
-                         shifted({ks.data, tl.nk, dh, Tdh, ks.b16}, std::int64_t(tl.k0) * dh), 0.0f,
-                         scores + std::int64_t(nseq) * H * tl.before, m, tl.nk,
-                         std::int64_t(m) * tl.nk, groups);
+    const std::int64_t mk = std::int64_t(m) * tl.nk;
+    for_each_run(docs, tl, int(i), nseq, [&](int s0, int count, int off) {
+      const int n = tl.nk - off;
+      gemm_strided_batched(
+          Trans::N, Trans::T, scale,
+          shifted({qs.data, m, dh, TGdh, qs.b16}, (std::int64_t(s0) * Hkv * T + tl.r0) * G * dh),
+          shifted({ks.data, n, dh, Tdh, ks.b16}, (std::int64_t(s0) * Hkv * T + tl.k0 + off) * dh),
+          0.0f, scores + std::int64_t(nseq) * H * tl.before + s0 * Hkv * mk + off, m, n, mk,
+          count * Hkv, tl.nk);
+      scores_computed_ += std::int64_t(count) * Hkv * m * n;
+    });
   }
 
   // Masked softmax over each band row's keys [lo, t] (causal, document, window), one team per
@@ -301,17 +335,23 @@ void Attention::forward(const TensorTable& table, const RopeTables& rope, ConstM
         });
       });
 
-  // Per query tile: heads (G*rows, dh) = P_tile v_range, into the query layout.
+  // Per query tile: heads (G*rows, dh) = P_tile v_range, into the query layout; a run reads
+  // the probabilities and values of its keys only.
   float* heads = frame.floats(std::int64_t(N) * qd);
   const Strided ps = probs_.strided(0, 0, 0), vs = v_.strided(T, dh, Tdh);
-  for (const Tile& tl : tiles_) {
+  for (std::size_t i = 0; i < tiles_.size(); ++i) {
+    const Tile& tl = tiles_[i];
     const int m = G * tl.rows;
-    gemm_strided_batched(
-        Trans::N, Trans::N, 1.0f,
-        shifted({ps.data, m, tl.nk, std::int64_t(m) * tl.nk, ps.b16},
-                std::int64_t(nseq) * H * tl.before),
-        shifted({vs.data, tl.nk, dh, Tdh, vs.b16}, std::int64_t(tl.k0) * dh), 0.0f,
-        heads + std::int64_t(tl.r0) * G * dh, m, dh, TGdh, groups);
+    const std::int64_t mk = std::int64_t(m) * tl.nk;
+    for_each_run(docs, tl, int(i), nseq, [&](int s0, int count, int off) {
+      const int n = tl.nk - off;
+      gemm_strided_batched(
+          Trans::N, Trans::N, 1.0f,
+          shifted({ps.data, m, n, mk, ps.b16, tl.nk},
+                  std::int64_t(nseq) * H * tl.before + s0 * Hkv * mk + off),
+          shifted({vs.data, n, dh, Tdh, vs.b16}, (std::int64_t(s0) * Hkv * T + tl.k0 + off) * dh),
+          0.0f, heads + (std::int64_t(s0) * Hkv * T + tl.r0) * G * dh, m, dh, TGdh, count * Hkv);
+    });
   }
   merge_heads(heads, merged_.out(), N, T, Hkv, G, dh);
   gemm(Trans::N, Trans::T, 1.0f, merged_.matrix(N, qd), table.weight(wo_, D_, qd), 0.0f, out);
@@ -324,7 +364,6 @@ void Attention::backward(TensorTable& table, const RopeTables& rope, ConstMat a,
   const bool qk_norm = qk_norm_;
   const float scale = 1.0f / std::sqrt(static_cast<float>(dh));
   const std::int64_t Tdh = std::int64_t(T) * dh, TGdh = Tdh * G;
-  const int groups = nseq * Hkv;  // every GEMM below is a strided batch over (sequence, kv head)
   Workspace::Frame frame(ws);
   float* d_heads = frame.floats(std::int64_t(N) * qd);  // query layout: dO, then dQ
   float* d_probs = frame.floats(std::int64_t(nseq) * H * band_);
@@ -343,24 +382,32 @@ void Attention::backward(TensorTable& table, const RopeTables& rope, ConstMat a,
     split_heads(as_cmat(d_merged), d_heads, T, Hkv, G, dh);
   }
 
-  // Per query tile: dP = dO_tile v_range^T; dv_range += P_tile^T dO_tile (summed over the
-  // group's heads by the GEMM itself, then over the tiles in order).
+  // Per query tile and run of sequences (as forward()): dP = dO_tile v_range^T; dv_range +=
+  // P_tile^T dO_tile (summed over the group's heads by the GEMM itself, then over the tiles in
+  // order).
+  const DocStarts docs = docs_;
   const Strided ps = probs_.strided(0, 0, 0), qs = q_.strided(0, 0, 0), ks = k_.strided(0, 0, 0),
                 vs = v_.strided(0, 0, 0);
-  for (const Tile& tl : tiles_) {
+  for (std::size_t i = 0; i < tiles_.size(); ++i) {
+    const Tile& tl = tiles_[i];
     const int m = G * tl.rows;
-    const std::int64_t at = std::int64_t(nseq) * H * tl.before, mk = std::int64_t(m) * tl.nk;
-    const Strided d_out{d_heads + std::int64_t(tl.r0) * G * dh, m, dh, TGdh};
-    gemm_strided_batched(Trans::N, Trans::T, 1.0f, d_out,
-                         shifted({vs.data, tl.nk, dh, Tdh, vs.b16}, std::int64_t(tl.k0) * dh),
-                         0.0f, d_probs + at, m, tl.nk, mk, groups);
-    gemm_strided_batched(Trans::T, Trans::N, 1.0f, shifted({ps.data, m, tl.nk, mk, ps.b16}, at),
-                         d_out, 1.0f, d_v + std::int64_t(tl.k0) * dh, tl.nk, dh, Tdh, groups);
+    const std::int64_t mk = std::int64_t(m) * tl.nk;
+    for_each_run(docs, tl, int(i), nseq, [&](int s0, int count, int off) {
+      const int n = tl.nk - off;
+      const std::int64_t at = std::int64_t(nseq) * H * tl.before + s0 * Hkv * mk + off;
+      const std::int64_t key = (std::int64_t(s0) * Hkv * T + tl.k0 + off) * dh;
+      const Strided d_out{d_heads + (std::int64_t(s0) * Hkv * T + tl.r0) * G * dh, m, dh, TGdh};
+      gemm_strided_batched(Trans::N, Trans::T, 1.0f, d_out,
+                           shifted({vs.data, n, dh, Tdh, vs.b16}, key), 0.0f, d_probs + at, m, n,
+                           mk, count * Hkv, tl.nk);
+      gemm_strided_batched(Trans::T, Trans::N, 1.0f,
+                           shifted({ps.data, m, n, mk, ps.b16, tl.nk}, at), d_out, 1.0f,
+                           d_v + key, n, dh, Tdh, count * Hkv);
+    });
   }
 
   // Softmax backward in place: dS = P * (dP - sum_j P dP) * scale (P as kept: R(P) in bf16).
   const KeptIn p = probs_.in();
-  const DocStarts docs = docs_;
   const int window = window_;
   const std::int64_t* before = tile_before_.data();
   Kokkos::parallel_for(
@@ -373,18 +420,25 @@ void Attention::backward(TensorTable& table, const RopeTables& rope, ConstMat a,
           softmax_row_backward(tm, lo, hi, b.nk, p.f32 + b.start, d_probs + b.start, scale);
       });
 
-  // Per query tile: dq_tile = dS k_range (overwrites dO, no longer needed); dk_range +=
+  // Per query tile and run: dq_tile = dS k_range (overwrites dO, no longer needed); dk_range +=
   // dS^T q_tile.
-  for (const Tile& tl : tiles_) {
+  for (std::size_t i = 0; i < tiles_.size(); ++i) {
+    const Tile& tl = tiles_[i];
     const int m = G * tl.rows;
-    const std::int64_t at = std::int64_t(nseq) * H * tl.before, mk = std::int64_t(m) * tl.nk;
-    const Strided d_s{d_probs + at, m, tl.nk, mk};
-    gemm_strided_batched(Trans::N, Trans::N, 1.0f, d_s,
-                         shifted({ks.data, tl.nk, dh, Tdh, ks.b16}, std::int64_t(tl.k0) * dh),
-                         0.0f, d_heads + std::int64_t(tl.r0) * G * dh, m, dh, TGdh, groups);
-    gemm_strided_batched(Trans::T, Trans::N, 1.0f, d_s,
-                         shifted({qs.data, m, dh, TGdh, qs.b16}, std::int64_t(tl.r0) * G * dh),
-                         1.0f, d_k + std::int64_t(tl.k0) * dh, tl.nk, dh, Tdh, groups);
+    const std::int64_t mk = std::int64_t(m) * tl.nk;
+    for_each_run(docs, tl, int(i), nseq, [&](int s0, int count, int off) {
+      const int n = tl.nk - off;
+      const std::int64_t key = (std::int64_t(s0) * Hkv * T + tl.k0 + off) * dh;
+      const std::int64_t query = (std::int64_t(s0) * Hkv * T + tl.r0) * G * dh;
+      const Strided d_s{d_probs + std::int64_t(nseq) * H * tl.before + s0 * Hkv * mk + off,
+                        m, n, mk, nullptr, tl.nk};
+      gemm_strided_batched(Trans::N, Trans::N, 1.0f, d_s,
+                           shifted({ks.data, n, dh, Tdh, ks.b16}, key), 0.0f, d_heads + query, m,
+                           dh, TGdh, count * Hkv);
+      gemm_strided_batched(Trans::T, Trans::N, 1.0f, d_s,
+                           shifted({qs.data, m, dh, TGdh, qs.b16}, query), 1.0f, d_k + key, n, dh,
+                           Tdh, count * Hkv);
+    });
   }
 
   // Back to (N, W) rows: inverse RoPE on dq, dk (gradients w.r.t. the normalized q, k), dv.

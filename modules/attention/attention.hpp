@@ -68,6 +68,9 @@ class Attention {
   };
   static std::vector<Tile> tiles(int T, int window);
   static std::int64_t band_elements(int T, int window);
+  // The score entries the last forward() computed: nseq * H * band_elements(T, window) less
+  // the keys before each query tile's document (when `docs` carried the host's tile plan).
+  std::int64_t scores_computed() const { return scores_computed_; }
 
  private:
   int D_, H_, Hkv_, dh_, T_, window_;
@@ -76,6 +79,7 @@ class Attention {
   std::vector<Tile> tiles_;
   Kokkos::View<std::int64_t*, Layout, MemSpace> tile_before_;  // tiles_[i].before, on the device
   std::int64_t band_ = 0;                                       // band_elements(T, window)
+  std::int64_t scores_computed_ = 0;
   float eps_;
   int wq_, wo_, q_norm_ = -1, k_norm_ = -1;
   // Saved activations, sized for max_seqs sequences.

@@ -122,12 +122,15 @@ LossSums Stage::forward(const TensorTable& table, const std::int32_t* tokens, in
         "stage::compress_tokens", Range(0, N), KOKKOS_LAMBDA(int i) { out(i) = map(tok(i)); });
   }
   const ConstIVec engram_tok = engram_tokens(N);
-  if (model_.document_eod >= 0) document_starts(tok, nseq, T_, model_.document_eod, doc_start_);
+  if (model_.document_eod >= 0) {
+    document_starts(tok, nseq, T_, model_.document_eod, doc_start_);
+    document_tile_starts(tokens, nseq, T_, model_.document_eod, Attention::kTile, tile_start_);
+  }
   const bool moe = has_moe();
   if (moe) Kokkos::deep_copy(ExecSpace(), scratch_->moe_aux, 0.0);
   for (std::size_t l = 0; l < blocks_.size(); ++l)
     blocks_[l]->forward(table, rope_, as_cmat(resid(l, N)), engram_tok, resid(l + 1, N), *scratch_,
-                        /*count=*/true, docs(N));
+                        /*count=*/true, planned_docs(nseq));
   LossSums sums;
   if (has_head_)
     sums = head_->forward(table, as_cmat(resid(blocks_.size(), N)), tok, T_, grad_scale, loss_sums);
@@ -215,7 +218,8 @@ const float* Stage::backward(TensorTable& table, const std::function<void(int)>&
   for (int l = static_cast<int>(blocks_.size()) - 1; l >= 0; --l) {
     if (recompute_)  // the block's saved buffers again, from its kept input
       blocks_[l]->forward(table, rope_, as_cmat(resid(l, N)), engram_tokens(N),
-                          as_mat(recomputed_.data(), N, D_), *scratch_, /*count=*/false, docs(N));
+                          as_mat(recomputed_.data(), N, D_), *scratch_, /*count=*/false,
+                          planned_docs(nseq_));
     blocks_[l]->backward(table, rope_, as_cmat(resid(l, N)), as_cmat(dy), dx, *scratch_,
                          aux_scale_);
     std::swap(dx, dy);

@@ -119,9 +119,19 @@ class Stage {
                                    : ConstIVec(tokens_.data(), N);
   }
 
-  // The document starts of the last forward's rows (train.document_mask), else none.
+  // The document starts of the last forward's rows (train.document_mask), else none; with the
+  // attention's tile plan for the nseq sequences of a forward (not for decoding).
   DocStarts docs(int N) const {
     return doc_start_.extent(0) > 0 ? DocStarts{ConstIVec(doc_start_.data(), N)} : DocStarts();
+  }
+  DocStarts planned_docs(int nseq) const {
+    DocStarts d = docs(nseq * T_);
+    if (!d.empty()) {
+      d.tile_start = tile_start_.data();
+      d.tile_rows = Attention::kTile;
+      d.tiles = static_cast<int>(tile_start_.size()) / nseq;
+    }
+    return d;
   }
 
   ModelCfg model_;
@@ -139,6 +149,7 @@ class Stage {
   View1I tokens_;                 // (max_seqs * T) device copy of the ids
   View1I compress_, compressed_;  // Engram: (V) canonical ids, (max_seqs * T) compressed ids
   View1I doc_start_;              // (max_seqs * T) train.document_mask: each row's document start
+  std::vector<int> tile_start_;   // the same on the host at each attention tile's first row
   std::vector<View1F> resid_;     // blocks+1 residual streams (N, D): block inputs and output
   View1F d_x_, d_y_;              // (N, D) backward ping-pong
   bool recompute_ = false;

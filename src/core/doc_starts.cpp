@@ -8,12 +8,22 @@ void document_starts(ConstIVec tokens, int nseq, int T, int eod, View1I start) {
   Kokkos::parallel_for(
       "doc_starts", Range(0, nseq), KOKKOS_LAMBDA(int s) {
         const std::int64_t base = std::int64_t(s) * T;
-        int first = 0;
-        for (int t = 0; t < T; ++t) {
-          start(base + t) = first;
-          if (tokens(base + t) == eod) first = t + 1;
-        }
+        walk_documents([&](int t) { return tokens(base + t); }, T, eod,
+                       [&](int t, int first) { start(base + t) = first; });
       });
+}
+
+void document_tile_starts(const std::int32_t* tokens, int nseq, int T, int eod, int tile_rows,
+                          std::vector<int>& out) {
+  const int tiles = (T + tile_rows - 1) / tile_rows;
+  out.assign(std::size_t(nseq) * tiles, 0);
+  for (int s = 0; s < nseq; ++s) {
+    const std::int32_t* ids = tokens + std::int64_t(s) * T;
+    walk_documents([&](int t) { return ids[t]; }, T, eod,
+                   [&](int t, int first) {
+                     if (t % tile_rows == 0) out[std::size_t(s) * tiles + t / tile_rows] = first;
+                   });
+  }
 }
 
 }  // namespace kmoe

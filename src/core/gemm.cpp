@@ -2,6 +2,9 @@
 
 #include <KokkosBlas3_gemm.hpp>
 #include <KokkosKernels_config.h>
+#if defined(KOKKOSKERNELS_ENABLE_TPL_BLAS)
+#include <KokkosBlas_Host_tpl.hpp>  // the host BLAS behind Kokkos Kernels' gemm (rows apart)
+#endif
 #if defined(KOKKOS_ENABLE_CUDA) && defined(KOKKOSKERNELS_ENABLE_TPL_CUBLAS)
 #include <KokkosBlas_tpl_spec.hpp>  // the cuBLAS handle Kokkos Kernels' gemm uses
 #endif
@@ -147,50 +150,103 @@ void gemm(Trans ta, Trans tb, float alpha, const Operand& A, const Operand& B, f
   KokkosBlas::gemm(opa, opb, alpha, a, b, beta, C);
 }
 
+namespace {
+#if defined(KOKKOSKERNELS_ENABLE_TPL_BLAS)
+constexpr bool kHostBlas = Kokkos::SpaceAccessibility<HostSpace, MemSpace>::accessible;
+#else
+constexpr bool kHostBlas = false;
+#endif
+int ld_of(const Strided& x) { return x.ld > 0 ? x.ld : x.cols; }
+// The elements a strided batch's operand spans, from its first to its last.
+std::int64_t span(const Strided& x, int batch) {
+  return (batch - 1) * x.stride + std::int64_t(x.rows - 1) * ld_of(x) + x.cols;
+}
+}  // namespace
+
+bool gemm_rows_apart() {
+#if defined(KMOE_CUBLAS)
+  return true;
+#else
+  return kHostBlas;
+#endif
+}
+
 void gemm_strided_batched(Trans ta, Trans tb, float alpha, Strided A, Strided B, float beta,
-                          float* C, int c_rows, int c_cols, std::int64_t c_stride, int batch) {
+                          float* C, int c_rows, int c_cols, std::int64_t c_stride, int batch,
+                          int c_ld) {
   KMOE_REQUIRE(g_precision == Precision::Bf16 || (!A.b16 && !B.b16),
                "gemm_strided_batched: a bf16 operand in a product with fp32 inputs");
-  if (batch == 0) return;
-#if defined(KMOE_CUBLAS)
   const int ka = ta == Trans::N ? A.cols : A.rows, kb = tb == Trans::N ? B.rows : B.cols;
   const int m = ta == Trans::N ? A.rows : A.cols, n = tb == Trans::N ? B.cols : B.rows;
   KMOE_REQUIRE(ka == kb && m == c_rows && n == c_cols,
                "gemm_strided_batched: shape mismatch: op(A) " << m << "x" << ka << ", op(B) " << kb
                                                               << "x" << n << ", C " << c_rows
                                                               << "x" << c_cols);
-  if (m > 0 && n > 0 && ka > 0) {
+  const int lda = ld_of(A), ldb = ld_of(B), ldc = c_ld > 0 ? c_ld : c_cols;
+  KMOE_REQUIRE(lda >= A.cols && ldb >= B.cols && ldc >= c_cols,
+               "gemm_strided_batched: a leading dimension below its matrix's columns");
+  if (batch == 0 || m == 0 || n == 0) return;
+  if (ka == 0) {  // C = beta C: the libraries return early on an empty inner extent
+    Kokkos::parallel_for(
+        "gemm::scale_c_batch", Range2({0, 0}, {batch * m, n}), KOKKOS_LAMBDA(int r, int j) {
+          float& c = C[(r / m) * c_stride + std::int64_t(r % m) * ldc + j];
+          c = beta == 0.0f ? 0.0f : beta * c;
+        });
+    return;
+  }
+#if defined(KMOE_CUBLAS)
+  {
     // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: B's part comes first.
     const cublasOperation_t opb = tb == Trans::N ? CUBLAS_OP_N : CUBLAS_OP_T,
                             opa = ta == Trans::N ? CUBLAS_OP_N : CUBLAS_OP_T;
     cublasStatus_t st;
     if (g_precision == Precision::Bf16) {
-      // The strided span of each batch, as bf16.
-      const std::int64_t na = (batch - 1) * A.stride + std::int64_t(A.rows) * A.cols,
-                         nb = (batch - 1) * B.stride + std::int64_t(B.rows) * B.cols;
-      const std::uint16_t* a = bf16_input(0, A.data, A.b16, na);
-      const std::uint16_t* b = bf16_input(1, B.data, B.b16, nb);
+      const std::uint16_t* a = bf16_input(0, A.data, A.b16, span(A, batch));
+      const std::uint16_t* b = bf16_input(1, B.data, B.b16, span(B, batch));
       CublasCall call(CUBLAS_DEFAULT_MATH);
-      st = cublasGemmStridedBatchedEx(call.h, opb, opa, n, m, ka, &alpha, b, CUDA_R_16BF, B.cols,
-                                      B.stride, a, CUDA_R_16BF, A.cols, A.stride, &beta, C,
-                                      CUDA_R_32F, c_cols, c_stride, batch, CUBLAS_COMPUTE_32F,
+      st = cublasGemmStridedBatchedEx(call.h, opb, opa, n, m, ka, &alpha, b, CUDA_R_16BF, ldb,
+                                      B.stride, a, CUDA_R_16BF, lda, A.stride, &beta, C,
+                                      CUDA_R_32F, ldc, c_stride, batch, CUBLAS_COMPUTE_32F,
                                       CUBLAS_GEMM_DEFAULT);
     } else {
       CublasCall call(g_precision == Precision::Tf32 ? CUBLAS_TF32_TENSOR_OP_MATH
                                                       : CUBLAS_DEFAULT_MATH);
-      st = cublasSgemmStridedBatched(call.h, opb, opa, n, m, ka, &alpha, B.data, B.cols, B.stride,
-                                     A.data, A.cols, A.stride, &beta, C, c_cols, c_stride, batch);
+      st = cublasSgemmStridedBatched(call.h, opb, opa, n, m, ka, &alpha, B.data, ldb, B.stride,
+                                     A.data, lda, A.stride, &beta, C, ldc, c_stride, batch);
     }
     KMOE_REQUIRE(st == CUBLAS_STATUS_SUCCESS, "strided batched GEMM failed (" << int(st) << ")");
     return;
   }
 #endif
-  auto part = [](const Strided& X, int b) {  // product b's operand
-    return Operand{X.data ? X.data + b * X.stride : nullptr, X.b16 ? X.b16 + b * X.stride : nullptr,
-                   X.rows, X.cols};
-  };
-  for (int b = 0; b < batch; ++b)
-    gemm(ta, tb, alpha, part(A, b), part(B, b), beta, as_mat(C + b * c_stride, c_rows, c_cols));
+  if (lda == A.cols && ldb == B.cols && ldc == c_cols) {
+    auto part = [](const Strided& X, int b) {  // product b's operand
+      return Operand{X.data ? X.data + b * X.stride : nullptr,
+                     X.b16 ? X.b16 + b * X.stride : nullptr, X.rows, X.cols};
+    };
+    for (int b = 0; b < batch; ++b)
+      gemm(ta, tb, alpha, part(A, b), part(B, b), beta, as_mat(C + b * c_stride, c_rows, c_cols));
+    return;
+  }
+  KMOE_REQUIRE(gemm_rows_apart(),
+               "gemm_strided_batched: rows apart (leading dimensions above the columns) need "
+               "cuBLAS or a host BLAS; this "
+                   << ExecSpace::name() << " build has neither");
+#if defined(KOKKOSKERNELS_ENABLE_TPL_BLAS)
+  if constexpr (kHostBlas) {
+    // The same BLAS Kokkos Kernels' gemm calls, given the leading dimensions; bf16 inputs are
+    // rounded (or widened) over each operand's span first.
+    const float* a = A.data;
+    const float* b = B.data;
+    if (g_precision == Precision::Bf16) {
+      a = bf16_input(0, A.data, A.b16, span(A, batch));
+      b = bf16_input(1, B.data, B.b16, span(B, batch));
+    }
+    const char opa = ta == Trans::N ? 'N' : 'T', opb = tb == Trans::N ? 'N' : 'T';
+    for (int i = 0; i < batch; ++i)
+      KokkosBlas::Impl::HostBlas<float>::gemm(opb, opa, n, m, ka, alpha, b + i * B.stride, ldb,
+                                              a + i * A.stride, lda, beta, C + i * c_stride, ldc);
+  }
+#endif
 }
 
 std::string set_gemm_precision(Precision p) {

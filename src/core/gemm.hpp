@@ -53,17 +53,24 @@ inline void gemm(Trans ta, Trans tb, float alpha, ConstMat A, const Operand& B, 
 }
 
 // A strided batch of products: for b in [0, batch), C_b = alpha op(A_b) op(B_b) + beta C_b, with
-// X_b = X + b * stride_x, each a contiguous row-major matrix of the shape given (as gemm()'s
-// operands). One cublasSgemmStridedBatched (cublasGemmStridedBatchedEx in bf16 runs) on CUDA
-// builds with cuBLAS; gemm() per product elsewhere (vendor BLAS on CPUs).
+// X_b = X + b * stride_x, each a row-major matrix of the shape given (as gemm()'s operands)
+// whose rows lie `ld` elements apart (0: its cols, contiguous). One cublasSgemmStridedBatched
+// (cublasGemmStridedBatchedEx in bf16 runs) on CUDA builds with cuBLAS; gemm() per product
+// elsewhere (vendor BLAS on CPUs), the host BLAS directly for rows apart.
 struct Strided {
   const float* data;
   int rows, cols;
   std::int64_t stride;
   const std::uint16_t* b16 = nullptr;  // bf16 values instead of `data` (an Operand's b16)
+  int ld = 0;                          // elements from one row to the next; 0: cols
 };
 void gemm_strided_batched(Trans ta, Trans tb, float alpha, Strided A, Strided B, float beta,
-                          float* C, int c_rows, int c_cols, std::int64_t c_stride, int batch);
+                          float* C, int c_rows, int c_cols, std::int64_t c_stride, int batch,
+                          int c_ld = 0);
+// Whether gemm_strided_batched takes rows apart (ld larger than cols) at the vendor BLAS's speed
+// on this build: CUDA with cuBLAS, and host backends with Kokkos Kernels' BLAS TPL (every build
+// kmoe accepts but HIP, where such a batch is an error).
+bool gemm_rows_apart();
 
 // train.precision for every later GEMM (cuBLAS' TF32 math mode on the handle Kokkos Kernels
 // calls through for tf32). Returns a line for the start-up log ("" if none). Throws, naming

@@ -140,6 +140,7 @@ def main():
     ap.add_argument("--init-gain", type=float, default=1.0, help="model.init_gain")
     ap.add_argument("--embed-init-std", type=float, help="model.embed_init_std (omitted: default)")
     ap.add_argument("--document-mask", action="store_true", help="train.document_mask")
+    ap.add_argument("--seq-len", type=int, default=32, help="train.seq_len")
     ap.add_argument("--sliding-window", type=int, default=0, help="model.sliding_window")
     ap.add_argument("--window-layers", default="", help="model.window_layers (omitted: default)")
     ap.add_argument("--reuse", action="store_true",
@@ -207,7 +208,7 @@ init_gain = {args.init_gain!r}
 sliding_window = {args.sliding_window}
 {f"window_layers = {args.window_layers}" if args.window_layers else ""}
 [train]
-seq_len = 32
+seq_len = {args.seq_len}
 global_batch = 8
 micro_batch = 2
 max_steps = 3

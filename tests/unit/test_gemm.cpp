@@ -266,6 +266,68 @@ TEST(Gemm, StridedBatchMatchesOneProductEach) {
     }
 }
 
+// Operands whose rows lie further apart than their columns (a column range of wider matrices):
+// the same products as contiguous copies of them, fp32 and bf16; the bytes between rows of C
+// untouched. On builds without such products (HIP) the call is an error.
+TEST(Gemm, StridedBatchWithRowsApart) {
+  const int batch = 2, m = 5, n = 4, k = 3, pad = 3;
+  for (Precision p : {Precision::Fp32, Precision::Bf16})
+    for (Trans ta : {Trans::N, Trans::T})
+      for (Trans tb : {Trans::N, Trans::T}) {
+        GemmPrecisionScope scope(p);
+        const int ar = ta == Trans::N ? m : k, ac = ta == Trans::N ? k : m;
+        const int br = tb == Trans::N ? k : n, bc = tb == Trans::N ? n : k;
+        const int lda = ac + pad, ldb = bc + 1, ldc = n + 2;
+        const std::int64_t sa = ar * lda, sb = br * ldb, sc = m * ldc;
+        std::mt19937 gen(11);
+        std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+        std::vector<float> a(sa * batch), b(sb * batch), c(sc * batch);
+        for (auto* v : {&a, &b, &c})
+          for (auto& x : *v) x = u(gen);
+        auto dev = [](const std::vector<float>& h) {
+          View1F v("v", h.size());
+          Kokkos::deep_copy(
+              v, Kokkos::View<const float*, HostSpace, Unmanaged>(h.data(), h.size()));
+          return v;
+        };
+        // Contiguous copies: product i's operands and C, and the want through gemm().
+        auto packed = [](const std::vector<float>& x, std::int64_t stride, int rows, int cols,
+                         int ld, int i) {
+          std::vector<float> out(std::size_t(rows) * cols);
+          for (int r = 0; r < rows; ++r)
+            for (int j = 0; j < cols; ++j) out[r * cols + j] = x[i * stride + r * ld + j];
+          return out;
+        };
+        View1F A = dev(a), B = dev(b), C = dev(c);
+        if (!gemm_rows_apart()) {
+          EXPECT_THROW(gemm_strided_batched(ta, tb, 0.5f, {A.data(), ar, ac, sa, nullptr, lda},
+                                            {B.data(), br, bc, sb, nullptr, ldb}, 0.25f, C.data(),
+                                            m, n, sc, batch, ldc),
+                       Error);
+          continue;
+        }
+        gemm_strided_batched(ta, tb, 0.5f, {A.data(), ar, ac, sa, nullptr, lda},
+                             {B.data(), br, bc, sb, nullptr, ldb}, 0.25f, C.data(), m, n, sc,
+                             batch, ldc);
+        auto got = Kokkos::create_mirror_view_and_copy(HostSpace(), C);
+        for (int i = 0; i < batch; ++i) {
+          View1F pa = dev(packed(a, sa, ar, ac, lda, i)), pb = dev(packed(b, sb, br, bc, ldb, i)),
+                 pc = dev(packed(c, sc, m, n, ldc, i));
+          gemm(ta, tb, 0.5f, as_cmat(pa.data(), ar, ac), as_cmat(pb.data(), br, bc), 0.25f,
+               as_mat(pc.data(), m, n));
+          auto want = Kokkos::create_mirror_view_and_copy(HostSpace(), pc);
+          for (int r = 0; r < m; ++r)
+            for (int j = 0; j < ldc; ++j) {
+              const std::int64_t at = i * sc + r * ldc + j;
+              if (j < n)
+                ASSERT_NEAR(got(at), want(r * n + j), 1e-6) << i << " " << r << " " << j;
+              else
+                ASSERT_EQ(got(at), c[at]) << "between rows " << i << " " << r << " " << j;
+            }
+        }
+      }
+}
+
 // out(c) += sum_r 2 x(r, c), outside a TEST body (nvcc refuses device lambdas in its private
 // member function).
 void twice_column_sums(ConstVec xv, int rows, int cols, Vec out) {
