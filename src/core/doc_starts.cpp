@@ -18,11 +18,14 @@ void document_tile_starts(const std::int32_t* tokens, int nseq, int T, int eod, 
   const int tiles = (T + tile_rows - 1) / tile_rows;
   out.assign(std::size_t(nseq) * tiles, 0);
   for (int s = 0; s < nseq; ++s) {
+    // Host and device lambdas (walk_documents is a host and device function), capturing
+    // pointers by value.
     const std::int32_t* ids = tokens + std::int64_t(s) * T;
-    walk_documents([&](int t) { return ids[t]; }, T, eod,
-                   [&](int t, int first) {
-                     if (t % tile_rows == 0) out[std::size_t(s) * tiles + t / tile_rows] = first;
-                   });
+    int* row = out.data() + std::size_t(s) * tiles;
+    walk_documents(
+        KOKKOS_LAMBDA(int t) { return int(ids[t]); }, T, eod, KOKKOS_LAMBDA(int t, int first) {
+          if (t % tile_rows == 0) row[t / tile_rows] = first;
+        });
   }
 }
 

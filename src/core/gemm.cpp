@@ -151,10 +151,9 @@ void gemm(Trans ta, Trans tb, float alpha, const Operand& A, const Operand& B, f
 }
 
 namespace {
-#if defined(KOKKOSKERNELS_ENABLE_TPL_BLAS)
+#if defined(KOKKOSKERNELS_ENABLE_TPL_BLAS) && !defined(KMOE_CUBLAS)
+// The host BLAS can take the operands where they are (host backends).
 constexpr bool kHostBlas = Kokkos::SpaceAccessibility<HostSpace, MemSpace>::accessible;
-#else
-constexpr bool kHostBlas = false;
 #endif
 int ld_of(const Strided& x) { return x.ld > 0 ? x.ld : x.cols; }
 // The elements a strided batch's operand spans, from its first to its last.
@@ -166,8 +165,10 @@ std::int64_t span(const Strided& x, int batch) {
 bool gemm_rows_apart() {
 #if defined(KMOE_CUBLAS)
   return true;
-#else
+#elif defined(KOKKOSKERNELS_ENABLE_TPL_BLAS)
   return kHostBlas;
+#else
+  return false;
 #endif
 }
 
@@ -231,7 +232,7 @@ void gemm_strided_batched(Trans ta, Trans tb, float alpha, Strided A, Strided B,
                "gemm_strided_batched: rows apart (leading dimensions above the columns) need "
                "cuBLAS or a host BLAS; this "
                    << ExecSpace::name() << " build has neither");
-#if defined(KOKKOSKERNELS_ENABLE_TPL_BLAS)
+#if defined(KOKKOSKERNELS_ENABLE_TPL_BLAS) && !defined(KMOE_CUBLAS)
   if constexpr (kHostBlas) {
     // The same BLAS Kokkos Kernels' gemm calls, given the leading dimensions; bf16 inputs are
     // rounded (or widened) over each operand's span first.
