@@ -100,10 +100,19 @@ Operand EngramLayer::lookup(const TensorTable& table, ConstIVec tokens, bool cou
   auto tab = as_cmat(table.param(table_), R_, dh);
   const KeptOut mem = mem_.out();
   const std::int64_t dm = d_mem_;
+  const int heads_total = heads_total_;
+  // One team per token, its threads over the heads and each head's row copied by vector
+  // lanes: coalesced on GPUs (lanes read one table row and write consecutive columns), a
+  // contiguous row copy on CPUs (one-thread teams, one lane).
   Kokkos::parallel_for(
-      "engram::lookup", Range2({0, 0}, {N, heads_total_}), KOKKOS_LAMBDA(int t, int j) {
-        const int r = rows(t, j);
-        for (int i = 0; i < dh; ++i) mem.set(t * dm + j * dh + i, tab(r, i));
+      "engram::lookup", TeamPolicy(N, Kokkos::AUTO, vector_lanes(dh)),
+      KOKKOS_LAMBDA(const TeamMember& team) {
+        const int t = team.league_rank();
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, heads_total), [&](int j) {
+          const int r = rows(t, j);
+          Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, dh),
+                               [&](int i) { mem.set(t * dm + j * dh + i, tab(r, i)); });
+        });
       });
   return mem_.matrix(N, d_mem_);
 }
@@ -132,10 +141,15 @@ void EngramLayer::forward(const TensorTable& table, ConstMat x, ConstIVec tokens
   const float inv_sqrt_d = 1.0f / std::sqrt(static_cast<float>(D));
   const bool signed_sqrt = signed_sqrt_;
   Mat v = as_mat(v_.data(), N, D);
+  // One team per row (as RMSNorm): the dot product over the team's threads, then the scaled
+  // values.
   Kokkos::parallel_for(
-      "engram::gate", Range(0, N), KOKKOS_LAMBDA(int t) {
+      "engram::gate", row_policy(N), KOKKOS_LAMBDA(const TeamMember& team) {
+        const int t = team.league_rank();
         float s = 0.0f;
-        for (int d = 0; d < D; ++d) s += kn(t, d) * qn(t, d);
+        Kokkos::parallel_reduce(
+            Kokkos::TeamThreadRange(team, D),
+            [&](int d, float& acc) { acc += kn(t, d) * qn(t, d); }, s);
         s *= inv_sqrt_d;
         float a = s;
         if (signed_sqrt) {
@@ -143,9 +157,12 @@ void EngramLayer::forward(const TensorTable& table, ConstMat x, ConstIVec tokens
           a = s < 0.0f ? -m : m;
         }
         const float alpha = 1.0f / (1.0f + math::exp(-a));
-        score(t) = s;
-        gate(t) = alpha;
-        for (int d = 0; d < D; ++d) v(t, d) = alpha * val(t, d);
+        Kokkos::single(Kokkos::PerTeam(team), [&] {
+          score(t) = s;
+          gate(t) = alpha;
+        });
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, D),
+                             [&](int d) { v(t, d) = alpha * val(t, d); });
       });
   if (stats_ && count) {  // the gate metric stays on the device: this forward's mean joins the sum
     auto gsum = stats_->device(cols_.gate);
@@ -231,19 +248,24 @@ void EngramLayer::backward(TensorTable& table, ConstMat x, ConstMat dout, Mat dx
   const float inv_sqrt_d = 1.0f / std::sqrt(static_cast<float>(D));
   Mat dval = du;
   Kokkos::parallel_for(
-      "engram::gate_backward", Range(0, N), KOKKOS_LAMBDA(int t) {
+      "engram::gate_backward", row_policy(N), KOKKOS_LAMBDA(const TeamMember& team) {
+        const int t = team.league_rank();
         const float alpha = gate(t);
         float dalpha = 0.0f;
-        for (int d = 0; d < D; ++d) {
-          dalpha += dv(t, d) * val(t, d);
-          dval(t, d) = alpha * dv(t, d);
-        }
+        Kokkos::parallel_reduce(
+            Kokkos::TeamThreadRange(team, D),
+            [&](int d, float& acc) {
+              acc += dv(t, d) * val(t, d);
+              dval(t, d) = alpha * dv(t, d);
+            },
+            dalpha);
         float ds = dalpha * alpha * (1.0f - alpha);
         if (signed_sqrt) {
           const float a = math::fabs(score(t));
           ds = a > 1e-6f ? ds * 0.5f / math::sqrt(a) : 0.0f;
         }
-        dgate(t) = ds * inv_sqrt_d;  // d score / d (kn . qn) folded in
+        // d score / d (kn . qn) folded in
+        Kokkos::single(Kokkos::PerTeam(team), [&] { dgate(t) = ds * inv_sqrt_d; });
       });
   // dkn = dgate * qn, dqn = dgate * kn; written into the freed key/val-sized buffers.
   auto kn = as_cmat(kn_.data(), N, D), qn = as_cmat(qn_.data(), N, D);

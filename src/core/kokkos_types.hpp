@@ -53,6 +53,15 @@ using TeamMember = TeamPolicy::member_type;
 // One team per row for row-wise reductions (norms, softmax); the team size is the backend's.
 inline TeamPolicy row_policy(int rows) { return TeamPolicy(rows, Kokkos::AUTO); }
 
+// Vector lanes for an inner loop of n contiguous values: on GPUs the largest power of two up to
+// min(n, 32), so a warp's lanes touch consecutive addresses; 1 on host backends.
+inline int vector_lanes(int n) {
+  if (Kokkos::SpaceAccessibility<HostSpace, ExecSpace::memory_space>::accessible) return 1;
+  int v = 1;
+  while (v * 2 <= n && v * 2 <= 32) v *= 2;
+  return v;
+}
+
 inline Mat as_mat(float* data, int rows, int cols) { return Mat(data, rows, cols); }
 inline ConstMat as_cmat(const float* data, int rows, int cols) {
   return ConstMat(data, rows, cols);
