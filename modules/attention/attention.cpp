@@ -148,52 +148,6 @@ KOKKOS_INLINE_FUNCTION BandRow band_row(int r, int nseq, int H, int Hkv, int G, 
   return b;
 }
 
-// QK-norm over the whole projected q and k of one qkv row, then RoPE at position t, by a
-// team: store(is_q, h, i, a0, a1) takes head h's rotated pair (i, i + dh/2) of q or k. sq, sk:
-// the rows' 1/rms (1 without QK-norm). Shared by forward() and decode().
-struct NormRope {
-  int H, Hkv, dh;
-  float eps;
-  bool qk_norm;
-  const float* gq;
-  const float* gk;
-  View2F cs, sn;
-
-  template <class Store>
-  KOKKOS_INLINE_FUNCTION void operator()(const TeamMember& team, const Mat& qkv, int r, int t,
-                                         float& sq, float& sk, const Store& store) const {
-    const int qd = H * dh, kd = Hkv * dh, half = dh / 2;
-    sq = 1.0f;
-    sk = 1.0f;
-    if (qk_norm) {
-      float ssq = 0.0f, ssk = 0.0f;
-      Kokkos::parallel_reduce(
-          Kokkos::TeamThreadRange(team, qd),
-          [&](int c, float& acc) { acc += qkv(r, c) * qkv(r, c); }, ssq);
-      Kokkos::parallel_reduce(
-          Kokkos::TeamThreadRange(team, kd),
-          [&](int c, float& acc) { acc += qkv(r, qd + c) * qkv(r, qd + c); }, ssk);
-      sq = math::rsqrt(ssq / qd + eps);
-      sk = math::rsqrt(ssk / kd + eps);
-    }
-    const float q_scale = sq, k_scale = sk;
-    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, (H + Hkv) * half), [&](int j) {
-      const bool is_q = j < H * half;
-      const int jj = is_q ? j : j - H * half, h = jj / half, i = jj % half;
-      const int w0 = h * dh + i;  // column within q or k
-      const int c0 = (is_q ? 0 : qd) + w0;
-      const float rs = is_q ? q_scale : k_scale;
-      float a0 = qkv(r, c0) * rs, a1 = qkv(r, c0 + half) * rs;
-      if (qk_norm) {
-        a0 *= is_q ? gq[w0] : gk[w0];
-        a1 *= is_q ? gq[w0 + half] : gk[w0 + half];
-      }
-      rope_rotate(a0, a1, cs(t, i), sn(t, i));
-      store(is_q, h, i, a0, a1);
-    });
-  }
-};
-
 // The first key position t reads: its document's start, and within the window.
 KOKKOS_INLINE_FUNCTION int first_key(int t, int doc_start, int window) {
   const int w = window > 0 ? t - window + 1 : 0;

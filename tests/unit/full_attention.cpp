@@ -115,45 +115,24 @@ void FullMatrixAttention::forward(const TensorTable& table, const RopeTables& ro
   // QK-norm over the whole projected q and k, RoPE, and the split into head layout.
   const KeptOut q = q_.out(), k = k_.out(), v = v_.out();
   auto rq = rstd_q_, rk = rstd_k_;
-  auto cs = rope.cos, sn = rope.sin;
-  const float* gq = qk_norm ? table.param(q_norm_) : nullptr;
-  const float* gk = qk_norm ? table.param(k_norm_) : nullptr;
+  const NormRope norm_rope{H,  Hkv, dh, eps, qk_norm, qk_norm ? table.param(q_norm_) : nullptr,
+                           qk_norm ? table.param(k_norm_) : nullptr, rope.cos, rope.sin};
   Kokkos::parallel_for(
       "attn::norm_rope_split", row_policy(N), KOKKOS_LAMBDA(const TeamMember& team) {
         const int r = team.league_rank(), s = r / T, t = r % T;
-        float sq = 1.0f, sk = 1.0f;
-        if (qk_norm) {
-          float ssq = 0.0f, ssk = 0.0f;
-          Kokkos::parallel_reduce(
-              Kokkos::TeamThreadRange(team, qd),
-              [&](int c, float& acc) { acc += qkv(r, c) * qkv(r, c); }, ssq);
-          Kokkos::parallel_reduce(
-              Kokkos::TeamThreadRange(team, kd),
-              [&](int c, float& acc) { acc += qkv(r, qd + c) * qkv(r, qd + c); }, ssk);
-          sq = math::rsqrt(ssq / qd + eps);
-          sk = math::rsqrt(ssk / kd + eps);
-          Kokkos::single(Kokkos::PerTeam(team), [&]() {
-            rq(r) = sq;
-            rk(r) = sk;
-          });
-        }
-        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, (H + Hkv) * half), [&](int j) {
-          const bool is_q = j < H * half;
-          const int jj = is_q ? j : j - H * half, h = jj / half, i = jj % half;
-          const int w0 = h * dh + i;  // column within q or k
-          const int c0 = (is_q ? 0 : qd) + w0;
-          const float rs = is_q ? sq : sk;
-          float a0 = qkv(r, c0) * rs, a1 = qkv(r, c0 + half) * rs;
-          if (qk_norm) {
-            a0 *= is_q ? gq[w0] : gk[w0];
-            a1 *= is_q ? gq[w0 + half] : gk[w0 + half];
-          }
-          rope_rotate(a0, a1, cs(t, i), sn(t, i));
+        float sq, sk;
+        norm_rope(team, qkv, r, t, sq, sk, [&](bool is_q, int h, int i, float a0, float a1) {
           const std::int64_t base = ((std::int64_t(s) * (is_q ? H : Hkv) + h) * T + t) * dh;
           const KeptOut& dst = is_q ? q : k;
           dst.set(base + i, a0);
           dst.set(base + i + half, a1);
         });
+        if (qk_norm) {
+          Kokkos::single(Kokkos::PerTeam(team), [&]() {
+            rq(r) = sq;
+            rk(r) = sk;
+          });
+        }
         Kokkos::parallel_for(Kokkos::TeamThreadRange(team, kd), [&](int c) {
           v.set(((std::int64_t(s) * Hkv + c / dh) * T + t) * dh + c % dh, qkv(r, qd + kd + c));
         });
