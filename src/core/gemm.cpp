@@ -160,7 +160,45 @@ int ld_of(const Strided& x) { return x.ld > 0 ? x.ld : x.cols; }
 std::int64_t span(const Strided& x, int batch) {
   return (batch - 1) * x.stride + std::int64_t(x.rows - 1) * ld_of(x) + x.cols;
 }
+
+int g_batch_threads = 1;
+
+#if defined(KOKKOSKERNELS_ENABLE_TPL_BLAS) && !defined(KMOE_CUBLAS)
+// A strided batch through the host BLAS Kokkos Kernels' gemm calls, given the leading
+// dimensions; bf16 inputs are rounded (or widened) over each operand's span first. `side_by_side`
+// runs the products on the host threads at once (each call on one BLAS thread: see
+// set_gemm_batch_threads), else one after the other.
+void host_batch(Trans ta, Trans tb, float alpha, const Strided& A, const Strided& B, float beta,
+                float* C, int m, int n, int ka, std::int64_t c_stride, int ldc, int batch,
+                bool side_by_side) {
+  const float* a = A.data;
+  const float* b = B.data;
+  if (g_precision == Precision::Bf16) {
+    a = bf16_input(0, A.data, A.b16, span(A, batch));
+    b = bf16_input(1, B.data, B.b16, span(B, batch));
+  }
+  const char opa = ta == Trans::N ? 'N' : 'T', opb = tb == Trans::N ? 'N' : 'T';
+  const int lda = ld_of(A), ldb = ld_of(B);
+  const std::int64_t sa = A.stride, sb = B.stride;
+  auto product = [=](int i) {
+    KokkosBlas::Impl::HostBlas<float>::gemm(opb, opa, n, m, ka, alpha, b + i * sb, ldb,
+                                            a + i * sa, lda, beta, C + i * c_stride, ldc);
+  };
+  if (side_by_side) {
+    // On the host space, in order with the kernels around it where that is the execution
+    // space (OpenMP, Threads); else waited for.
+    using Host = Kokkos::DefaultHostExecutionSpace;
+    Kokkos::parallel_for("gemm::strided_batch_host", Kokkos::RangePolicy<Host>(0, batch), product);
+    if constexpr (!std::is_same_v<Host, ExecSpace>) Host().fence("gemm::strided_batch_host");
+  } else {
+    for (int i = 0; i < batch; ++i) product(i);
+  }
+}
+#endif
 }  // namespace
+
+void set_gemm_batch_threads(int threads) { g_batch_threads = threads > 1 ? threads : 1; }
+int gemm_batch_threads() { return g_batch_threads; }
 
 bool gemm_rows_apart() {
 #if defined(KMOE_CUBLAS)
@@ -219,6 +257,16 @@ void gemm_strided_batched(Trans ta, Trans tb, float alpha, Strided A, Strided B,
     return;
   }
 #endif
+#if defined(KOKKOSKERNELS_ENABLE_TPL_BLAS) && !defined(KMOE_CUBLAS)
+  // Host threads: the products side by side, one single-threaded BLAS call each (the same
+  // call Kokkos Kernels makes for each; a single-column N x N product is its gemv instead).
+  if constexpr (kHostBlas) {
+    if (g_batch_threads > 1 && batch > 1 && !(ta == Trans::N && tb == Trans::N && n == 1)) {
+      host_batch(ta, tb, alpha, A, B, beta, C, m, n, ka, c_stride, ldc, batch, true);
+      return;
+    }
+  }
+#endif
   if (lda == A.cols && ldb == B.cols && ldc == c_cols) {
     auto part = [](const Strided& X, int b) {  // product b's operand
       return Operand{X.data ? X.data + b * X.stride : nullptr,
@@ -233,20 +281,7 @@ void gemm_strided_batched(Trans ta, Trans tb, float alpha, Strided A, Strided B,
                "cuBLAS or a host BLAS; this "
                    << ExecSpace::name() << " build has neither");
 #if defined(KOKKOSKERNELS_ENABLE_TPL_BLAS) && !defined(KMOE_CUBLAS)
-  if constexpr (kHostBlas) {
-    // The same BLAS Kokkos Kernels' gemm calls, given the leading dimensions; bf16 inputs are
-    // rounded (or widened) over each operand's span first.
-    const float* a = A.data;
-    const float* b = B.data;
-    if (g_precision == Precision::Bf16) {
-      a = bf16_input(0, A.data, A.b16, span(A, batch));
-      b = bf16_input(1, B.data, B.b16, span(B, batch));
-    }
-    const char opa = ta == Trans::N ? 'N' : 'T', opb = tb == Trans::N ? 'N' : 'T';
-    for (int i = 0; i < batch; ++i)
-      KokkosBlas::Impl::HostBlas<float>::gemm(opb, opa, n, m, ka, alpha, b + i * B.stride, ldb,
-                                              a + i * A.stride, lda, beta, C + i * c_stride, ldc);
-  }
+  if constexpr (kHostBlas) host_batch(ta, tb, alpha, A, B, beta, C, m, n, ka, c_stride, ldc, batch, false);
 #endif
 }
 

@@ -67,6 +67,15 @@ struct Strided {
 void gemm_strided_batched(Trans ta, Trans tb, float alpha, Strided A, Strided B, float beta,
                           float* C, int c_rows, int c_cols, std::int64_t c_stride, int batch,
                           int c_ld = 0);
+// Host threads for the products of one strided batch (host backends with a host BLAS): with
+// more than 1, gemm_strided_batched runs a batch's products side by side on the host execution
+// space, one BLAS call each, instead of one after the other with the BLAS's own threads (many
+// small products, as attention's, thread poorly inside each). Only for a BLAS that runs one
+// thread per call there (apply_execution decides: an OpenMP OpenBLAS inside a parallel region,
+// or any BLAS on one thread). The same products, so the same results bit for bit. Default 1.
+void set_gemm_batch_threads(int threads);
+int gemm_batch_threads();
+
 // Whether gemm_strided_batched takes rows apart (ld larger than cols) at the vendor BLAS's speed
 // on this build: CUDA with cuBLAS, and host backends with Kokkos Kernels' BLAS TPL (every build
 // kmoe accepts but HIP, where such a batch is an error).

@@ -18,6 +18,7 @@
 #endif
 
 #include "core/error.hpp"
+#include "core/gemm.hpp"
 #include "parallel/communicator.hpp"
 
 namespace kmoe {
@@ -193,11 +194,18 @@ void apply_execution(ExecutionPlan& plan, const std::string& program) {
       }
     }
     if (!user_blas) set(plan.blas_threads);
+    // A strided batch's products side by side on the Kokkos threads where each BLAS call then
+    // runs on one thread: a sequential OpenBLAS, the OpenMP one inside a parallel region, or
+    // one BLAS thread.
+    if (kHostThreads && !kDevice && plan.kokkos_threads > 1 &&
+        (kind == 0 || kind == 2 || plan.blas_threads == 1))
+      plan.batch_threads = plan.kokkos_threads;
   } else if (auto set_blis = blas_symbol<SetThreads>("bli_thread_set_num_threads")) {
     if (!user_blas) set_blis(plan.blas_threads);
   } else if (auto set_mkl = blas_symbol<SetThreads>("MKL_Set_Num_Threads")) {
     if (!user_blas) set_mkl(plan.blas_threads);
   }
+  set_gemm_batch_threads(plan.batch_threads);
   int world_rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
   if (world_rank == 0)

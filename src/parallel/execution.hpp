@@ -27,6 +27,7 @@ struct ExecutionPlan {
   int rank_cpus = 1;                   // the cores this rank may use (see above)
   int kokkos_threads = 1;              // 1 on Serial and GPU backends
   int blas_threads = 1;                // the host BLAS's threads per call
+  int batch_threads = 1;               // products of a strided batch run at once (gemm.hpp)
   int device_id = -1;                  // the GPU this rank drives; -1 on CPU backends
   std::vector<std::string> notes;      // oversubscription, GPU sharing, BLAS threading
 };
@@ -38,7 +39,8 @@ ExecutionPlan plan_execution(int argc, char** argv);
 
 // After Kokkos starts: gives the BLAS its thread count (OpenBLAS, BLIS or MKL, whichever is
 // linked; a pthreads OpenBLAS next to OpenMP Kokkos threads gets 1 unless the OpenMP threads
-// wait passively) and prints the plan's notes on world rank 0 (`program: note: ...`).
+// wait passively), lets strided GEMM batches run their products side by side on the Kokkos
+// threads where each BLAS call then takes one thread (set_gemm_batch_threads), and prints the plan's notes on world rank 0 (`program: note: ...`).
 void apply_execution(ExecutionPlan& plan, const std::string& program);
 
 // Kokkos started by the plan above, finalized on scope exit: what every kmoe program uses.

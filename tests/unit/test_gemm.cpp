@@ -328,6 +328,70 @@ TEST(Gemm, StridedBatchWithRowsApart) {
       }
 }
 
+// A strided batch's products side by side on the host threads (set_gemm_batch_threads, the
+// OpenMP path): bit for bit the products one after the other, and within 1e-5 of a double loop;
+// contiguous and rows apart, fp32 and bf16, every transpose, a single-column product (Kokkos
+// Kernels' gemv: never side by side) among them. GPU builds keep their library's batch.
+TEST(Gemm, StridedBatchSideBySideMatchesOneAfterTheOther) {
+  if (!Kokkos::SpaceAccessibility<HostSpace, MemSpace>::accessible) GTEST_SKIP();
+  struct Restore {
+    int before = gemm_batch_threads();
+    ~Restore() { set_gemm_batch_threads(before); }
+  } restore;
+  const int batch = 9, m = 17, k = 11;
+  for (int n : {13, 1})
+    for (int pad : {0, 2})
+      for (Precision p : {Precision::Fp32, Precision::Bf16})
+        for (Trans ta : {Trans::N, Trans::T})
+          for (Trans tb : {Trans::N, Trans::T}) {
+            GemmPrecisionScope scope(p);
+            const int ar = ta == Trans::N ? m : k, ac = ta == Trans::N ? k : m;
+            const int br = tb == Trans::N ? k : n, bc = tb == Trans::N ? n : k;
+            const int lda = ac + pad, ldb = bc + pad, ldc = n + pad;
+            if (pad > 0 && !gemm_rows_apart()) continue;
+            const std::int64_t sa = ar * lda + 1, sb = br * ldb + 2, sc = m * ldc + 3;
+            std::mt19937 gen(5);
+            std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+            std::vector<float> a(sa * batch), b(sb * batch), c(sc * batch);
+            for (auto* v : {&a, &b, &c})
+              for (auto& x : *v) x = p == Precision::Bf16 ? round_bf16(u(gen)) : u(gen);
+            View1F A("A", a.size()), B("B", b.size());
+            Kokkos::deep_copy(A, Kokkos::View<const float*, HostSpace, Unmanaged>(a.data(), a.size()));
+            Kokkos::deep_copy(B, Kokkos::View<const float*, HostSpace, Unmanaged>(b.data(), b.size()));
+            auto run = [&](int threads) {
+              set_gemm_batch_threads(threads);
+              View1F C("C", c.size());
+              Kokkos::deep_copy(C, Kokkos::View<const float*, HostSpace, Unmanaged>(c.data(), c.size()));
+              gemm_strided_batched(ta, tb, 0.5f, {A.data(), ar, ac, sa, nullptr, pad ? lda : 0},
+                                   {B.data(), br, bc, sb, nullptr, pad ? ldb : 0}, 0.25f, C.data(),
+                                   m, n, sc, batch, pad ? ldc : 0);
+              Kokkos::fence();
+              auto h = Kokkos::create_mirror_view_and_copy(HostSpace(), C);
+              return std::vector<float>(h.data(), h.data() + h.extent(0));
+            };
+            const std::vector<float> one = run(1), side = run(4);
+            ASSERT_EQ(gemm_batch_threads(), 4);
+            for (std::size_t i = 0; i < one.size(); ++i)
+              ASSERT_EQ(side[i], one[i]) << "n " << n << " pad " << pad << " at " << i;
+            for (int i = 0; i < batch; ++i)
+              for (int r = 0; r < m; ++r)
+                for (int j = 0; j < ldc; ++j) {
+                  const std::int64_t at = i * sc + std::int64_t(r) * ldc + j;
+                  if (j >= n) {
+                    ASSERT_EQ(side[at], c[at]) << "between rows";
+                    continue;
+                  }
+                  double want = 0.25 * c[at];
+                  for (int q = 0; q < k; ++q) {
+                    const float x = ta == Trans::N ? a[i * sa + r * lda + q] : a[i * sa + q * lda + r];
+                    const float y = tb == Trans::N ? b[i * sb + q * ldb + j] : b[i * sb + j * ldb + q];
+                    want += 0.5 * double(x) * y;
+                  }
+                  ASSERT_NEAR(side[at], want, 1e-5) << i << " " << r << " " << j;
+                }
+          }
+}
+
 // out(c) += sum_r 2 x(r, c), outside a TEST body (nvcc refuses device lambdas in its private
 // member function).
 void twice_column_sums(ConstVec xv, int rows, int cols, Vec out) {
