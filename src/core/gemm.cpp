@@ -189,7 +189,7 @@ void host_batch(Trans ta, Trans tb, float alpha, const Strided& A, const Strided
     // space (OpenMP, Threads); else waited for.
     using Host = Kokkos::DefaultHostExecutionSpace;
     Kokkos::parallel_for("gemm::strided_batch_host", Kokkos::RangePolicy<Host>(0, batch), product);
-    if constexpr (!std::is_same_v<Host, ExecSpace>) Host().fence("gemm::strided_batch_host");
+    if constexpr (!std::is_same_v<Host, ExecSpace>) Host().fence();
   } else {
     for (int i = 0; i < batch; ++i) product(i);
   }
