@@ -1,6 +1,7 @@
 // How a rank uses its node (parallel/execution, RUNTIME.md section 6), on 1, 2 and 4 ranks of
 // one node: node-local ranks, the rank's share of the cores, thread counts chosen or taken from
 // the user, GPU choice, and the oversubscription note.
+#include <dlfcn.h>
 #include <gtest/gtest.h>
 #include <mpi.h>
 
@@ -10,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "core/gemm.hpp"
 #include "parallel/execution.hpp"
 
 namespace kmoe {
@@ -104,6 +106,34 @@ TEST(Execution, OversubscriptionIsNoted) {
   bool noted = false;
   for (const auto& n : p.notes) noted = noted || n.find("oversubscribed") != std::string::npos;
   EXPECT_EQ(noted, p.local_rank == 0);
+}
+
+// A strided batch's products go side by side on the Kokkos threads only where each BLAS call
+// then runs on one thread: a sequential or OpenMP OpenBLAS, or one BLAS thread (a pthreads
+// OpenBLAS next to OpenMP threads gets one unless the user says otherwise). Never on Serial.
+TEST(Execution, BatchesSideBySideOnlyWithOneThreadPerBlasCall) {
+  ScopedEnv omp("OMP_NUM_THREADS", nullptr), kokkos("KOKKOS_NUM_THREADS", nullptr),
+      wait("OMP_WAIT_POLICY", nullptr);
+  using GetParallel = int (*)();
+  const auto parallel = reinterpret_cast<GetParallel>(dlsym(RTLD_DEFAULT, "openblas_get_parallel"));
+  const int kind = parallel ? parallel() : -1;  // 0 sequential, 1 pthreads, 2 OpenMP
+  const int before = gemm_batch_threads();
+  for (const char* user : {static_cast<const char*>(nullptr), "1", "2"}) {
+    ScopedEnv blas("OPENBLAS_NUM_THREADS", user);
+    ExecutionPlan p = plan_with({});
+    p.kokkos_threads = host_threads() ? 2 : 1;  // as if the rank had 2 cores
+    if (!user) p.blas_threads = p.kokkos_threads;
+    apply_execution(p, "test_execution");
+    int want = 1;
+    const bool openblas = dlsym(RTLD_DEFAULT, "openblas_set_num_threads") != nullptr;
+    if (host_threads() && openblas && (kind == 0 || kind == 2 || p.blas_threads == 1)) want = 2;
+#if defined(KOKKOS_ENABLE_CUDA) || defined(KOKKOS_ENABLE_HIP) || defined(KOKKOS_ENABLE_SYCL)
+    want = 1;
+#endif
+    EXPECT_EQ(p.batch_threads, want) << "OPENBLAS_NUM_THREADS " << (user ? user : "unset");
+    EXPECT_EQ(gemm_batch_threads(), want);
+  }
+  set_gemm_batch_threads(before);
 }
 
 }  // namespace
