@@ -181,8 +181,8 @@ void host_batch(Trans ta, Trans tb, float alpha, const Strided& A, const Strided
   const int lda = ld_of(A), ldb = ld_of(B);
   const std::int64_t sa = A.stride, sb = B.stride;
   auto product = [=](int i) {
-    KokkosBlas::Impl::HostBlas<float>::gemm(opb, opa, n, m, ka, alpha, b + i * sb, ldb,
-                                            a + i * sa, lda, beta, C + i * c_stride, ldc);
+    KokkosBlas::Impl::HostBlas<float>::gemm(opb, opa, n, m, ka, alpha, b + i * sb, ldb, a + i * sa,
+                                            lda, beta, C + i * c_stride, ldc);
   };
   if (side_by_side) {
     // On the host space, in order with the kernels around it where that is the execution
@@ -281,7 +281,8 @@ void gemm_strided_batched(Trans ta, Trans tb, float alpha, Strided A, Strided B,
                "cuBLAS or a host BLAS; this "
                    << ExecSpace::name() << " build has neither");
 #if defined(KOKKOSKERNELS_ENABLE_TPL_BLAS) && !defined(KMOE_CUBLAS)
-  if constexpr (kHostBlas) host_batch(ta, tb, alpha, A, B, beta, C, m, n, ka, c_stride, ldc, batch, false);
+  if constexpr (kHostBlas)
+    host_batch(ta, tb, alpha, A, B, beta, C, m, n, ka, c_stride, ldc, batch, false);
 #endif
 }
 

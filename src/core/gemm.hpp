@@ -71,8 +71,9 @@ void gemm_strided_batched(Trans ta, Trans tb, float alpha, Strided A, Strided B,
 // more than 1, gemm_strided_batched runs a batch's products side by side on the host execution
 // space, one BLAS call each, instead of one after the other with the BLAS's own threads (many
 // small products, as attention's, thread poorly inside each). Only for a BLAS that runs one
-// thread per call there (apply_execution decides: an OpenMP OpenBLAS inside a parallel region,
-// or any BLAS on one thread). The same products, so the same results bit for bit. Default 1.
+// thread per call there (apply_execution decides: an OpenBLAS that is sequential, OpenMP (one
+// thread inside a parallel region) or set to one thread). The same products, so the same
+// results bit for bit. Default 1.
 void set_gemm_batch_threads(int threads);
 int gemm_batch_threads();
 

@@ -356,12 +356,15 @@ TEST(Gemm, StridedBatchSideBySideMatchesOneAfterTheOther) {
             for (auto* v : {&a, &b, &c})
               for (auto& x : *v) x = p == Precision::Bf16 ? round_bf16(u(gen)) : u(gen);
             View1F A("A", a.size()), B("B", b.size());
-            Kokkos::deep_copy(A, Kokkos::View<const float*, HostSpace, Unmanaged>(a.data(), a.size()));
-            Kokkos::deep_copy(B, Kokkos::View<const float*, HostSpace, Unmanaged>(b.data(), b.size()));
+            Kokkos::deep_copy(A,
+                              Kokkos::View<const float*, HostSpace, Unmanaged>(a.data(), a.size()));
+            Kokkos::deep_copy(B,
+                              Kokkos::View<const float*, HostSpace, Unmanaged>(b.data(), b.size()));
             auto run = [&](int threads) {
               set_gemm_batch_threads(threads);
               View1F C("C", c.size());
-              Kokkos::deep_copy(C, Kokkos::View<const float*, HostSpace, Unmanaged>(c.data(), c.size()));
+              Kokkos::deep_copy(
+                  C, Kokkos::View<const float*, HostSpace, Unmanaged>(c.data(), c.size()));
               gemm_strided_batched(ta, tb, 0.5f, {A.data(), ar, ac, sa, nullptr, pad ? lda : 0},
                                    {B.data(), br, bc, sb, nullptr, pad ? ldb : 0}, 0.25f, C.data(),
                                    m, n, sc, batch, pad ? ldc : 0);
@@ -383,8 +386,10 @@ TEST(Gemm, StridedBatchSideBySideMatchesOneAfterTheOther) {
                   }
                   double want = 0.25 * c[at];
                   for (int q = 0; q < k; ++q) {
-                    const float x = ta == Trans::N ? a[i * sa + r * lda + q] : a[i * sa + q * lda + r];
-                    const float y = tb == Trans::N ? b[i * sb + q * ldb + j] : b[i * sb + j * ldb + q];
+                    const float x =
+                        ta == Trans::N ? a[i * sa + r * lda + q] : a[i * sa + q * lda + r];
+                    const float y =
+                        tb == Trans::N ? b[i * sb + q * ldb + j] : b[i * sb + j * ldb + q];
                     want += 0.5 * double(x) * y;
                   }
                   ASSERT_NEAR(side[at], want, 1e-5) << i << " " << r << " " << j;
