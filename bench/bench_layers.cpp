@@ -4,7 +4,8 @@
 // attention time per token (forward + backward) of the blocked kernel against the full-matrix
 // one (the test oracle, tests/unit/full_attention) for plain causal, document-masked and
 // windowed attention at T = 256, 1024 and 4096 (--sweep_tokens tokens per call, default 4096),
-// and the share of the T x T scores the blocked kernel computed.
+// and the share of the T x T scores the blocked kernel computed. --batch_threads N runs
+// strided batches and per-expert GEMMs side by side on N host threads (gemm.hpp).
 #include <chrono>
 #include <cstdio>
 #include <functional>
@@ -145,6 +146,8 @@ int main(int argc, char** argv) {
       sweep = v;
     else if (k == "--sweep_tokens")
       sweep_tokens = v;
+    else if (k == "--batch_threads")  // host threads for side-by-side products (gemm.hpp)
+      set_gemm_batch_threads(v);
     else
       throw std::invalid_argument("bench_layers: unknown option " + k);
   }
@@ -273,8 +276,11 @@ int main(int argc, char** argv) {
                 1e3 * t_grouped, 1e6 * t_grouped / N);
     std::printf("  dense mlp fwd+bwd (F %d)              %9.3f ms = %.2f us/token\n", F,
                 1e3 * t_dense, 1e6 * t_dense / N);
-    std::printf("  moe time outside the expert GEMMs: %.0f%% (routing, permutation, combine)\n",
-                100.0 * std::max(0.0, 1.0 - t_gemm / t_moe));
+    std::printf("  moe time outside the expert GEMMs: %.0f%% (routing, permutation, combine)%s\n",
+                100.0 * std::max(0.0, 1.0 - t_gemm / t_moe),
+                expert_threads(e.expert_gemm, e.experts, false) > 1
+                    ? "; the GEMMs alone run one after the other, the layer's side by side"
+                    : "");
   }
   {
     // Engram layer of inputs/tiny_engram.deck (N 3, K 8, De 512, table_size 5 V per order):

@@ -7,6 +7,16 @@
 
 namespace kmoe {
 
+namespace {
+// The element-wise math, shared by the kernels and the host-thread forms.
+KOKKOS_INLINE_FUNCTION float swiglu_value(float a, float b) { return math::silu(a) * b; }
+KOKKOS_INLINE_FUNCTION void swiglu_grads(float a, float b, float dy, float& da, float& db) {
+  const float sg = math::sigmoid(a);
+  da = dy * b * sg * (1.0f + a * (1.0f - sg));  // silu' = s (1 + a (1 - s))
+  db = dy * a * sg;
+}
+}  // namespace
+
 // One team per row, its threads over the features: coalesced on GPUs; on CPUs a one-thread
 // team's contiguous inner loop, which vectorizes (exp_poly is branch-free).
 void swiglu_activate(const float* a_data, const float* b_data, int ld, int N, int F,
@@ -20,14 +30,14 @@ void swiglu_activate(const float* a_data, const float* b_data, int ld, int N, in
         const float* b = b_data + x;
         if (!round) {
           Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, F),
-                               [&](int f) { act.set(y + f, math::silu(a[f]) * b[f]); });
+                               [&](int f) { act.set(y + f, swiglu_value(a[f], b[f])); });
           return;
         }
         Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, F), [&](int f) {
           const std::uint16_t ab = bf16_bits(a[f]), bb = bf16_bits(b[f]);
           keep_a.b16[x + f] = ab;
           keep_b.b16[x + f] = bb;
-          act.set(y + f, math::silu(bf16_to_float(ab)) * bf16_to_float(bb));
+          act.set(y + f, swiglu_value(bf16_to_float(ab), bf16_to_float(bb)));
         });
       });
 }
@@ -38,10 +48,7 @@ template <class P>
 KOKKOS_INLINE_FUNCTION void swiglu_row_backward(const TeamMember& tm, int F, P a, P b,
                                                 const float* dy, float* da, float* db) {
   Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, F), [&](int f) {
-    const float av = kept_load(a, f), bv = kept_load(b, f);
-    const float sg = math::sigmoid(av);
-    da[f] = dy[f] * bv * sg * (1.0f + av * (1.0f - sg));  // silu' = s (1 + a (1 - s))
-    db[f] = dy[f] * av * sg;
+    swiglu_grads(kept_load(a, f), kept_load(b, f), dy[f], da[f], db[f]);
   });
 }
 }  // namespace
@@ -63,6 +70,24 @@ void swiglu_activate_backward(KeptIn a, KeptIn b, int ld, ConstMat d_act, float*
         else
           swiglu_row_backward(tm, F, a.f32 + x, b.f32 + x, dy, da, db);
       });
+}
+
+void swiglu_activate_here(const float* a, const float* b, int ld, int N, int F, float* act) {
+  for (int r = 0; r < N; ++r) {
+    const float* ar = a + std::int64_t(r) * ld;
+    const float* br = b + std::int64_t(r) * ld;
+    float* y = act + std::int64_t(r) * F;
+    for (int f = 0; f < F; ++f) y[f] = swiglu_value(ar[f], br[f]);
+  }
+}
+
+void swiglu_activate_backward_here(const float* a, const float* b, int ld, const float* d_act,
+                                   int N, int F, float* da, float* db, int ld_out) {
+  for (int r = 0; r < N; ++r) {
+    const std::int64_t x = std::int64_t(r) * ld, o = std::int64_t(r) * ld_out;
+    const float* dy = d_act + std::int64_t(r) * F;
+    for (int f = 0; f < F; ++f) swiglu_grads(a[x + f], b[x + f], dy[f], da[o + f], db[o + f]);
+  }
 }
 
 std::int64_t SwigluMlp::workspace_bytes(std::int64_t rows, int hidden, bool bf16) {

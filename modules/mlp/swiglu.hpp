@@ -25,6 +25,13 @@ void swiglu_activate(const float* a, const float* b, int ld, int N, int F, KeptO
 void swiglu_activate_backward(KeptIn a, KeptIn b, int ld, ConstMat d_act, float* da, float* db,
                               int ld_out);
 
+// The same two on the calling host thread, fp32 in host memory: for row blocks a caller
+// already runs side by side on the host threads (the MoE experts' per-expert path). The same
+// element-wise math as the kernels, so the same numbers. act, d_act: (N, F) contiguous.
+void swiglu_activate_here(const float* a, const float* b, int ld, int N, int F, float* act);
+void swiglu_activate_backward_here(const float* a, const float* b, int ld, const float* d_act,
+                                   int N, int F, float* da, float* db, int ld_out);
+
 // fp32 forms: up: (N, 2F) = [x W1^T | x W3^T] -> act: (N, F); d_act -> d_up: (N, 2F).
 inline void swiglu_activate(ConstMat up, Mat act) {
   const int F = act.extent(1);

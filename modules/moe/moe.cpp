@@ -38,7 +38,7 @@ struct MoeWorkspace {
                                   : std::min(rows, (2 * rows + El - 1) / El);
     wire = ep > 1 && bf16 && D % 2 == 0;  // rows and their gradients travel as bf16
     staging = bf16 ? 2 * r(4 * most * Fe) : 0;
-    hidden = 3 * r(4 * most * Fe);
+    hidden = expert_threads(e.expert_gemm, El, bf16) * 3 * r(4 * most * Fe);  // per thread
     rows_fp32 = r(4 * rows * D);
     wire_in = wire ? r(2 * rows * D) : 0;
   }
@@ -180,6 +180,11 @@ bool use_grouped_expert_gemm(ExpertGemm choice) {
   if (choice == ExpertGemm::Auto)
     return !Kokkos::SpaceAccessibility<HostSpace, MemSpace>::accessible;
   return choice == ExpertGemm::Grouped;
+}
+
+int expert_threads(ExpertGemm choice, int local_experts, bool bf16) {
+  if (bf16 || use_grouped_expert_gemm(choice) || local_experts < 2) return 1;
+  return std::min(gemm_batch_threads(), local_experts);
 }
 
 MoeStats MoeLayer::report() const {
@@ -572,6 +577,26 @@ void MoeLayer::experts_forward(const TensorTable& table, const Operand& in,
                    0.0f, out, D);
     return;
   }
+  if (const int threads = expert_threads(cfg_.expert_gemm, El_, staged); threads > 1) {
+    // fp32: the products write the kept buffers directly; each expert's chain on one thread.
+    host_items_side_by_side("moe::experts_forward", El_, threads, [&](int le, int) {
+      const int r0 = off[le], n = off[le + 1] - r0;
+      if (n == 0) return;
+      const std::int64_t h0 = std::int64_t(r0) * Fe;
+      float* u1 = up1.product_target(nullptr, h0);
+      float* u3 = up3.product_target(nullptr, h0);
+      const Operand x = rows_of(in, r0, n);
+      gemm_on_host_thread(Trans::N, Trans::T, 1.0f, x, table.weight(w1_, Fe, D, le * wsz), 0.0f,
+                          as_mat(u1, n, Fe));
+      gemm_on_host_thread(Trans::N, Trans::T, 1.0f, x, table.weight(w3_, Fe, D, le * wsz), 0.0f,
+                          as_mat(u3, n, Fe));
+      swiglu_activate_here(u1, u3, Fe, n, Fe, act.out(h0).f32);
+      gemm_on_host_thread(Trans::N, Trans::T, 1.0f, act.matrix(n, Fe, h0),
+                          table.weight(w2_, D, Fe, le * wsz), 0.0f,
+                          as_mat(out + std::int64_t(r0) * D, n, D));
+    });
+    return;
+  }
   for (int le = 0; le < El_; ++le) {
     const int r0 = off[le], n = off[le + 1] - r0;
     if (n == 0) continue;
@@ -609,8 +634,36 @@ void MoeLayer::experts_backward(TensorTable& table, const Operand& g_rows, float
     return;
   }
   const int most = largest_block(off);
-  Workspace::Frame frame(ws);  // one expert's hidden gradients at a time
+  Workspace::Frame frame(ws);  // one expert's hidden gradients at a time (per thread)
   const std::int64_t hidden = std::max<std::int64_t>(most, 1) * Fe;
+  if (const int threads = expert_threads(cfg_.expert_gemm, El_, up1.is_bf16()); threads > 1) {
+    float* bufs = frame.floats(threads * 3 * hidden);
+    host_items_side_by_side("moe::experts_backward", El_, threads, [&](int le, int t) {
+      const int r0 = off[le], n = off[le + 1] - r0;
+      if (n == 0) return;
+      float* da = bufs + t * 3 * hidden;
+      float *du1 = da + hidden, *du3 = du1 + hidden;
+      const Operand g = rows_of(g_rows, r0, n), x = rows_of(in, r0, n);
+      const std::int64_t h0 = std::int64_t(r0) * Fe;
+      const Operand w1 = table.weight(w1_, Fe, D, le * wsz), w3 = table.weight(w3_, Fe, D, le * wsz);
+      const Operand g_da{da, nullptr, n, Fe}, g_du1{du1, nullptr, n, Fe}, g_du3{du3, nullptr, n, Fe};
+      gemm_on_host_thread(Trans::N, Trans::N, 1.0f, g, table.weight(w2_, D, Fe, le * wsz), 0.0f,
+                          as_mat(da, n, Fe));
+      gemm_on_host_thread(Trans::T, Trans::N, 1.0f, g, act.matrix(n, Fe, h0), 1.0f,
+                          as_mat(table.grad(w2_) + le * wsz, D, Fe));
+      swiglu_activate_backward_here(up1.in(h0).f32, up3.in(h0).f32, Fe, g_da.f32, n, Fe, du1, du3,
+                                    Fe);
+      gemm_on_host_thread(Trans::T, Trans::N, 1.0f, g_du1, x, 1.0f,
+                          as_mat(table.grad(w1_) + le * wsz, Fe, D));
+      gemm_on_host_thread(Trans::T, Trans::N, 1.0f, g_du3, x, 1.0f,
+                          as_mat(table.grad(w3_) + le * wsz, Fe, D));
+      // The gradient w.r.t. the expert's inputs (after g's last read: g_out may be g_rows).
+      Mat g_in = as_mat(g_out + std::int64_t(r0) * D, n, D);
+      gemm_on_host_thread(Trans::N, Trans::N, 1.0f, g_du1, w1, 0.0f, g_in);
+      gemm_on_host_thread(Trans::N, Trans::N, 1.0f, g_du3, w3, 1.0f, g_in);
+    });
+    return;
+  }
   float *da_buf = frame.floats(hidden), *du1_buf = frame.floats(hidden),
         *du3_buf = frame.floats(hidden);
   for (int le = 0; le < El_; ++le) {

@@ -43,6 +43,13 @@ struct MoeStats {
 // the device's memory is not the host's).
 bool use_grouped_expert_gemm(ExpertGemm choice);
 
+// Host threads that run a layer's per-expert GEMMs side by side, one expert's whole chain (its
+// products and SwiGLU) per thread at a time: gemm_batch_threads() (a host BLAS running one
+// thread per call) in fp32 runs with per-expert GEMMs, at most one per local expert; else 1,
+// the experts one after the other with the BLAS's own threads. The same products either way,
+// so the same numbers.
+int expert_threads(ExpertGemm choice, int local_experts, bool bf16);
+
 // Aux-loss-free balancing (DeepSeek-V3), after each optimizer step: with C_e the expert's
 // assignments over the whole global batch, bias_e += gamma * sign(mean(C) - C_e).
 void update_router_bias(TensorTable& table, int bias_index, const std::vector<double>& counts,

@@ -287,6 +287,83 @@ TEST(Moe, StatisticsAndTheRouterBiasHook) {
   EXPECT_TRUE(moved);
 }
 
+// One layer's forward and backward on fixed random inputs: outputs, input and every gradient.
+struct LayerRun {
+  std::vector<float> y, dx, grads;
+  MoeStats st;
+};
+// `starve`: positive inputs and a router that sends every token to experts 0 and 1 only.
+LayerRun forward_backward(const ModelCfg& m, const MoeCfg& c, int N, bool starve = false) {
+  const int D = m.d_model;
+  TensorTable table;
+  MoeLayer layer(m, c, "moe.", N, table);
+  table.allocate();
+  table.initialize(11);
+  View2F x = random_input(N, D, 6), y("y", N, D), dy = random_input(N, D, 7), dx("dx", N, D);
+  if (starve) {
+    auto hx = Kokkos::create_mirror_view_and_copy(HostSpace(), x);
+    for (std::size_t i = 0; i < hx.size(); ++i) hx.data()[i] = std::fabs(hx.data()[i]);
+    Kokkos::deep_copy(x, hx);
+    auto p = Kokkos::create_mirror_view_and_copy(HostSpace(), table.params);
+    const auto& r = table.entry(table.find("moe.router"));
+    for (int e = 0; e < c.experts; ++e)
+      for (int d = 0; d < D; ++d) p(r.offset + e * D + d) = e < 2 ? 1.0f + 0.1f * e : -10.0f;
+    Kokkos::deep_copy(table.params, p);
+  }
+  Workspace s;
+  LayerRun r;
+  r.st = forward_report(layer, table, x, y, s);
+  layer.backward(table, as_cmat(x), as_cmat(dy), as_mat(dx), s, 0.5f);
+  r.y = to_host(y);
+  r.dx = to_host(dx);
+  auto g = Kokkos::create_mirror_view_and_copy(HostSpace(), table.grads);
+  r.grads.assign(g.data(), g.data() + g.size());
+  return r;
+}
+
+// The per-expert GEMMs side by side on the host threads (one expert's products and SwiGLU per
+// thread) against one after the other: the same calls, so bit for bit, with experts of uneven
+// rows, one without rows, and a capacity that drops. Only fp32 runs take that path.
+TEST(Moe, PerExpertGemmsSideBySideMatchOneAfterTheOther) {
+  struct Restore {
+    int before = gemm_batch_threads();
+    ~Restore() { set_gemm_batch_threads(before); }
+  } restore;
+  set_gemm_batch_threads(3);
+  if (gemm_batch_threads() == 1) GTEST_SKIP() << "no host BLAS on host memory";
+  EXPECT_EQ(expert_threads(ExpertGemm::PerExpert, 8, false), 3);
+  EXPECT_EQ(expert_threads(ExpertGemm::PerExpert, 2, false), 2);
+  EXPECT_EQ(expert_threads(ExpertGemm::PerExpert, 1, false), 1);
+  EXPECT_EQ(expert_threads(ExpertGemm::PerExpert, 8, true), 1) << "bf16 stays one after the other";
+  EXPECT_EQ(expert_threads(ExpertGemm::Grouped, 8, false), 1);
+  const int N = 40, D = 16, Fe = 24;
+  const ModelCfg m = model(D);
+  for (int variant = 0; variant < 3; ++variant) {
+    const double capacity = variant == 1 ? 0.6 : 0.0;
+    const bool starve = variant == 2;
+    MoeCfg e = moe(/*E=*/9, /*k=*/2, Fe);
+    e.expert_gemm = ExpertGemm::PerExpert;
+    e.lb_coef = 0.1;
+    e.capacity_factor = capacity;
+    e.shared_experts = 1;
+    e.shared_hidden = 12;
+    set_gemm_batch_threads(1);
+    const LayerRun one = forward_backward(m, e, N, starve);
+    set_gemm_batch_threads(3);
+    const LayerRun side = forward_backward(m, e, N, starve);
+    EXPECT_EQ(side.st.load, one.st.load) << variant;
+    if (capacity > 0) {
+      EXPECT_GT(one.st.dropped, 0) << "the capacity must bite";
+    }
+    if (starve) {
+      EXPECT_EQ(one.st.load[0] + one.st.load[1], 2 * N) << "experts 2..8 get no rows";
+    }
+    EXPECT_EQ(side.y, one.y) << variant;
+    EXPECT_EQ(side.dx, one.dx) << variant;
+    EXPECT_EQ(side.grads, one.grads) << variant;
+  }
+}
+
 // The grouped expert GEMMs (moe.expert_gemm = grouped, row counts only on the device) against
 // the per-expert vendor GEMMs: the same routing and statistics exactly, outputs and every
 // gradient to fp32 rounding; dropless with a shared expert, and with a capacity that drops.
@@ -307,27 +384,10 @@ TEST(Moe, GroupedExpertGemmsMatchPerExpertGemms) {
     e.capacity_factor = capacity;
     e.shared_experts = capacity == 0.0 ? 1 : 0;
     e.shared_hidden = 12;
-    struct Run {
-      std::vector<float> y, dx, grads;
-      MoeStats st;
-    };
     auto run = [&](ExpertGemm gemms) {
       MoeCfg c = e;
       c.expert_gemm = gemms;
-      TensorTable table;
-      MoeLayer layer(m, c, "moe.", N, table);
-      table.allocate();
-      table.initialize(11);
-      View2F x = random_input(N, D, 6), y("y", N, D), dy = random_input(N, D, 7), dx("dx", N, D);
-      Workspace s;
-      Run r;
-      r.st = forward_report(layer, table, x, y, s);
-      layer.backward(table, as_cmat(x), as_cmat(dy), as_mat(dx), s, 0.5f);
-      r.y = to_host(y);
-      r.dx = to_host(dx);
-      auto g = Kokkos::create_mirror_view_and_copy(HostSpace(), table.grads);
-      r.grads.assign(g.data(), g.data() + g.size());
-      return r;
+      return forward_backward(m, c, N);
     };
     auto max_rel = [](const std::vector<float>& a, const std::vector<float>& b) {
       double num = 0.0, den = 0.0;
@@ -337,7 +397,7 @@ TEST(Moe, GroupedExpertGemmsMatchPerExpertGemms) {
       }
       return num / std::max(den, 1e-30);
     };
-    const Run per = run(ExpertGemm::PerExpert), grouped = run(ExpertGemm::Grouped);
+    const LayerRun per = run(ExpertGemm::PerExpert), grouped = run(ExpertGemm::Grouped);
     EXPECT_EQ(grouped.st.load, per.st.load) << capacity;
     EXPECT_EQ(grouped.st.dropped, per.st.dropped) << capacity;
     EXPECT_EQ(grouped.st.lb, per.st.lb) << capacity;
@@ -351,7 +411,7 @@ TEST(Moe, GroupedExpertGemmsMatchPerExpertGemms) {
     EXPECT_LE(max_rel(grouped.y, per.y), tol) << capacity;
     EXPECT_LE(max_rel(grouped.dx, per.dx), tol) << capacity;
     EXPECT_LE(max_rel(grouped.grads, per.grads), tol) << capacity;
-    const Run again = run(ExpertGemm::Grouped);
+    const LayerRun again = run(ExpertGemm::Grouped);
     EXPECT_EQ(again.y, grouped.y);
     EXPECT_EQ(again.dx, grouped.dx);
     EXPECT_EQ(again.grads, grouped.grads);
