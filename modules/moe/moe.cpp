@@ -645,14 +645,14 @@ void MoeLayer::experts_backward(TensorTable& table, const Operand& g_rows, float
       float *du1 = da + hidden, *du3 = du1 + hidden;
       const Operand g = rows_of(g_rows, r0, n), x = rows_of(in, r0, n);
       const std::int64_t h0 = std::int64_t(r0) * Fe;
-      const Operand w1 = table.weight(w1_, Fe, D, le * wsz), w3 = table.weight(w3_, Fe, D, le * wsz);
-      const Operand g_da{da, nullptr, n, Fe}, g_du1{du1, nullptr, n, Fe}, g_du3{du3, nullptr, n, Fe};
+      const Operand w1 = table.weight(w1_, Fe, D, le * wsz),
+                    w3 = table.weight(w3_, Fe, D, le * wsz);
+      const Operand g_du1{du1, nullptr, n, Fe}, g_du3{du3, nullptr, n, Fe};
       gemm_on_host_thread(Trans::N, Trans::N, 1.0f, g, table.weight(w2_, D, Fe, le * wsz), 0.0f,
                           as_mat(da, n, Fe));
       gemm_on_host_thread(Trans::T, Trans::N, 1.0f, g, act.matrix(n, Fe, h0), 1.0f,
                           as_mat(table.grad(w2_) + le * wsz, D, Fe));
-      swiglu_activate_backward_here(up1.in(h0).f32, up3.in(h0).f32, Fe, g_da.f32, n, Fe, du1, du3,
-                                    Fe);
+      swiglu_activate_backward_here(up1.in(h0).f32, up3.in(h0).f32, Fe, da, n, Fe, du1, du3, Fe);
       gemm_on_host_thread(Trans::T, Trans::N, 1.0f, g_du1, x, 1.0f,
                           as_mat(table.grad(w1_) + le * wsz, Fe, D));
       gemm_on_host_thread(Trans::T, Trans::N, 1.0f, g_du3, x, 1.0f,

@@ -212,16 +212,17 @@ void gemm_on_host_thread(Trans ta, Trans tb, float alpha, const Operand& A, cons
   const int m = ta == Trans::N ? A.rows : A.cols, ka = ta == Trans::N ? A.cols : A.rows;
   const int kb = tb == Trans::N ? B.rows : B.cols, n = tb == Trans::N ? B.cols : B.rows;
   KMOE_REQUIRE(ka == kb && m == static_cast<int>(C.extent(0)) && n == static_cast<int>(C.extent(1)),
-               "gemm_on_host_thread: shape mismatch: op(A) " << m << "x" << ka << ", op(B) " << kb
-                                                             << "x" << n << ", C " << C.extent(0)
-                                                             << "x" << C.extent(1));
+               "gemm_on_host_thread: shape mismatch: op(A) "
+                   << m << "x" << ka << ", op(B) " << kb << "x" << n << ", C " << C.extent(0) << "x"
+                   << C.extent(1));
   KMOE_REQUIRE(A.f32 && B.f32 && !A.b16 && !B.b16,
                "gemm_on_host_thread: fp32 operands only (a bf16 operand given)");
   if (m == 0 || n == 0) return;
   float* c = C.data();
   if (ka == 0) {  // C = beta C, as gemm() leaves it
     if (beta != 1.0f)
-      for (std::int64_t i = 0; i < std::int64_t(m) * n; ++i) c[i] = beta == 0.0f ? 0.0f : beta * c[i];
+      for (std::int64_t i = 0; i < std::int64_t(m) * n; ++i)
+        c[i] = beta == 0.0f ? 0.0f : beta * c[i];
     return;
   }
 #if defined(KOKKOSKERNELS_ENABLE_TPL_BLAS) && !defined(KMOE_CUBLAS)

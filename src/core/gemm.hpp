@@ -88,20 +88,19 @@ int gemm_batch_threads();
 void gemm_on_host_thread(Trans ta, Trans tb, float alpha, const Operand& A, const Operand& B,
                          float beta, Mat C);
 
-// Runs f(item, slot) (a kernel named `label` to the profiling tools) for every item in [0, items) on up to `slots` host threads, each taking the
-// next item as it comes free (items of uneven size balance); slot, below `slots`, is the
-// thread's own index for its scratch. Returns when every item is done. On a host space without
-// threads (Serial) the items run in order on slot 0.
+// Runs f(item, slot) (a kernel named `label` to the profiling tools) for every item in [0, items)
+// on up to `slots` host threads, each taking the next item as it comes free (items of uneven size
+// balance); slot, below `slots`, is the thread's own index for its scratch. Returns when every item
+// is done. On a host space without threads (Serial) the items run in order on slot 0.
 template <class F>
 void host_items_side_by_side(const char* label, int items, int slots, const F& f) {
   using Host = Kokkos::DefaultHostExecutionSpace;
   using Policy = Kokkos::TeamPolicy<Host>;
   slots = std::max(1, std::min(slots, items));
   std::atomic<int> next{0};
-  Kokkos::parallel_for(label, Policy(slots, 1),
-                       [&](const typename Policy::member_type& tm) {
-                         for (int i = next++; i < items; i = next++) f(i, tm.league_rank());
-                       });
+  Kokkos::parallel_for(label, Policy(slots, 1), [&](const typename Policy::member_type& tm) {
+    for (int i = next++; i < items; i = next++) f(i, tm.league_rank());
+  });
   if constexpr (!std::is_same_v<Host, ExecSpace>) Host().fence();
 }
 

@@ -338,6 +338,8 @@ TEST(Gemm, StridedBatchSideBySideMatchesOneAfterTheOther) {
     int before = gemm_batch_threads();
     ~Restore() { set_gemm_batch_threads(before); }
   } restore;
+  set_gemm_batch_threads(4);
+  if (gemm_batch_threads() == 1) GTEST_SKIP() << "no host BLAS on host memory";
   const int batch = 9, m = 17, k = 11;
   for (int n : {13, 1})
     for (int pad : {0, 2})
@@ -395,6 +397,61 @@ TEST(Gemm, StridedBatchSideBySideMatchesOneAfterTheOther) {
                   ASSERT_NEAR(side[at], want, 1e-5) << i << " " << r << " " << j;
                 }
           }
+}
+
+// One product on the calling host thread (what the MoE experts run side by side) is gemm()'s
+// BLAS call: bit for bit gemm() for every transpose pair, beta applied on an empty inner
+// extent, a bf16 operand refused. Items side by side cover each item once.
+TEST(Gemm, OnHostThreadIsGemmsCall) {
+  if (!Kokkos::SpaceAccessibility<HostSpace, MemSpace>::accessible) GTEST_SKIP();
+  struct Restore {
+    int before = gemm_batch_threads();
+    ~Restore() { set_gemm_batch_threads(before); }
+  } restore;
+  set_gemm_batch_threads(2);
+  if (gemm_batch_threads() == 1) GTEST_SKIP() << "no host BLAS on host memory";
+  const int m = 19, n = 23;
+  for (int k : {0, 37})
+    for (Trans ta : {Trans::N, Trans::T})
+      for (Trans tb : {Trans::N, Trans::T}) {
+        std::mt19937 gen(k + 3);
+        std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+        const int ar = ta == Trans::N ? m : k, ac = ta == Trans::N ? k : m;
+        const int br = tb == Trans::N ? k : n, bc = tb == Trans::N ? n : k;
+        std::vector<float> a(ar * ac), b(br * bc), c(m * n);
+        for (auto* v : {&a, &b, &c})
+          for (auto& x : *v) x = u(gen);
+        View2F A("A", ar, ac), B("B", br, bc), C1("C1", m, n), C2("C2", m, n);
+        using HostMat = Kokkos::View<const float**, Layout, HostSpace, Unmanaged>;
+        Kokkos::deep_copy(A, HostMat(a.data(), ar, ac));
+        Kokkos::deep_copy(B, HostMat(b.data(), br, bc));
+        Kokkos::deep_copy(C1, HostMat(c.data(), m, n));
+        Kokkos::deep_copy(C2, C1);
+        gemm(ta, tb, 0.75f, as_cmat(A), as_cmat(B), 0.5f, as_mat(C1));
+        gemm_on_host_thread(ta, tb, 0.75f, operand(as_cmat(A)), operand(as_cmat(B)), 0.5f,
+                            as_mat(C2));
+        Kokkos::fence();
+        auto h1 = Kokkos::create_mirror_view_and_copy(HostSpace(), C1);
+        auto h2 = Kokkos::create_mirror_view_and_copy(HostSpace(), C2);
+        for (int i = 0; i < m; ++i)
+          for (int j = 0; j < n; ++j) {
+            ASSERT_EQ(h2(i, j), h1(i, j)) << "k " << k << " at " << i << "," << j;
+            if (k == 0) {
+              ASSERT_EQ(h2(i, j), 0.5f * c[i * n + j]);
+            }
+          }
+      }
+  View1F x("x", 4);
+  std::vector<std::uint16_t> bits(4, 0);
+  const Operand b16{nullptr, bits.data(), 2, 2}, f32{x.data(), nullptr, 2, 2};
+  EXPECT_THROW(
+      gemm_on_host_thread(Trans::N, Trans::N, 1.0f, b16, f32, 0.0f, as_mat(x.data(), 2, 2)), Error);
+  std::vector<int> seen(101, 0);
+  host_items_side_by_side("test::items", 101, 2, [&](int i, int slot) {
+    ASSERT_TRUE(slot == 0 || slot == 1);
+    ++seen[i];  // each item by one thread
+  });
+  for (int i = 0; i < 101; ++i) ASSERT_EQ(seen[i], 1) << i;
 }
 
 // out(c) += sum_r 2 x(r, c), outside a TEST body (nvcc refuses device lambdas in its private
