@@ -278,7 +278,7 @@ int main(int argc, char** argv) {
                 1e3 * t_dense, 1e6 * t_dense / N);
     std::printf("  moe time outside the expert GEMMs: %.0f%% (routing, permutation, combine)%s\n",
                 100.0 * std::max(0.0, 1.0 - t_gemm / t_moe),
-                expert_threads(e.expert_gemm, e.experts, false) > 1
+                expert_threads(e, m.d_model, e.experts, false) > 1
                     ? "; the GEMMs alone run one after the other, the layer's side by side"
                     : "");
   }

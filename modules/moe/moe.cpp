@@ -38,7 +38,7 @@ struct MoeWorkspace {
                                   : std::min(rows, (2 * rows + El - 1) / El);
     wire = ep > 1 && bf16 && D % 2 == 0;  // rows and their gradients travel as bf16
     staging = bf16 ? 2 * r(4 * most * Fe) : 0;
-    hidden = expert_threads(e.expert_gemm, El, bf16) * 3 * r(4 * most * Fe);  // per thread
+    hidden = expert_threads(e, m.d_model, El, bf16) * 3 * r(4 * most * Fe);  // per thread
     rows_fp32 = r(4 * rows * D);
     wire_in = wire ? r(2 * rows * D) : 0;
   }
@@ -182,8 +182,12 @@ bool use_grouped_expert_gemm(ExpertGemm choice) {
   return choice == ExpertGemm::Grouped;
 }
 
-int expert_threads(ExpertGemm choice, int local_experts, bool bf16) {
-  if (bf16 || use_grouped_expert_gemm(choice) || local_experts < 2) return 1;
+int expert_threads(const MoeCfg& e, int d_model, int local_experts, bool bf16) {
+  if (bf16 || gemm_precision() == Precision::Bf16 || use_grouped_expert_gemm(e.expert_gemm) ||
+      local_experts < 2)
+    return 1;
+  // A single-column product is gemm()'s gemv, not the call gemm_on_host_thread makes.
+  if (d_model == 1 || e.expert_hidden == 1) return 1;
   return std::min(gemm_batch_threads(), local_experts);
 }
 
@@ -577,7 +581,7 @@ void MoeLayer::experts_forward(const TensorTable& table, const Operand& in,
                    0.0f, out, D);
     return;
   }
-  if (const int threads = expert_threads(cfg_.expert_gemm, El_, staged); threads > 1) {
+  if (const int threads = expert_threads(cfg_, D_, El_, staged); threads > 1) {
     // fp32: the products write the kept buffers directly; each expert's chain on one thread.
     host_items_side_by_side("moe::experts_forward", El_, threads, [&](int le, int) {
       const int r0 = off[le], n = off[le + 1] - r0;
@@ -636,7 +640,7 @@ void MoeLayer::experts_backward(TensorTable& table, const Operand& g_rows, float
   const int most = largest_block(off);
   Workspace::Frame frame(ws);  // one expert's hidden gradients at a time (per thread)
   const std::int64_t hidden = std::max<std::int64_t>(most, 1) * Fe;
-  if (const int threads = expert_threads(cfg_.expert_gemm, El_, up1.is_bf16()); threads > 1) {
+  if (const int threads = expert_threads(cfg_, D_, El_, up1.is_bf16()); threads > 1) {
     float* bufs = frame.floats(threads * 3 * hidden);
     host_items_side_by_side("moe::experts_backward", El_, threads, [&](int le, int t) {
       const int r0 = off[le], n = off[le + 1] - r0;

@@ -46,9 +46,11 @@ bool use_grouped_expert_gemm(ExpertGemm choice);
 // Host threads that run a layer's per-expert GEMMs side by side, one expert's whole chain (its
 // products and SwiGLU) per thread at a time: gemm_batch_threads() (a host BLAS running one
 // thread per call) in fp32 runs with per-expert GEMMs, at most one per local expert; else 1,
-// the experts one after the other with the BLAS's own threads. The same products either way,
-// so the same numbers.
-int expert_threads(ExpertGemm choice, int local_experts, bool bf16);
+// the experts one after the other with the BLAS's own threads. Each product is the BLAS call
+// gemm() makes, on one thread: the numbers of a one-thread BLAS (a BLAS whose multi-threaded
+// products differ in the last bits, as an OpenMP OpenBLAS, gives other last bits when this
+// path turns on). `bf16`: the layer keeps bf16 activations.
+int expert_threads(const MoeCfg& e, int d_model, int local_experts, bool bf16);
 
 // Aux-loss-free balancing (DeepSeek-V3), after each optimizer step: with C_e the expert's
 // assignments over the whole global batch, bias_e += gamma * sign(mean(C) - C_e).

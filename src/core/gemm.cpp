@@ -209,24 +209,25 @@ int gemm_batch_threads() { return g_batch_threads; }
 
 void gemm_on_host_thread(Trans ta, Trans tb, float alpha, const Operand& A, const Operand& B,
                          float beta, Mat C) {
-  const int m = ta == Trans::N ? A.rows : A.cols, ka = ta == Trans::N ? A.cols : A.rows;
-  const int kb = tb == Trans::N ? B.rows : B.cols, n = tb == Trans::N ? B.cols : B.rows;
-  KMOE_REQUIRE(ka == kb && m == static_cast<int>(C.extent(0)) && n == static_cast<int>(C.extent(1)),
-               "gemm_on_host_thread: shape mismatch: op(A) "
-                   << m << "x" << ka << ", op(B) " << kb << "x" << n << ", C " << C.extent(0) << "x"
-                   << C.extent(1));
-  KMOE_REQUIRE(A.f32 && B.f32 && !A.b16 && !B.b16,
-               "gemm_on_host_thread: fp32 operands only (a bf16 operand given)");
-  if (m == 0 || n == 0) return;
-  float* c = C.data();
-  if (ka == 0) {  // C = beta C, as gemm() leaves it
-    if (beta != 1.0f)
-      for (std::int64_t i = 0; i < std::int64_t(m) * n; ++i)
-        c[i] = beta == 0.0f ? 0.0f : beta * c[i];
-    return;
-  }
 #if defined(KOKKOSKERNELS_ENABLE_TPL_BLAS) && !defined(KMOE_CUBLAS)
   if constexpr (kHostBlas) {
+    const int m = ta == Trans::N ? A.rows : A.cols, ka = ta == Trans::N ? A.cols : A.rows;
+    const int kb = tb == Trans::N ? B.rows : B.cols, n = tb == Trans::N ? B.cols : B.rows;
+    KMOE_REQUIRE(
+        ka == kb && m == static_cast<int>(C.extent(0)) && n == static_cast<int>(C.extent(1)),
+        "gemm_on_host_thread: shape mismatch: op(A) " << m << "x" << ka << ", op(B) " << kb << "x"
+                                                      << n << ", C " << C.extent(0) << "x"
+                                                      << C.extent(1));
+    KMOE_REQUIRE(A.f32 && B.f32 && !A.b16 && !B.b16,
+                 "gemm_on_host_thread: fp32 operands only (a bf16 operand given)");
+    if (m == 0 || n == 0) return;
+    float* c = C.data();
+    if (ka == 0) {  // C = beta C, as gemm() leaves it
+      if (beta != 1.0f)
+        for (std::int64_t i = 0; i < std::int64_t(m) * n; ++i)
+          c[i] = beta == 0.0f ? 0.0f : beta * c[i];
+      return;
+    }
     // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: B's part comes first.
     KokkosBlas::Impl::HostBlas<float>::gemm(tb == Trans::N ? 'N' : 'T', ta == Trans::N ? 'N' : 'T',
                                             n, m, ka, alpha, B.f32, B.cols, A.f32, A.cols, beta, c,
@@ -234,6 +235,7 @@ void gemm_on_host_thread(Trans ta, Trans tb, float alpha, const Operand& A, cons
     return;
   }
 #endif
+  (void)ta, (void)tb, (void)alpha, (void)A, (void)B, (void)beta, (void)C;
   KMOE_REQUIRE(false, "gemm_on_host_thread: this " << ExecSpace::name()
                                                    << " build has no host BLAS on host memory");
 }

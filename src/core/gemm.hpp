@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <exception>
 #include <string>
 #include <type_traits>
 
@@ -74,34 +75,48 @@ void gemm_strided_batched(Trans ta, Trans tb, float alpha, Strided A, Strided B,
 // more than 1, gemm_strided_batched runs a batch's products side by side on the host execution
 // space, one BLAS call each, instead of one after the other with the BLAS's own threads (many
 // small products, as attention's, thread poorly inside each). Only for a BLAS that runs one
-// thread per call there (apply_execution decides: an OpenBLAS that is sequential, OpenMP (one
-// thread inside a parallel region) or set to one thread). The same products, so the same
-// results bit for bit. Default 1, and always 1 on builds without a host BLAS on host memory.
+// thread per call there (apply_execution decides: an OpenBLAS that is sequential, OpenMP under
+// Kokkos' OpenMP backend (one thread inside a parallel region) or set to one thread). The
+// products of a one-thread BLAS, bit for bit. The MoE experts use the same threads
+// (expert_threads in moe.hpp). Default 1, and always 1 on builds without a host BLAS on host
+// memory.
 void set_gemm_batch_threads(int threads);
 int gemm_batch_threads();
 
 // One product on the calling host thread, for products a caller already runs side by side on
 // the host threads (gemm_batch_threads() > 1, as the MoE experts' per-expert GEMMs): the
-// single call of the host BLAS that gemm() makes on fp32 row-major operands, so the same
-// numbers. fp32 operands only (a bf16 operand is an error); a build without a host BLAS on
-// host memory never sets batch threads and throws here.
+// single call of the host BLAS that gemm() makes on fp32 row-major operands, on one thread: the
+// numbers of gemm() with a one-thread BLAS. Not for a single-column N x N product (gemm() runs
+// that as a gemv). fp32 operands only (a bf16 operand is an error); a build without a host BLAS
+// on host memory never sets batch threads and throws here.
 void gemm_on_host_thread(Trans ta, Trans tb, float alpha, const Operand& A, const Operand& B,
                          float beta, Mat C);
 
 // Runs f(item, slot) (a kernel named `label` to the profiling tools) for every item in [0, items)
 // on up to `slots` host threads, each taking the next item as it comes free (items of uneven size
 // balance); slot, below `slots`, is the thread's own index for its scratch. Returns when every item
-// is done. On a host space without threads (Serial) the items run in order on slot 0.
+// is done. On a host space without threads (Serial) the items run in order on slot 0. The first
+// exception an item throws is rethrown here once the threads are done; items not yet taken are
+// skipped.
 template <class F>
 void host_items_side_by_side(const char* label, int items, int slots, const F& f) {
   using Host = Kokkos::DefaultHostExecutionSpace;
   using Policy = Kokkos::TeamPolicy<Host>;
   slots = std::max(1, std::min(slots, items));
   std::atomic<int> next{0};
+  std::atomic<bool> failed{false};
+  std::exception_ptr error;  // written by the one thread that sets `failed`
   Kokkos::parallel_for(label, Policy(slots, 1), [&](const typename Policy::member_type& tm) {
-    for (int i = next++; i < items; i = next++) f(i, tm.league_rank());
+    for (int i = next++; i < items && !failed; i = next++) {
+      try {
+        f(i, tm.league_rank());
+      } catch (...) {
+        if (!failed.exchange(true)) error = std::current_exception();
+      }
+    }
   });
   if constexpr (!std::is_same_v<Host, ExecSpace>) Host().fence();
+  if (error) std::rethrow_exception(error);
 }
 
 // Whether gemm_strided_batched takes rows apart (ld larger than cols) at the vendor BLAS's speed

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <iostream>
 #include <sstream>
+#include <type_traits>
 
 #if defined(KOKKOS_ENABLE_CUDA)
 #include <cuda_runtime_api.h>
@@ -28,6 +29,13 @@ namespace {
 constexpr bool kHostThreads = true;
 #else
 constexpr bool kHostThreads = false;
+#endif
+// Kokkos' host threads are OpenMP threads (inside whose regions an OpenMP OpenBLAS runs one
+// thread per call).
+#if defined(KOKKOS_ENABLE_OPENMP)
+constexpr bool kOpenMPHost = std::is_same_v<Kokkos::DefaultHostExecutionSpace, Kokkos::OpenMP>;
+#else
+constexpr bool kOpenMPHost = false;
 #endif
 #if defined(KOKKOS_ENABLE_CUDA) || defined(KOKKOS_ENABLE_HIP) || defined(KOKKOS_ENABLE_SYCL)
 constexpr bool kDevice = true;
@@ -194,11 +202,11 @@ void apply_execution(ExecutionPlan& plan, const std::string& program) {
       }
     }
     if (!user_blas) set(plan.blas_threads);
-    // A strided batch's products side by side on the Kokkos threads where each BLAS call then
-    // runs on one thread: a sequential OpenBLAS, the OpenMP one inside a parallel region, or
-    // one BLAS thread.
+    // A strided batch's products (and the MoE experts) side by side on the Kokkos threads
+    // where each BLAS call then runs on one thread: a sequential OpenBLAS, the OpenMP one inside
+    // an OpenMP region (Kokkos' OpenMP backend, not its Threads one), or one BLAS thread.
     if (kHostThreads && !kDevice && plan.kokkos_threads > 1 &&
-        (kind == 0 || kind == 2 || plan.blas_threads == 1))
+        (kind == 0 || (kind == 2 && kOpenMPHost) || plan.blas_threads == 1))
       plan.batch_threads = plan.kokkos_threads;
   } else if (auto set_blis = blas_symbol<SetThreads>("bli_thread_set_num_threads")) {
     if (!user_blas) set_blis(plan.blas_threads);

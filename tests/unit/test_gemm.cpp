@@ -401,7 +401,8 @@ TEST(Gemm, StridedBatchSideBySideMatchesOneAfterTheOther) {
 
 // One product on the calling host thread (what the MoE experts run side by side) is gemm()'s
 // BLAS call: bit for bit gemm() for every transpose pair, beta applied on an empty inner
-// extent, a bf16 operand refused. Items side by side cover each item once.
+// extent, a bf16 operand refused. Items side by side cover each item once, and an item's
+// exception reaches the caller.
 TEST(Gemm, OnHostThreadIsGemmsCall) {
   if (!Kokkos::SpaceAccessibility<HostSpace, MemSpace>::accessible) GTEST_SKIP();
   struct Restore {
@@ -452,6 +453,10 @@ TEST(Gemm, OnHostThreadIsGemmsCall) {
     ++seen[i];  // each item by one thread
   });
   for (int i = 0; i < 101; ++i) ASSERT_EQ(seen[i], 1) << i;
+  // An item's exception comes back to the caller (not std::terminate inside the region).
+  EXPECT_THROW(host_items_side_by_side("test::throws", 9, 2,
+                                       [&](int i, int) { KMOE_REQUIRE(i != 4, "item 4"); }),
+               Error);
 }
 
 // out(c) += sum_r 2 x(r, c), outside a TEST body (nvcc refuses device lambdas in its private

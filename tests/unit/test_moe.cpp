@@ -331,11 +331,22 @@ TEST(Moe, PerExpertGemmsSideBySideMatchOneAfterTheOther) {
   } restore;
   set_gemm_batch_threads(3);
   if (gemm_batch_threads() == 1) GTEST_SKIP() << "no host BLAS on host memory";
-  EXPECT_EQ(expert_threads(ExpertGemm::PerExpert, 8, false), 3);
-  EXPECT_EQ(expert_threads(ExpertGemm::PerExpert, 2, false), 2);
-  EXPECT_EQ(expert_threads(ExpertGemm::PerExpert, 1, false), 1);
-  EXPECT_EQ(expert_threads(ExpertGemm::PerExpert, 8, true), 1) << "bf16 stays one after the other";
-  EXPECT_EQ(expert_threads(ExpertGemm::Grouped, 8, false), 1);
+  MoeCfg per = moe(8, 2, 24), grouped = per, one_wide = per;
+  per.expert_gemm = ExpertGemm::PerExpert;
+  grouped.expert_gemm = ExpertGemm::Grouped;
+  one_wide.expert_gemm = ExpertGemm::PerExpert;
+  one_wide.expert_hidden = 1;
+  EXPECT_EQ(expert_threads(per, 16, 8, false), 3);
+  EXPECT_EQ(expert_threads(per, 16, 2, false), 2);
+  EXPECT_EQ(expert_threads(per, 16, 1, false), 1);
+  EXPECT_EQ(expert_threads(per, 16, 8, true), 1) << "bf16 stays one after the other";
+  {
+    GemmPrecisionScope scope(Precision::Bf16);
+    EXPECT_EQ(expert_threads(per, 16, 8, false), 1) << "bf16 products";
+  }
+  EXPECT_EQ(expert_threads(grouped, 16, 8, false), 1);
+  EXPECT_EQ(expert_threads(one_wide, 16, 8, false), 1) << "single-column products are gemv";
+  EXPECT_EQ(expert_threads(per, 1, 8, false), 1) << "single-column products are gemv";
   const int N = 40, D = 16, Fe = 24;
   const ModelCfg m = model(D);
   for (int variant = 0; variant < 3; ++variant) {
