@@ -12,8 +12,8 @@
    match an unsharded save's, and saves resume across the mode and the layout.
 3. Checkpoints stay fp32: a run saved in fp32 resumes in bf16 and one saved in bf16 resumes in
    fp32; the steps before the switch are bit-identical to the uninterrupted run of the first
-   precision, the step after it within the bf16 contract's step-1 tolerance of the uninterrupted
-   run, and the checkpoints hold float32 tensors either way.
+   precision, the step after it within 1e-4 of the uninterrupted run (the bf16 contract's
+   gradient-norm tolerance), and the checkpoints hold float32 tensors either way.
 4. Bad input: tf32 on this CPU build and an unknown precision exit 1 naming train.precision.
 Usage: precision.py BIN_DIR WORK_DIR MPIEXEC SOURCE_DIR
 """
