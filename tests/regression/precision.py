@@ -13,7 +13,9 @@
 3. Checkpoints stay fp32: a run saved in fp32 resumes in bf16 and one saved in bf16 resumes in
    fp32; the steps before the switch are bit-identical to the uninterrupted run of the first
    precision, the step after it within 1e-4 of the uninterrupted run (the bf16 contract's
-   gradient-norm tolerance), and the checkpoints hold float32 tensors either way.
+   gradient-norm tolerance), and the checkpoints hold float32 tensors either way; the same
+   saves resume in the other precision on 4 ranks within the layout contract of the one-rank
+   resume.
 4. Bad input: tf32 on this CPU build and an unknown precision exit 1 naming train.precision.
 Usage: precision.py BIN_DIR WORK_DIR MPIEXEC SOURCE_DIR
 """
@@ -143,6 +145,7 @@ for src, dst, grid, extra in [("save_sharded", "resume_one", (1, 1, 1), []),
 
 # 3. Resume across precisions (warmup 20: the first 6 steps' rates do not depend on max_steps).
 SHORT = ["--train.eval_every=0", "--checkpoint.every=3", "--checkpoint.resume=auto"]
+resumed = {}
 for first, second in (("fp32", "bf16"), ("bf16", "fp32")):
     whole = grid_run(f"whole_{first}", 1, 1, 1, *SHORT, "--train.max_steps=6",
                      f"--train.precision={first}")
@@ -160,6 +163,22 @@ for first, second in (("fp32", "bf16"), ("bf16", "fp32")):
     h.check(same and r4 <= BF16_NORM and after[3]["loss"] != whole[3]["loss"],
             f"{first} saved, {second} resumed: steps 1-3 bit-identical, step 4 within "
             f"{BF16_NORM:g} ({r4:.1e}) and not identical")
+    resumed[second] = (name, after[3:])
+# ... and on another layout: the step-3 save of one rank resumed in the other precision on 4
+# ranks against the same resume on one rank, within that precision's layout contract for a
+# run's first steps (fp32: 1e-5, RUNTIME.md section 2; bf16: 1e-4).
+for second, grid, tol in (("bf16", (2, 1, 2), BF16_FIRST3), ("fp32", (1, 2, 2), 1e-5)):
+    if second not in resumed:
+        continue
+    src, one_rank = resumed[second]
+    moved = grid_run(f"{src}_on_{''.join(map(str, grid))}", *grid, "--train.eval_every=0",
+                     "--checkpoint.every=0", "--train.max_steps=6", f"--train.precision={second}",
+                     f"--checkpoint.resume={src}/ckpt/step00000003.h5")
+    if not h.check(len(moved) == 3, f"{src} on {grid}: 3 resumed steps logged ({len(moved)})"):
+        continue
+    r = max(rel(x["loss"], y["loss"]) for x, y in zip(moved, one_rank))
+    h.check(r <= tol, f"the other precision's save resumed in {second} on {grid}: steps 4-6 "
+            f"within {tol:g} of the one-rank resume ({r:.1e})")
 
 # 4. Bad input.
 for value, words in (("tf32", "train.precision = tf32"), ("fp16", "train.precision")):
