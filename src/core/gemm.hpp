@@ -83,6 +83,20 @@ void gemm_strided_batched(Trans ta, Trans tb, float alpha, Strided A, Strided B,
 void set_gemm_batch_threads(int threads);
 int gemm_batch_threads();
 
+// set_gemm_batch_threads for its lifetime; the count before comes back at its end.
+class GemmBatchThreadsScope {
+ public:
+  explicit GemmBatchThreadsScope(int threads) : before_(gemm_batch_threads()) {
+    set_gemm_batch_threads(threads);
+  }
+  ~GemmBatchThreadsScope() { set_gemm_batch_threads(before_); }
+  GemmBatchThreadsScope(const GemmBatchThreadsScope&) = delete;
+  GemmBatchThreadsScope& operator=(const GemmBatchThreadsScope&) = delete;
+
+ private:
+  int before_;
+};
+
 // One product on the calling host thread, for products a caller already runs side by side on
 // the host threads (gemm_batch_threads() > 1, as the MoE experts' per-expert GEMMs): the
 // single call of the host BLAS that gemm() makes on fp32 row-major operands, on one thread: the

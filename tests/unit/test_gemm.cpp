@@ -334,11 +334,7 @@ TEST(Gemm, StridedBatchWithRowsApart) {
 // Kernels' gemv: never side by side) among them. GPU builds keep their library's batch.
 TEST(Gemm, StridedBatchSideBySideMatchesOneAfterTheOther) {
   if (!Kokkos::SpaceAccessibility<HostSpace, MemSpace>::accessible) GTEST_SKIP();
-  struct Restore {
-    int before = gemm_batch_threads();
-    ~Restore() { set_gemm_batch_threads(before); }
-  } restore;
-  set_gemm_batch_threads(4);
+  GemmBatchThreadsScope threads(4);
   if (gemm_batch_threads() == 1) GTEST_SKIP() << "no host BLAS on host memory";
   const int batch = 9, m = 17, k = 11;
   for (int n : {13, 1})
@@ -405,11 +401,7 @@ TEST(Gemm, StridedBatchSideBySideMatchesOneAfterTheOther) {
 // exception reaches the caller.
 TEST(Gemm, OnHostThreadIsGemmsCall) {
   if (!Kokkos::SpaceAccessibility<HostSpace, MemSpace>::accessible) GTEST_SKIP();
-  struct Restore {
-    int before = gemm_batch_threads();
-    ~Restore() { set_gemm_batch_threads(before); }
-  } restore;
-  set_gemm_batch_threads(2);
+  GemmBatchThreadsScope threads(2);
   if (gemm_batch_threads() == 1) GTEST_SKIP() << "no host BLAS on host memory";
   const int m = 19, n = 23;
   for (int k : {0, 37})

@@ -325,11 +325,7 @@ LayerRun forward_backward(const ModelCfg& m, const MoeCfg& c, int N, bool starve
 // thread) against one after the other: the same calls, so bit for bit, with experts of uneven
 // rows, one without rows, and a capacity that drops. Only fp32 runs take that path.
 TEST(Moe, PerExpertGemmsSideBySideMatchOneAfterTheOther) {
-  struct Restore {
-    int before = gemm_batch_threads();
-    ~Restore() { set_gemm_batch_threads(before); }
-  } restore;
-  set_gemm_batch_threads(3);
+  GemmBatchThreadsScope threads(3);
   if (gemm_batch_threads() == 1) GTEST_SKIP() << "no host BLAS on host memory";
   MoeCfg per = moe(8, 2, 24), grouped = per, one_wide = per;
   per.expert_gemm = ExpertGemm::PerExpert;
