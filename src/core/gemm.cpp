@@ -185,11 +185,8 @@ void host_batch(Trans ta, Trans tb, float alpha, const Strided& A, const Strided
                                             lda, beta, C + i * c_stride, ldc);
   };
   if (side_by_side) {
-    // On the host space, in order with the kernels around it where that is the execution
-    // space (OpenMP, Threads); else waited for.
-    using Host = Kokkos::DefaultHostExecutionSpace;
-    Kokkos::parallel_for("gemm::strided_batch_host", Kokkos::RangePolicy<Host>(0, batch), product);
-    if constexpr (!std::is_same_v<Host, ExecSpace>) Host().fence();
+    host_items_side_by_side("gemm::strided_batch_host", batch, g_batch_threads,
+                            [&](int i, int) { product(i); });
   } else {
     for (int i = 0; i < batch; ++i) product(i);
   }
