@@ -12,6 +12,7 @@
 #include "core/bf16.hpp"
 #include "core/buffers.hpp"
 #include "core/error.hpp"
+#include "core/grouped_gemm.hpp"
 
 namespace kmoe {
 
@@ -324,36 +325,37 @@ void gemm_strided_batched(Trans ta, Trans tb, float alpha, Strided A, Strided B,
 }
 
 std::string set_gemm_precision(Precision p) {
-  const std::string name = choice_name(p);
 #if defined(KMOE_CUBLAS)
+  const std::string name = choice_name(p);
   auto& blas = KokkosBlas::Impl::CudaBlasSingleton::singleton();
   const cublasStatus_t st = cublasSetMathMode(
       blas.handle, p == Precision::Tf32 ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH);
   KMOE_REQUIRE(st == CUBLAS_STATUS_SUCCESS,
                "train.precision = " << name << ": cublasSetMathMode failed (" << int(st) << ")");
   g_precision = p;
-  return "";
+  if (p != Precision::Bf16) return "";
+  return std::string(
+             "train.precision = bf16 on CUDA: products through cuBLAS with bf16 inputs and "
+             "fp32 sums; the grouped expert GEMMs on ") +
+         (grouped_gemm_tensor_cores()
+              ? "the tensor cores"
+              : "CUDA cores (tensor cores need a build for compute capability 8.0 or later)");
 #else
-#if defined(KOKKOS_ENABLE_CUDA) || defined(KOKKOS_ENABLE_HIP)
-  KMOE_REQUIRE(p == Precision::Fp32,
-               "train.precision = " << name << " needs the GPU vendor's BLAS behind Kokkos Kernels ("
-                                    << "cuBLAS on CUDA builds; HIP builds have no " << name
-                                    << " path here): this " << ExecSpace::name()
-                                    << " build has fp32 GEMMs only; use train.precision = fp32");
-  g_precision = p;
-  return "";
-#else
+  // No cuBLAS (kmoe's CUDA builds require it): host backends and HIP. bf16 is the rounded
+  // inputs through the fp32 vendor BLAS (on the device for HIP: rocBLAS behind Kokkos Kernels).
+  constexpr bool host = Kokkos::SpaceAccessibility<HostSpace, MemSpace>::accessible;
   KMOE_REQUIRE(p != Precision::Tf32,
-               "train.precision = tf32: the " << ExecSpace::name()
-                                              << " backend has no TF32 GEMMs (a GPU feature); use "
-                                                 "fp32, or bf16 (emulated on CPUs)");
+               "train.precision = tf32: the "
+                   << ExecSpace::name() << " backend has no TF32 GEMMs here ("
+                   << (host ? "a GPU feature" : "cuBLAS' TF32 math mode, CUDA builds only")
+                   << "); use fp32, or bf16 (emulated: bf16 inputs summed in fp32)");
   g_precision = p;
-  return p == Precision::Bf16
-             ? std::string("train.precision = bf16 on the ") + ExecSpace::name() +
-                   " backend: GEMM inputs rounded to bf16, summed by the fp32 BLAS (the bf16 "
-                   "numerics of a GPU run, not its speed)"
-             : "";
-#endif
+  if (p != Precision::Bf16) return "";
+  return std::string("train.precision = bf16 on the ") + ExecSpace::name() +
+         " backend: GEMM inputs rounded to bf16, summed by the fp32 BLAS" +
+         (host ? " (the bf16 numerics of a GPU run, not its speed)"
+               : " (rocBLAS: bf16's numerics and activation memory, not its GEMM speed; kmoe has "
+                 "no hipBLAS bf16 path yet)");
 #endif
 }
 

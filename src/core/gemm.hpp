@@ -140,8 +140,9 @@ bool gemm_rows_apart();
 
 // train.precision for every later GEMM (cuBLAS' TF32 math mode on the handle Kokkos Kernels
 // calls through for tf32). Returns a line for the start-up log ("" if none). Throws, naming
-// train.precision, where the build cannot do it: tf32 without TF32 GEMMs (CPUs; CUDA without
-// cuBLAS; HIP), bf16 on GPUs without the vendor library (CUDA without cuBLAS; HIP here).
+// train.precision, where the build cannot do it: tf32 without cuBLAS (CPUs, HIP). bf16 runs on
+// every backend: cuBLAS with bf16 inputs on CUDA, rounded inputs into the fp32 vendor BLAS
+// elsewhere (CPUs; HIP's rocBLAS: bf16's numerics and memory, not its GEMM speed).
 std::string set_gemm_precision(Precision p);
 Precision gemm_precision();
 

@@ -3,6 +3,13 @@
 #include "core/bf16.hpp"
 #include "core/error.hpp"
 
+#if defined(KOKKOS_ENABLE_CUDA) && (defined(KOKKOS_ARCH_AMPERE) || defined(KOKKOS_ARCH_ADA89) || \
+                                    defined(KOKKOS_ARCH_HOPPER) || defined(KOKKOS_ARCH_BLACKWELL))
+#define KMOE_BF16_TENSOR_CORES 1  // nvcuda::wmma bf16 fragments: compute capability 8.0 and later
+#include <cuda_bf16.h>
+#include <mma.h>
+#endif
+
 namespace kmoe {
 namespace {
 
@@ -20,7 +27,267 @@ TeamPolicy tiled_policy(std::int64_t teams) {
 
 KOKKOS_INLINE_FUNCTION int lesser(int a, int b) { return a < b ? a : b; }
 
+// The group of row tile rt (below toff(G)): toff(g) <= rt < toff(g + 1).
+KOKKOS_INLINE_FUNCTION int tile_group(const View1I& toff, int G, int rt) {
+  int lo = 0, hi = G;
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (toff(mid) <= rt)
+      lo = mid;
+    else
+      hi = mid;
+  }
+  return lo;
+}
+
+bool g_fragment_tiles = false;  // detail::set_grouped_fragment_tiles
+
+// ---- bf16 products on 16 x 16 x 16 fragments ------------------------------------------------
+// The 32 x 32 output tiles of GroupedGemm's own kernels (below), the two inputs staged in team
+// scratch as bf16 bits, kK of k at a time, each 16 x 16 quarter of the tile summed in one fp32
+// accumulator fragment. With KMOE_BF16_TENSOR_CORES the fragments are nvcuda::wmma's (tensor
+// cores), one warp per quarter, a team of four warps; elsewhere ScalarQuarters, one thread
+// summing the four quarters in turn with the fragments' semantics.
+namespace frag {
+using Bits = std::uint16_t;
+constexpr int kK = 32;      // k per staged pair of tiles
+constexpr int kLd = 40;     // bf16 elements per staged row: 32 + 8 (80 bytes)
+constexpr int kLdC = 36;    // floats per row of the output tile: 32 + 4 (144 bytes)
+constexpr int kAlign = 32;  // bytes: every fragment's first element (16 rows or columns apart)
+constexpr std::size_t kStage = std::size_t(32) * kLd * sizeof(Bits);
+constexpr std::size_t kOut = std::size_t(32) * kLdC * sizeof(float);
+#if defined(KMOE_BF16_TENSOR_CORES)
+constexpr int kTeam = 128;  // four warps, a quarter each
+#else
+constexpr int kTeam = 1;
+#endif
+
+TeamPolicy policy(std::int64_t teams) {
+  KMOE_REQUIRE(teams <= std::int64_t(INT32_MAX), "grouped gemm: " << teams << " tiles");
+  return TeamPolicy(static_cast<int>(teams), kTeam)
+      .set_scratch_size(0, Kokkos::PerTeam(2 * kStage + kOut + 3 * kAlign));
+}
+
+// A team's scratch: the staged A (32 x kK row-major, or kK x 32 k-major: `a_cols`), the staged
+// B (kK x 32 row-major), both kLd apart, and the output tile (32 x 32, kLdC apart).
+struct Staged {
+  Bits* a;
+  Bits* b;
+  float* c;
+};
+KOKKOS_INLINE_FUNCTION Staged staged(const TeamMember& tm) {
+  const auto& s = tm.team_scratch(0);
+  const std::size_t stage = kStage, out = kOut;  // by value: no device copy of the constants
+  Bits* a = static_cast<Bits*>(s.get_shmem_aligned(stage, kAlign));
+  Bits* b = static_cast<Bits*>(s.get_shmem_aligned(stage, kAlign));
+  float* c = static_cast<float*>(s.get_shmem_aligned(out, kAlign));
+  return {a, b, c};
+}
+
+// Quarter q of the tile: rows from 16 (q / 2), columns from 16 (q % 2).
+KOKKOS_INLINE_FUNCTION int q_row(int q) { return 16 * (q / 2); }
+KOKKOS_INLINE_FUNCTION int q_col(int q) { return 16 * (q % 2); }
+// The staged A's 16 x 16 block at rows r0, k from k0 (element (r, k) at p[r * kLd + k], or
+// k-major at p[k * kLd + r]); B's block at k from k0, columns c0 (at p[k * kLd + c]).
+KOKKOS_INLINE_FUNCTION const Bits* a_block(const Bits* a, bool a_cols, int r0, int k0) {
+  return a_cols ? a + k0 * kLd + r0 : a + r0 * kLd + k0;
+}
+KOKKOS_INLINE_FUNCTION const Bits* b_block(const Bits* b, int k0, int c0) {
+  return b + k0 * kLd + c0;
+}
+
+#if !(defined(KMOE_BF16_TENSOR_CORES) && defined(__CUDA_ARCH__))
+// The four quarters on one thread: what the fragments compute, products summed in fp32 in
+// ascending k.
+struct ScalarQuarters {
+  float acc[4][256];
+  KOKKOS_INLINE_FUNCTION explicit ScalarQuarters(const TeamMember&) {
+    for (auto& q : acc)
+      for (float& v : q) v = 0.0f;
+  }
+  KOKKOS_INLINE_FUNCTION void mma(const Bits* a, bool a_cols, const Bits* b) {
+    for (int q = 0; q < 4; ++q)
+      for (int k0 = 0; k0 < kK; k0 += 16) {
+        const Bits* pa = a_block(a, a_cols, q_row(q), k0);
+        const Bits* pb = b_block(b, k0, q_col(q));
+        for (int r = 0; r < 16; ++r)
+          for (int c = 0; c < 16; ++c) {
+            float s = acc[q][r * 16 + c];
+            for (int k = 0; k < 16; ++k)
+              s += bf16_to_float(a_cols ? pa[k * kLd + r] : pa[r * kLd + k]) *
+                   bf16_to_float(pb[k * kLd + c]);
+            acc[q][r * 16 + c] = s;
+          }
+      }
+  }
+  KOKKOS_INLINE_FUNCTION void store(float* c) const {
+    for (int q = 0; q < 4; ++q)
+      for (int r = 0; r < 16; ++r)
+        for (int j = 0; j < 16; ++j) c[(q_row(q) + r) * kLdC + q_col(q) + j] = acc[q][r * 16 + j];
+  }
+};
+#endif
+
+#if defined(KMOE_BF16_TENSOR_CORES)
+// One warp's quarter on the tensor cores (every lane of the warp calls each member).
+struct WarpQuarter {
+  int q;
+  nvcuda::wmma::fragment<nvcuda::wmma::accumulator, 16, 16, 16, float> acc;
+  __device__ explicit WarpQuarter(const TeamMember& tm) : q(tm.team_rank() / 32) {
+    nvcuda::wmma::fill_fragment(acc, 0.0f);
+  }
+  __device__ void mma(const Bits* a, bool a_cols, const Bits* b) {
+    namespace wmma = nvcuda::wmma;
+    for (int k0 = 0; k0 < kK; k0 += 16) {
+      wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::row_major> fb;
+      wmma::load_matrix_sync(fb, reinterpret_cast<const __nv_bfloat16*>(b_block(b, k0, q_col(q))),
+                             kLd);
+      const auto* pa = reinterpret_cast<const __nv_bfloat16*>(a_block(a, a_cols, q_row(q), k0));
+      if (a_cols) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::col_major> fa;
+        wmma::load_matrix_sync(fa, pa, kLd);
+        wmma::mma_sync(acc, fa, fb, acc);
+      } else {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fa;
+        wmma::load_matrix_sync(fa, pa, kLd);
+        wmma::mma_sync(acc, fa, fb, acc);
+      }
+    }
+  }
+  __device__ void store(float* c) const {
+    nvcuda::wmma::store_matrix_sync(c + q_row(q) * kLdC + q_col(q), acc, kLdC,
+                                    nvcuda::wmma::mem_row_major);
+  }
+};
+#endif
+
+// The accumulators of the thread running the kernel body.
+#if defined(KMOE_BF16_TENSOR_CORES) && defined(__CUDA_ARCH__)
+using Quarters = WarpQuarter;
+#else
+using Quarters = ScalarQuarters;
+#endif
+
+// The bits a staged element holds: a bf16 input as it is, an fp32 one rounded.
+KOKKOS_INLINE_FUNCTION Bits bits_of(const float* f32, const Bits* b16, std::int64_t at) {
+  return b16 ? b16[at] : bf16_bits(f32[at]);
+}
+
+// rows() in bf16: C_g = alpha A_g op(W_g) + beta C_g.
+void rows(int G, ConstIVec off, View1I toff, std::int64_t row_tiles, bool wt, float alpha,
+          GroupedSrc As_, int K, GroupedSrc Ws_, std::int64_t w_stride, float beta, float* C,
+          int n) {
+  const int col_tiles = (n + kTile - 1) / kTile;
+  const float* A = As_.f32;
+  const Bits* A16 = As_.b16;
+  const float* W = Ws_.f32;
+  const Bits* W16 = Ws_.b16;
+  Kokkos::parallel_for(
+      "grouped_gemm::rows_bf16", policy(row_tiles * col_tiles),
+      KOKKOS_LAMBDA(const TeamMember& tm) {
+        const int rt = tm.league_rank() / col_tiles, ct = tm.league_rank() % col_tiles;
+        if (rt >= toff(G)) return;  // the whole team: past the last group's rows
+        const int g = tile_group(toff, G, rt);
+        const std::int64_t r0 = off(g) + std::int64_t(rt - toff(g)) * kTile;
+        const int nr = lesser(kTile, static_cast<int>(off(g + 1) - r0));
+        const int c0 = ct * kTile, nc = lesser(kTile, n - c0);
+        const std::int64_t wg = g * w_stride;
+        const Staged st = staged(tm);
+        Quarters acc(tm);
+        for (int k0 = 0; k0 < K; k0 += kK) {
+          const int nk = lesser(kK, K - k0);
+          tm.team_barrier();
+          Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, kTile * kK), [&](int e) {
+            const int i = e / kK, kk = e % kK;
+            st.a[i * kLd + kk] = i < nr && kk < nk ? bits_of(A, A16, (r0 + i) * K + k0 + kk) : 0;
+          });
+          Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, kK * kTile), [&](int e) {
+            // Neighbouring threads read neighbouring addresses of W either way.
+            const int j = wt ? e / kK : e % kTile, kk = wt ? e % kK : e / kTile;
+            st.b[kk * kLd + j] = kk < nk && j < nc
+                                     ? bits_of(W, W16,
+                                               wg + (wt ? std::int64_t(c0 + j) * K + k0 + kk
+                                                        : std::int64_t(k0 + kk) * n + c0 + j))
+                                     : 0;
+          });
+          tm.team_barrier();
+          acc.mma(st.a, false, st.b);
+        }
+        tm.team_barrier();  // K = 0: a block's previous league rank may still read st.c
+        acc.store(st.c);
+        tm.team_barrier();
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, kTile * kTile), [&](int e) {
+          const int i = e / kTile, j = e % kTile;
+          if (i >= nr || j >= nc) return;
+          float& c = C[(r0 + i) * n + c0 + j];
+          const float v = st.c[i * kLdC + j];
+          c = beta == 0.0f ? alpha * v : alpha * v + beta * c;
+        });
+      });
+}
+
+// weight_grads() in bf16: G_g += alpha A_g^T B_g for every group with rows.
+void weight_grads(int G, ConstIVec off, float alpha, GroupedSrc As_, int m, GroupedSrc Bs_, int n,
+                  float* Gm, std::int64_t g_stride) {
+  const int mt = (m + kTile - 1) / kTile, nt = (n + kTile - 1) / kTile;
+  const float *A = As_.f32, *B = Bs_.f32;
+  const Bits *A16 = As_.b16, *B16 = Bs_.b16;
+  Kokkos::parallel_for(
+      "grouped_gemm::weight_grads_bf16", policy(std::int64_t(G) * mt * nt),
+      KOKKOS_LAMBDA(const TeamMember& tm) {
+        const int g = tm.league_rank() / (mt * nt), t = tm.league_rank() % (mt * nt);
+        const int i0 = (t / nt) * kTile, j0 = (t % nt) * kTile;
+        const int ni = lesser(kTile, m - i0), nj = lesser(kTile, n - j0);
+        const int first = off(g), last = off(g + 1);
+        if (first == last) return;  // the whole team: no rows, no gradient
+        const Staged st = staged(tm);
+        Quarters acc(tm);
+        for (int r0 = first; r0 < last; r0 += kK) {
+          const int nk = lesser(kK, last - r0);
+          tm.team_barrier();
+          Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, kK * kTile), [&](int e) {
+            const int kk = e / kTile, i = e % kTile;
+            const std::int64_t ia = std::int64_t(r0 + kk) * m + i0 + i,
+                               ib = std::int64_t(r0 + kk) * n + j0 + i;
+            st.a[kk * kLd + i] = kk < nk && i < ni ? bits_of(A, A16, ia) : 0;
+            st.b[kk * kLd + i] = kk < nk && i < nj ? bits_of(B, B16, ib) : 0;
+          });
+          tm.team_barrier();
+          acc.mma(st.a, true, st.b);
+        }
+        acc.store(st.c);
+        tm.team_barrier();
+        float* Gg = Gm + g * g_stride;
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, kTile * kTile), [&](int e) {
+          const int i = e / kTile, j = e % kTile;
+          if (i < ni && j < nj) Gg[std::int64_t(i0 + i) * n + j0 + j] += alpha * st.c[i * kLdC + j];
+        });
+      });
+}
+}  // namespace frag
+
+// Whether a bf16 product takes the fragment kernels.
+bool fragment_tiles(bool bf16) {
+#if defined(KMOE_BF16_TENSOR_CORES)
+  return bf16;
+#else
+  return bf16 && g_fragment_tiles;
+#endif
+}
+
 }  // namespace
+
+namespace detail {
+void set_grouped_fragment_tiles(bool on) { g_fragment_tiles = on; }
+}  // namespace detail
+
+bool grouped_gemm_tensor_cores() {
+#if defined(KMOE_BF16_TENSOR_CORES)
+  return true;
+#else
+  return false;
+#endif
+}
 
 GroupedGemm::GroupedGemm(int groups)
     : groups_(groups), tile_off_("grouped_gemm::tile_off", groups + 1) {
@@ -51,6 +318,10 @@ void GroupedGemm::rows(Trans tw, float alpha, GroupedSrc As_, int K, GroupedSrc 
   const bool bf = gemm_precision() == Precision::Bf16;  // inputs rounded as they are loaded
   KMOE_REQUIRE(bf || (!As_.b16 && !Ws_.b16),
                "grouped gemm: a bf16 input in a product with fp32 inputs");
+  if (fragment_tiles(bf)) {
+    frag::rows(G, off_, tile_off_, row_tiles, wt, alpha, As_, K, Ws_, w_stride, beta, C, n);
+    return;
+  }
   const float* A = As_.f32;
   const std::uint16_t* A16 = As_.b16;
   const float* W = Ws_.f32;
@@ -62,12 +333,7 @@ void GroupedGemm::rows(Trans tw, float alpha, GroupedSrc As_, int K, GroupedSrc 
       KOKKOS_LAMBDA(const TeamMember& tm) {
         const int rt = tm.league_rank() / col_tiles, ct = tm.league_rank() % col_tiles;
         if (rt >= toff(G)) return;  // the whole team: past the last group's rows
-        int lo = 0, hi = G;         // toff(lo) <= rt < toff(hi): lo is the tile's group
-        while (hi - lo > 1) {
-          const int mid = (lo + hi) / 2;
-          if (toff(mid) <= rt) lo = mid; else hi = mid;
-        }
-        const int g = lo;
+        const int g = tile_group(toff, G, rt);
         const std::int64_t r0 = off(g) + std::int64_t(rt - toff(g)) * kTile;
         const int nr = lesser(kTile, static_cast<int>(off(g + 1) - r0));
         const int c0 = ct * kTile, nc = lesser(kTile, n - c0);
@@ -121,6 +387,10 @@ void GroupedGemm::weight_grads(float alpha, GroupedSrc As_, int m, GroupedSrc Bs
   const bool bf = gemm_precision() == Precision::Bf16;
   KMOE_REQUIRE(bf || (!As_.b16 && !Bs_.b16),
                "grouped gemm: a bf16 input in a product with fp32 inputs");
+  if (fragment_tiles(bf)) {
+    frag::weight_grads(groups_, off_, alpha, As_, m, Bs_, n, Gm, g_stride);
+    return;
+  }
   const float *A = As_.f32, *B = Bs_.f32;
   const std::uint16_t *A16 = As_.b16, *B16 = Bs_.b16;
   auto off = off_;

@@ -9,7 +9,10 @@
 // A tiled team kernel (tiles in team scratch, one thread per output element per k-step): every
 // output element is summed in ascending k by one thread, so results are bit-identical run to
 // run on every backend; they differ from vendor BLAS in the last bits. In bf16 runs the inputs
-// are rounded to bf16 as they are loaded, the sums stay fp32 (CUDA cores, not tensor cores).
+// are rounded to bf16 as they are loaded and the sums stay fp32; on CUDA builds for compute
+// capability 8.0 and later (grouped_gemm_tensor_cores()) the bf16 products run on the tensor
+// cores instead: the same 32 x 32 tiles, staged as bf16 in scratch, each 16 x 16 quarter summed
+// by one warp in an nvcuda::wmma fp32 accumulator (fixed order too: bit-identical run to run).
 // Vendor BLAS stays the choice on host backends (moe.expert_gemm = auto), where reading the
 // offsets costs nothing.
 #pragma once
@@ -28,6 +31,17 @@ struct GroupedSrc {
   GroupedSrc(const float* p) : f32(p) {}                     // NOLINT: fp32 rows as they are
   GroupedSrc(const Operand& x) : f32(x.f32), b16(x.b16) {}  // NOLINT: a (kept) operand's rows
 };
+
+// Whether this build's bf16 grouped products run on tensor cores (CUDA, compute capability 8.0
+// and later): the start-up log and the tests say which kernel ran.
+bool grouped_gemm_tensor_cores();
+
+namespace detail {
+// Tests: bf16 products through the tensor-core kernel's tiling on any build, its fragments
+// computed by one thread where there are no tensor cores (the same staging, layouts and edges
+// as on the GPU, checked on CPUs). Builds with tensor cores always take that kernel in bf16.
+void set_grouped_fragment_tiles(bool on);
+}  // namespace detail
 
 class GroupedGemm {
  public:

@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <limits>
 #include <random>
 #include <string>
@@ -120,9 +121,10 @@ TEST(Gemm, PrecisionScopeRestoresFp32) {
   check_gemm(Trans::N, Trans::N, 5, 6, 7, 1.0f, 0.0f);
 }
 
-#if !defined(KOKKOS_ENABLE_CUDA) && !defined(KOKKOS_ENABLE_HIP)
-// No TF32 on CPUs: an error naming the key, and the precision stays what it was.
-TEST(Gemm, Tf32OnACpuBackendIsAnError) {
+#if !defined(KOKKOS_ENABLE_CUDA)
+// No TF32 without cuBLAS (CPUs, HIP): an error naming the key, and the precision stays what it
+// was.
+TEST(Gemm, Tf32WithoutCublasIsAnError) {
   try {
     GemmPrecisionScope tf(Precision::Tf32);
     FAIL() << "tf32 accepted on " << ExecSpace::name();
@@ -139,6 +141,12 @@ TEST(Gemm, ShapeMismatchThrows) {
   View2F A("A", 3, 4), B("B", 5, 6), C("C", 3, 6);
   EXPECT_THROW(gemm(Trans::N, Trans::N, 1.0f, as_cmat(A), as_cmat(B), 0.0f, as_mat(C)), Error);
 }
+
+// detail::set_grouped_fragment_tiles(true) for a scope.
+struct FragmentTilesScope {
+  FragmentTilesScope() { detail::set_grouped_fragment_tiles(true); }
+  ~FragmentTilesScope() { detail::set_grouped_fragment_tiles(false); }
+};
 
 // Grouped GEMMs against per-group double-precision loops: group sizes 0, 1, a tile edge and a
 // few tiles (the row offsets only on the device), inner extents and widths off the tile sizes,
@@ -223,6 +231,17 @@ TEST(GroupedGemm, RowsAndWeightGradientsMatchPerGroupProducts) { check_grouped(f
 
 TEST(GroupedGemm, Bf16RoundsTheInputsAsTheyLoad) {
   GemmPrecisionScope bf(Precision::Bf16);
+  std::printf("bf16 grouped products on %s\n",
+              grouped_gemm_tensor_cores() ? "tensor cores" : "the scalar tiled kernel");
+  check_grouped(true);
+}
+
+// The tensor-core kernel's tiling (bf16 staged in scratch 32 of k at a time, 16 x 16 quarters,
+// k-major A for the weight gradients) on every build: where there are no tensor cores one
+// thread computes its fragments.
+TEST(GroupedGemm, Bf16FragmentTilesMatchPerGroupProducts) {
+  GemmPrecisionScope bf(Precision::Bf16);
+  FragmentTilesScope tiles;
   check_grouped(true);
 }
 

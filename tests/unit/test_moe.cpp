@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "core/gemm.hpp"
+#include "core/grouped_gemm.hpp"
 #include "modules/moe/moe.hpp"
 
 namespace kmoe {
@@ -422,6 +423,18 @@ TEST(Moe, GroupedExpertGemmsMatchPerExpertGemms) {
     EXPECT_EQ(again.y, grouped.y);
     EXPECT_EQ(again.dx, grouped.dx);
     EXPECT_EQ(again.grads, grouped.grads);
+    if (p == Precision::Bf16) {  // the tensor-core kernel's tiling (scalar fragments on CPUs)
+      detail::set_grouped_fragment_tiles(true);
+      const LayerRun tiles = run(ExpertGemm::Grouped);
+      detail::set_grouped_fragment_tiles(false);
+      EXPECT_EQ(tiles.st.load, per.st.load) << capacity;
+      std::printf("bf16, capacity %.1f: fragment tiles vs per-expert y %.1e dx %.1e grads %.1e\n",
+                  capacity, max_rel(tiles.y, per.y), max_rel(tiles.dx, per.dx),
+                  max_rel(tiles.grads, per.grads));
+      EXPECT_LE(max_rel(tiles.y, per.y), tol) << capacity;
+      EXPECT_LE(max_rel(tiles.dx, per.dx), tol) << capacity;
+      EXPECT_LE(max_rel(tiles.grads, per.grads), tol) << capacity;
+    }
   }
 }
 
