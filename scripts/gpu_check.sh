@@ -179,13 +179,17 @@ print(f"bench, fp32: {tps:,.0f} tokens/s, {flops / 1e12:.1f} TFLOP/s (model), {m
       f"host memory high-water {mem:.0f} MiB")
 PY
   grep "time per phase" "$out/bench_train.log" | sed 's/^/bench: /' | tee -a "$out/summary.txt"
-  # TF32 and bf16 GEMMs (MFU against their own peaks), and fp32 with per-expert vendor GEMMs
-  # instead of grouped ones.
+  # TF32 and bf16 GEMMs (MFU against their own peaks), and fp32 and bf16 with per-expert vendor
+  # GEMMs (cuBLAS) instead of grouped ones (kmoe's kernel; bf16: on the tensor cores).
   for variant in train.precision=tf32:$tf32 train.precision=bf16:$bf16 \
-                 moe.expert_gemm=per_expert:$fp32; do
+                 moe.expert_gemm=per_expert:$fp32 \
+                 train.precision=bf16,moe.expert_gemm=per_expert:$bf16; do
     set_key=${variant%%:*} peak=${variant##*:}
+    keys=()
+    IFS=, read -ra pairs <<< "$set_key"
+    for kv in "${pairs[@]}"; do keys+=("--$kv"); done
     if (cd "$bench" && timeout 120 "$kmoe" kmoe-train -i bench.deck --output.dir="run_$set_key" \
-          --checkpoint.dir="run_$set_key/ckpt" --train.max_steps=4 "--$set_key" \
+          --checkpoint.dir="run_$set_key/ckpt" --train.max_steps=4 "${keys[@]}" \
           --output.peak_flops=$peak ${GPU_CHECK_BENCH_ARGS:-} > "$out/bench_$set_key.log" 2>&1); then
       python3 - "$bench/run_$set_key/metrics.csv" "$set_key" <<'PY' | tee -a "$out/summary.txt"
 import csv, statistics, sys
