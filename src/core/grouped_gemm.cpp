@@ -40,6 +40,45 @@ KOKKOS_INLINE_FUNCTION int tile_group(const View1I& toff, int G, int rt) {
   return lo;
 }
 
+// The part of the output a rows() team computes: group g's rows [r0, r0 + nr) (nr <= kTile),
+// columns [c0, c0 + nc). False for a team past the last group's rows (the launch's bound).
+struct RowTile {
+  int g;
+  std::int64_t r0;
+  int nr, c0, nc;
+};
+KOKKOS_INLINE_FUNCTION bool row_tile(int league, int col_tiles, const View1I& toff,
+                                     const ConstIVec& off, int G, int n, RowTile& t) {
+  const int rt = league / col_tiles, ct = league % col_tiles;
+  if (rt >= toff(G)) return false;
+  t.g = tile_group(toff, G, rt);
+  t.r0 = off(t.g) + std::int64_t(rt - toff(t.g)) * kTile;
+  t.nr = lesser(kTile, static_cast<int>(off(t.g + 1) - t.r0));
+  t.c0 = ct * kTile;
+  t.nc = lesser(kTile, n - t.c0);
+  return true;
+}
+
+// The part of the weight gradients a weight_grads() team computes: group g's rows
+// [i0, i0 + ni) and columns [j0, j0 + nj) of G_g (m x n, mt x nt tiles), summed over the
+// group's rows [first, last) of A and B.
+struct GradTile {
+  int g, i0, j0, ni, nj, first, last;
+};
+KOKKOS_INLINE_FUNCTION GradTile grad_tile(int league, int mt, int nt, int m, int n,
+                                          const ConstIVec& off) {
+  GradTile t;
+  t.g = league / (mt * nt);
+  const int at = league % (mt * nt);
+  t.i0 = (at / nt) * kTile;
+  t.j0 = (at % nt) * kTile;
+  t.ni = lesser(kTile, m - t.i0);
+  t.nj = lesser(kTile, n - t.j0);
+  t.first = off(t.g);
+  t.last = off(t.g + 1);
+  return t;
+}
+
 bool g_fragment_tiles = false;  // detail::set_grouped_fragment_tiles
 
 // ---- bf16 products on 16 x 16 x 16 fragments ------------------------------------------------
@@ -185,13 +224,10 @@ void rows(int G, ConstIVec off, View1I toff, std::int64_t row_tiles, bool wt, fl
   Kokkos::parallel_for(
       "grouped_gemm::rows_bf16", policy(row_tiles * col_tiles),
       KOKKOS_LAMBDA(const TeamMember& tm) {
-        const int rt = tm.league_rank() / col_tiles, ct = tm.league_rank() % col_tiles;
-        if (rt >= toff(G)) return;  // the whole team: past the last group's rows
-        const int g = tile_group(toff, G, rt);
-        const std::int64_t r0 = off(g) + std::int64_t(rt - toff(g)) * kTile;
-        const int nr = lesser(kTile, static_cast<int>(off(g + 1) - r0));
-        const int c0 = ct * kTile, nc = lesser(kTile, n - c0);
-        const std::int64_t wg = g * w_stride;
+        RowTile t;
+        if (!row_tile(tm.league_rank(), col_tiles, toff, off, G, n, t)) return;  // the whole team
+        const std::int64_t r0 = t.r0, wg = t.g * w_stride;
+        const int nr = t.nr, c0 = t.c0, nc = t.nc;
         const Staged st = staged(tm);
         Quarters acc(tm);
         for (int k0 = 0; k0 < K; k0 += kK) {
@@ -235,11 +271,10 @@ void weight_grads(int G, ConstIVec off, float alpha, GroupedSrc As_, int m, Grou
   Kokkos::parallel_for(
       "grouped_gemm::weight_grads_bf16", policy(std::int64_t(G) * mt * nt),
       KOKKOS_LAMBDA(const TeamMember& tm) {
-        const int g = tm.league_rank() / (mt * nt), t = tm.league_rank() % (mt * nt);
-        const int i0 = (t / nt) * kTile, j0 = (t % nt) * kTile;
-        const int ni = lesser(kTile, m - i0), nj = lesser(kTile, n - j0);
-        const int first = off(g), last = off(g + 1);
-        if (first == last) return;  // the whole team: no rows, no gradient
+        const GradTile t = grad_tile(tm.league_rank(), mt, nt, m, n, off);
+        if (t.first == t.last) return;  // the whole team: no rows, no gradient
+        const int g = t.g, i0 = t.i0, j0 = t.j0, ni = t.ni, nj = t.nj, first = t.first,
+                  last = t.last;
         const Staged st = staged(tm);
         Quarters acc(tm);
         for (int r0 = first; r0 < last; r0 += kK) {
@@ -331,13 +366,10 @@ void GroupedGemm::rows(Trans tw, float alpha, GroupedSrc As_, int K, GroupedSrc 
   Kokkos::parallel_for(
       "grouped_gemm::rows", tiled_policy(row_tiles * col_tiles),
       KOKKOS_LAMBDA(const TeamMember& tm) {
-        const int rt = tm.league_rank() / col_tiles, ct = tm.league_rank() % col_tiles;
-        if (rt >= toff(G)) return;  // the whole team: past the last group's rows
-        const int g = tile_group(toff, G, rt);
-        const std::int64_t r0 = off(g) + std::int64_t(rt - toff(g)) * kTile;
-        const int nr = lesser(kTile, static_cast<int>(off(g + 1) - r0));
-        const int c0 = ct * kTile, nc = lesser(kTile, n - c0);
-        const std::int64_t wg = g * w_stride;
+        RowTile t;
+        if (!row_tile(tm.league_rank(), col_tiles, toff, off, G, n, t)) return;  // the whole team
+        const std::int64_t r0 = t.r0, wg = t.g * w_stride;
+        const int nr = t.nr, c0 = t.c0, nc = t.nc;
         ScratchF As(tm.team_scratch(0), kTile * kDepth), Bs(tm.team_scratch(0), kDepth * kTile),
             Cs(tm.team_scratch(0), kTile * kTile);
         Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, kTile * kTile),
@@ -397,11 +429,10 @@ void GroupedGemm::weight_grads(float alpha, GroupedSrc As_, int m, GroupedSrc Bs
   Kokkos::parallel_for(
       "grouped_gemm::weight_grads", tiled_policy(std::int64_t(groups_) * mt * nt),
       KOKKOS_LAMBDA(const TeamMember& tm) {
-        const int g = tm.league_rank() / (mt * nt), t = tm.league_rank() % (mt * nt);
-        const int i0 = (t / nt) * kTile, j0 = (t % nt) * kTile;
-        const int ni = lesser(kTile, m - i0), nj = lesser(kTile, n - j0);
-        const int first = off(g), last = off(g + 1);
-        if (first == last) return;  // the whole team: no rows, no gradient
+        const GradTile t = grad_tile(tm.league_rank(), mt, nt, m, n, off);
+        if (t.first == t.last) return;  // the whole team: no rows, no gradient
+        const int g = t.g, i0 = t.i0, j0 = t.j0, ni = t.ni, nj = t.nj, first = t.first,
+                  last = t.last;
         ScratchF As(tm.team_scratch(0), kDepth * kTile), Bs(tm.team_scratch(0), kDepth * kTile),
             Cs(tm.team_scratch(0), kTile * kTile);
         Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, kTile * kTile),
