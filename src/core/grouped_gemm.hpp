@@ -41,6 +41,14 @@ namespace detail {
 // computed by one thread where there are no tensor cores (the same staging, layouts and edges
 // as on the GPU, checked on CPUs). Builds with tensor cores always take that kernel in bf16.
 void set_grouped_fragment_tiles(bool on);
+
+// set_grouped_fragment_tiles(true) for its lifetime (off again at its end).
+struct FragmentTilesScope {
+  FragmentTilesScope() { set_grouped_fragment_tiles(true); }
+  ~FragmentTilesScope() { set_grouped_fragment_tiles(false); }
+  FragmentTilesScope(const FragmentTilesScope&) = delete;
+  FragmentTilesScope& operator=(const FragmentTilesScope&) = delete;
+};
 }  // namespace detail
 
 class GroupedGemm {

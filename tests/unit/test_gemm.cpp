@@ -142,12 +142,6 @@ TEST(Gemm, ShapeMismatchThrows) {
   EXPECT_THROW(gemm(Trans::N, Trans::N, 1.0f, as_cmat(A), as_cmat(B), 0.0f, as_mat(C)), Error);
 }
 
-// detail::set_grouped_fragment_tiles(true) for a scope.
-struct FragmentTilesScope {
-  FragmentTilesScope() { detail::set_grouped_fragment_tiles(true); }
-  ~FragmentTilesScope() { detail::set_grouped_fragment_tiles(false); }
-};
-
 // Grouped GEMMs against per-group double-precision loops: group sizes 0, 1, a tile edge and a
 // few tiles (the row offsets only on the device), inner extents and widths off the tile sizes,
 // both weight orientations, beta 0 and 1; rows outside the groups and the weights of a group
@@ -241,7 +235,7 @@ TEST(GroupedGemm, Bf16RoundsTheInputsAsTheyLoad) {
 // thread computes its fragments.
 TEST(GroupedGemm, Bf16FragmentTilesMatchPerGroupProducts) {
   GemmPrecisionScope bf(Precision::Bf16);
-  FragmentTilesScope tiles;
+  detail::FragmentTilesScope tiles;
   check_grouped(true);
 }
 

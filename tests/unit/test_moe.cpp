@@ -424,9 +424,10 @@ TEST(Moe, GroupedExpertGemmsMatchPerExpertGemms) {
     EXPECT_EQ(again.dx, grouped.dx);
     EXPECT_EQ(again.grads, grouped.grads);
     if (p == Precision::Bf16) {  // the tensor-core kernel's tiling (scalar fragments on CPUs)
-      detail::set_grouped_fragment_tiles(true);
-      const LayerRun tiles = run(ExpertGemm::Grouped);
-      detail::set_grouped_fragment_tiles(false);
+      const LayerRun tiles = [&] {
+        detail::FragmentTilesScope on;
+        return run(ExpertGemm::Grouped);
+      }();
       EXPECT_EQ(tiles.st.load, per.st.load) << capacity;
       std::printf("bf16, capacity %.1f: fragment tiles vs per-expert y %.1e dx %.1e grads %.1e\n",
                   capacity, max_rel(tiles.y, per.y), max_rel(tiles.dx, per.dx),
