@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "modules/engram/engram.hpp"
+#include "op_test_util.hpp"
 
 namespace kmoe {
 namespace {
@@ -74,15 +75,6 @@ struct Fixture {
   }
 };
 
-double rel_error(const std::vector<double>& fd, const std::vector<double>& an) {
-  double num = 0, den = 0;
-  for (std::size_t k = 0; k < fd.size(); ++k) {
-    num += (fd[k] - an[k]) * (fd[k] - an[k]);
-    den += fd[k] * fd[k];
-  }
-  return std::sqrt(num) / std::max(std::sqrt(den), 1e-12);
-}
-
 void check_gradients(const char* gate) {
   Fixture f(gate);
   f.objective();
@@ -91,43 +83,26 @@ void check_gradients(const char* gate) {
   auto hg = Kokkos::create_mirror_view_and_copy(HostSpace(), f.table.grads);
   auto hp = Kokkos::create_mirror_view_and_copy(HostSpace(), f.table.params);
   const float eps = 3e-3f;
+  const auto objective = [&] { return f.objective(); };
   for (const auto& e : f.table.entries()) {
-    std::vector<double> fd, an;
+    std::vector<op_test::FdPoint> points;
     for (int k = 0; k < std::min<std::int64_t>(e.size, 16); ++k) {
       const std::int64_t j = e.offset + (k * 7919) % e.size;
-      const float saved = hp(j);
-      hp(j) = saved + eps;
-      Kokkos::deep_copy(f.table.params, hp);
-      const double lp = f.objective();
-      hp(j) = saved - eps;
-      Kokkos::deep_copy(f.table.params, hp);
-      const double lm = f.objective();
-      hp(j) = saved;
-      Kokkos::deep_copy(f.table.params, hp);
-      fd.push_back((lp - lm) / (2.0 * eps));
-      an.push_back(hg(j));
+      points.push_back({&hp(j), hg(j)});
     }
-    EXPECT_LT(rel_error(fd, an), 1e-2) << e.spec.name;
+    op_test::expect_fd_gradient(
+        e.spec.name, points, [&] { Kokkos::deep_copy(f.table.params, hp); }, objective, eps);
   }
   // The block input (through the gate's RMSNorm_q).
   auto hx = Kokkos::create_mirror_view_and_copy(HostSpace(), f.x);
   auto hdx = Kokkos::create_mirror_view_and_copy(HostSpace(), f.dx);
-  std::vector<double> fd, an;
+  std::vector<op_test::FdPoint> points;
   for (int k = 0; k < 24; ++k) {
     const int i = (k * 37) % f.N, d = (k * 5) % f.m.d_model;
-    const float saved = hx(i, d);
-    hx(i, d) = saved + eps;
-    Kokkos::deep_copy(f.x, hx);
-    const double lp = f.objective();
-    hx(i, d) = saved - eps;
-    Kokkos::deep_copy(f.x, hx);
-    const double lm = f.objective();
-    hx(i, d) = saved;
-    Kokkos::deep_copy(f.x, hx);
-    fd.push_back((lp - lm) / (2.0 * eps));
-    an.push_back(hdx(i, d));
+    points.push_back({&hx(i, d), hdx(i, d)});
   }
-  EXPECT_LT(rel_error(fd, an), 1e-2) << "block input";
+  op_test::expect_fd_gradient(
+      "block input", points, [&] { Kokkos::deep_copy(f.x, hx); }, objective, eps);
 }
 
 TEST(Engram, GradientsSigmoidGate) { check_gradients("sigmoid"); }

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "modules/model/stage.hpp"
+#include "op_test_util.hpp"
 
 namespace kmoe {
 namespace {
@@ -57,31 +58,18 @@ void check_gradients(const ModelCfg& m, const MoeCfg& e = MoeCfg(), float eps = 
   stage.backward(table);
   auto hg = Kokkos::create_mirror_view_and_copy(HostSpace(), table.grads);
 
+  const auto upload = [&] { Kokkos::deep_copy(table.params, hp); };
+  const auto loss = [&] {
+    return loss_of(stage.forward(table, tokens.data(), nseq, 0.0f), m.output_z_coef);
+  };
   for (const auto& t : table.entries()) {
-    std::vector<double> fd, an;
+    std::vector<op_test::FdPoint> points;
     const int samples = std::min<std::int64_t>(t.size, 12);
     for (int k = 0; k < samples; ++k) {
       const std::int64_t j = t.offset + (k * 7919) % t.size;
-      const float saved = hp(j);
-      double lp, lm;
-      hp(j) = saved + eps;
-      Kokkos::deep_copy(table.params, hp);
-      lp = loss_of(stage.forward(table, tokens.data(), nseq, 0.0f), m.output_z_coef);
-      hp(j) = saved - eps;
-      Kokkos::deep_copy(table.params, hp);
-      lm = loss_of(stage.forward(table, tokens.data(), nseq, 0.0f), m.output_z_coef);
-      hp(j) = saved;
-      fd.push_back((lp - lm) / (2.0 * eps));
-      an.push_back(hg(j));
+      points.push_back({&hp(j), hg(j)});
     }
-    Kokkos::deep_copy(table.params, hp);
-    double num = 0, den = 0;
-    for (std::size_t k = 0; k < fd.size(); ++k) {
-      num += (fd[k] - an[k]) * (fd[k] - an[k]);
-      den += fd[k] * fd[k];
-    }
-    EXPECT_LT(std::sqrt(num), 1e-2 * std::sqrt(den) + 1e-6)
-        << t.spec.name << ": |fd - analytic| = " << std::sqrt(num) << ", |fd| = " << std::sqrt(den);
+    op_test::expect_fd_gradient(t.spec.name, points, upload, loss, eps);
   }
 }
 
