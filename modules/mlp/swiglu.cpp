@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "core/error.hpp"
+#include "core/fault_injection.hpp"
 #include "core/gemm.hpp"
 
 namespace kmoe {
@@ -10,10 +11,17 @@ namespace kmoe {
 namespace {
 // The element-wise math, shared by the kernels and the host-thread forms.
 KOKKOS_INLINE_FUNCTION float swiglu_value(float a, float b) { return math::silu(a) * b; }
-KOKKOS_INLINE_FUNCTION void swiglu_grads(float a, float b, float dy, float& da, float& db) {
+// curv: 1, or 0 under KMOE_FAULT=drop_silu_curvature (a planted one-term gradient bug that the
+// finite-difference and reference tests must catch: silu' without its a s (1 - s) term).
+KOKKOS_INLINE_FUNCTION void swiglu_grads(float a, float b, float dy, float curv, float& da,
+                                         float& db) {
   const float sg = math::sigmoid(a);
-  da = dy * b * sg * (1.0f + a * (1.0f - sg));  // silu' = s (1 + a (1 - s))
+  da = dy * b * sg * (1.0f + curv * a * (1.0f - sg));  // silu' = s (1 + a (1 - s))
   db = dy * a * sg;
+}
+float silu_curvature() {
+  static const float curv = fault_requested("drop_silu_curvature") ? 0.0f : 1.0f;
+  return curv;
 }
 }  // namespace
 
@@ -46,9 +54,10 @@ namespace {
 // One row's SwiGLU backward from a and b as stored (fp32 or bf16 pointers, row start applied).
 template <class P>
 KOKKOS_INLINE_FUNCTION void swiglu_row_backward(const TeamMember& tm, int F, P a, P b,
-                                                const float* dy, float* da, float* db) {
+                                                const float* dy, float curv, float* da,
+                                                float* db) {
   Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, F), [&](int f) {
-    swiglu_grads(kept_load(a, f), kept_load(b, f), dy[f], da[f], db[f]);
+    swiglu_grads(kept_load(a, f), kept_load(b, f), dy[f], curv, da[f], db[f]);
   });
 }
 }  // namespace
@@ -58,6 +67,7 @@ void swiglu_activate_backward(KeptIn a, KeptIn b, int ld, ConstMat d_act, float*
   KMOE_REQUIRE((a.b16 == nullptr) == (b.b16 == nullptr),
                "swiglu backward: one pre-activation kept as bf16, the other as fp32");
   const int N = d_act.extent(0), F = d_act.extent(1);
+  const float curv = silu_curvature();
   Kokkos::parallel_for(
       "swiglu::activate_backward", row_policy(N), KOKKOS_LAMBDA(const TeamMember& tm) {
         const int r = tm.league_rank();
@@ -66,9 +76,9 @@ void swiglu_activate_backward(KeptIn a, KeptIn b, int ld, ConstMat d_act, float*
         float* da = da_data + std::int64_t(r) * ld_out;
         float* db = db_data + std::int64_t(r) * ld_out;
         if (a.b16)
-          swiglu_row_backward(tm, F, a.b16 + x, b.b16 + x, dy, da, db);
+          swiglu_row_backward(tm, F, a.b16 + x, b.b16 + x, dy, curv, da, db);
         else
-          swiglu_row_backward(tm, F, a.f32 + x, b.f32 + x, dy, da, db);
+          swiglu_row_backward(tm, F, a.f32 + x, b.f32 + x, dy, curv, da, db);
       });
 }
 
@@ -83,10 +93,12 @@ void swiglu_activate_here(const float* a, const float* b, int ld, int N, int F, 
 
 void swiglu_activate_backward_here(const float* a, const float* b, int ld, const float* d_act,
                                    int N, int F, float* da, float* db, int ld_out) {
+  const float curv = silu_curvature();
   for (int r = 0; r < N; ++r) {
     const std::int64_t x = std::int64_t(r) * ld, o = std::int64_t(r) * ld_out;
     const float* dy = d_act + std::int64_t(r) * F;
-    for (int f = 0; f < F; ++f) swiglu_grads(a[x + f], b[x + f], dy[f], da[o + f], db[o + f]);
+    for (int f = 0; f < F; ++f)
+      swiglu_grads(a[x + f], b[x + f], dy[f], curv, da[o + f], db[o + f]);
   }
 }
 

@@ -10,10 +10,16 @@
 //                                 the others (it sleeps), leaving them in HDF5's collective close;
 //   KMOE_FAULT=metrics_fails:<step>  the metrics row of <step> cannot be written (a full disk);
 //   KMOE_FAULT=stall:<rank>:<step> world rank <rank> stops taking part at the start of <step>
-//                                  (it sleeps), so the other ranks' watchdog must fire.
+//                                  (it sleeps), so the other ranks' watchdog must fire;
+//   KMOE_FAULT=drop_silu_curvature  SwiGLU's backward drops the a s (1 - s) term of silu' (a
+//                                  planted gradient bug the gradient tests must catch);
+//   KMOE_FAULT=signal_at_start:<signal>  the process sends itself <signal> right after it
+//                                  installs its stop handlers, before MPI and the model start
+//                                  (a signal during start-up, at a known moment).
 #pragma once
 
 #include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -53,6 +59,12 @@ inline void stall_if_requested(int world_rank, int step) {
   if (!f || std::sscanf(f, "stall:%d:%d", &rank, &at) != 2) return;
   if (rank == world_rank && at == step)
     for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
+}
+
+inline void signal_at_start_if_requested() {
+  const char* f = std::getenv("KMOE_FAULT");
+  int sig = 0;
+  if (f && std::sscanf(f, "signal_at_start:%d", &sig) == 1 && sig > 0) std::raise(sig);
 }
 
 }  // namespace kmoe
