@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "core/fault_injection.hpp"
 #include "core/stop_signal.hpp"
 #include "drivers/driver_main.hpp"
 #include "io/checkpoint.hpp"
@@ -278,6 +279,7 @@ void print_plan(const Args& args) {
 
 int main(int argc, char** argv) {
   kmoe::install_stop_handlers();  // before MPI starts: a signal during start-up is kept
+  kmoe::signal_at_start_if_requested();
   return kmoe::run_driver(
       argc, argv, "kmoe-train", std::string(kUsage) + "\n" + kmoe::deck_help(),
       [](int argc, char** argv) {

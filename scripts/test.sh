@@ -29,4 +29,21 @@ fi
 bash scripts/build.sh ${nccl_args[@]+"${nccl_args[@]}"}
 
 cd "$build"
-ctest --output-on-failure --timeout 1500
+rc=0
+mkdir -p Testing
+ctest --output-on-failure --timeout 1500 2>&1 | tee Testing/ctest-output.txt || rc=$?
+# Subjects a test could not exercise on this machine or build (gtest's SKIPPED, the script
+# tests' "skip WHAT: WHY" lines): listed, so a skip is never read as a pass.
+log=Testing/Temporary/LastTest.log
+if [ -f "$log" ]; then
+  skips=$(grep -E '^skip [^:]+: |^\[  SKIPPED \] [A-Za-z0-9_]+\.[A-Za-z0-9_/]+ \(' "$log" | sort -u)
+  if [ -n "$skips" ]; then
+    echo "test.sh: subjects skipped on this machine or build ($(echo "$skips" | wc -l)):"
+    echo "$skips" | sed 's/^/  /'
+  else
+    echo "test.sh: no subject skipped"
+  fi
+fi
+# ctest's closing lines again, last.
+grep -E '^[0-9]+% tests passed|^Total Test time' Testing/ctest-output.txt || true
+exit $rc

@@ -1,6 +1,7 @@
 """Shared harness of kmoe's script-driven tests (regression and reference): running the real
 binaries in a work directory, a small learnable corpus, metrics, and pass/fail bookkeeping that
-ends in a `N passed, M failed` line."""
+ends in a `N passed, M failed` line (`, K skipped` after it when a subject could not be
+exercised here: each skip is printed as `skip WHAT: WHY`, and scripts/test.sh lists them)."""
 import csv
 import os
 import shutil
@@ -11,8 +12,11 @@ import sys
 class Harness:
     def __init__(self, bin_dir, work, mpiexec="mpiexec", fresh=True):
         self.bin_dir, self.work, self.mpiexec = bin_dir, work, mpiexec
-        self.env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
+        # One BLAS thread per rank unless scripts/test_matrix.sh asks for more.
+        blas = os.environ.get("KMOE_TEST_BLAS_THREADS", "1")
+        self.env = dict(os.environ, OPENBLAS_NUM_THREADS=blas)
         self.results = []
+        self.skipped = []
         if fresh:
             shutil.rmtree(work, ignore_errors=True)
             os.makedirs(work)
@@ -22,6 +26,11 @@ class Harness:
         self.results.append(bool(cond))
         return bool(cond)
 
+    def skip(self, what, why):
+        """A subject this machine or build cannot exercise: reported, never counted as passed."""
+        print(f"skip {what}: {why}", flush=True)
+        self.skipped.append(what)
+
     def run(self, args, expect_rc=0, ranks=1, env=None):
         """Runs BIN_DIR/args[0] with args[1:] in the work directory (under mpiexec for ranks > 1)
         and checks its exit code."""
@@ -29,7 +38,7 @@ class Harness:
         if ranks > 1:
             forward = [a for k in sorted(env or {}) if k.startswith("KMOE_") for a in ("-x", k)]
             cmd = [self.mpiexec, "--allow-run-as-root", "--oversubscribe", "-n", str(ranks),
-                   "-x", "OPENBLAS_NUM_THREADS=1"] + forward + cmd
+                   "-x", "OPENBLAS_NUM_THREADS=" + self.env["OPENBLAS_NUM_THREADS"]] + forward + cmd
         p = subprocess.run(cmd, cwd=self.work, env=env or self.env, capture_output=True,
                            text=True, timeout=900)
         if p.returncode != expect_rc:
@@ -62,7 +71,8 @@ class Harness:
 
     def finish(self):
         n_fail = self.results.count(False)
-        print(f"{len(self.results) - n_fail} passed, {n_fail} failed")
+        skipped = f", {len(self.skipped)} skipped" if self.skipped else ""
+        print(f"{len(self.results) - n_fail} passed, {n_fail} failed{skipped}")
         sys.exit(1 if n_fail else 0)
 
 

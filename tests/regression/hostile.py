@@ -101,16 +101,16 @@ try:
                 f"a save the disk cannot hold is refused, step 2 stays good: {p.stderr[-200:]}")
         for ranks in (1, 2):
             shutil.rmtree(ckpt)
-            t0 = time.time()
             p = train(f"enospc{ranks}", ranks=ranks, expect_rc=1, ckpt=ckpt,
                       env={"KMOE_FAULT": "no_space_check"})
             left = sorted(os.listdir(ckpt))
             h.check("step00000004.h5 not saved" in p.stderr and "partial file is removed" in
-                    p.stderr and left in INTACT and time.time() - t0 < 120,
+                    p.stderr and left in INTACT,
                     f"{ranks} rank(s): writes into the full disk end with exit 1, partial file "
                     f"gone, files {left}")
     else:
-        print("ok   no tmpfs here: injected write failures only")
+        h.skip("a checkpoint disk that really fills (tmpfs)",
+               "this machine lets the test mount no tmpfs (injected write failures only)")
     # The writing rank's data write fails (rank 0 writes the dense tensors): the others made
     # the same collective calls and must follow it out.
     for fault, what in (("save_fails:0:4", "the writing rank"), ("save_fails:-1:4", "every rank")):
@@ -123,16 +123,17 @@ try:
 
     # A rank that stops before a save's collective close leaves the others inside HDF5, where
     # only the I/O watchdog sees them: it ends the job, naming the file.
-    t0 = time.time()
     p = train("stall", "--parallel.watchdog_seconds=5", ranks=2, expect_rc=1,
               env={"KMOE_FAULT": "stall_save:1"})
-    h.check("made no progress for 5 s (parallel.watchdog_seconds) writing" in p.stderr and
-            time.time() - t0 < 120,
+    h.check("made no progress for 5 s (parallel.watchdog_seconds) writing" in p.stderr,
             f"a rank stuck before a save's collective close ends the job through the I/O "
             f"watchdog: {p.stderr[-300:]}")
 
     # ------------------------------------------------------------- 2. a full output disk
     out = tmpfs("fullout", "16k")
+    if not out:
+        h.skip("an output disk that really fills (tmpfs)",
+               "this machine lets the test mount no tmpfs (an injected row failure only)")
     if out:
         p = h.run(["kmoe-train", "-i", "h.deck", "--train.max_steps=400",
                    f"--output.dir={out}/run", "--checkpoint.dir=fullout_ckpt",
@@ -212,7 +213,7 @@ h.check(proc.returncode == 1 and "data_cut/train.bin" in err and
 
 
 # ---------------------------------------------------------------------- 5. stop signals
-def launched(name, cmd, signals, wait_rows=3, delay=0.3, gap=0.5):
+def launched(name, cmd, signals, wait_rows=3, delay=0.3, gap=0.5, env=None):
     """Starts cmd, waits for wait_rows logged steps (0: `delay` seconds), sends the signals
     `gap` seconds apart; returns (exit code, its output, the files of its checkpoint
     directory)."""
@@ -221,8 +222,9 @@ def launched(name, cmd, signals, wait_rows=3, delay=0.3, gap=0.5):
     p = subprocess.Popen(cmd + ["-i", "h.deck", "--train.max_steps=100000",
                                 "--checkpoint.every=0", f"--output.dir={name}",
                                 f"--checkpoint.dir={name}/ckpt"],
-                         cwd=work, env=h.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                         cwd=work, env=dict(h.env, **(env or {})), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     if wait_rows:
         deadline = time.time() + 120
         while time.time() < deadline and not (os.path.exists(h.path(name, "metrics.csv")) and
@@ -263,9 +265,11 @@ h.check(rc == 86 and stopped_with_checkpoint(files),
 rc, log, files = launched("int1", [TRAIN], [signal.SIGINT])
 h.check(rc == 86 and stopped_with_checkpoint(files) and "stopped by SIGINT" in log,
         f"SIGINT to kmoe-train: exit {rc}, checkpoint {files}")
-# 0.3 s after the exec: MPI, Kokkos and the model are still starting (a run takes over a second
-# to its first step), so the stop comes after step 1 only if the start-up kept the signal.
-rc, log, files = launched("startup", [TRAIN], [signal.SIGUSR1], wait_rows=0, delay=0.3)
+# SIGUSR1 during start-up, at a known moment: the process sends it to itself right after it
+# installs its handlers, before MPI, Kokkos and the model start (KMOE_FAULT=signal_at_start);
+# the stop comes after step 1 only if the start-up kept the signal.
+rc, log, files = launched("startup", [TRAIN], [], wait_rows=0, delay=0,
+                          env={"KMOE_FAULT": f"signal_at_start:{int(signal.SIGUSR1)}"})
 h.check(rc == 85 and files == ["latest", "step00000001.h5"],
         f"SIGUSR1 during start-up: exit {rc}, stopped after the first step {files}")
 
@@ -325,10 +329,9 @@ p = h.run(["kmoe-train", "-i", "h.deck", "--dry-run", "--model.d_model=100000000
            "--model.n_heads=1", "--model.n_kv_heads=1"], expect_rc=1)
 h.check("overflow 64-bit" in p.stderr and "model.d_model" in p.stderr,
         f"an overflowing size is an error naming the keys: {p.stderr[-150:]}")
-t0 = time.time()
 p = train("toolarge", "--model.ffn_hidden=400000000", expect_rc=1)
-h.check("memory: the 1 rank(s) on this node" in p.stderr and "model.ffn_hidden" in p.stderr and
-        time.time() - t0 < 60, f"a model larger than the machine is refused: {p.stderr[-200:]}")
+h.check("memory: the 1 rank(s) on this node" in p.stderr and "model.ffn_hidden" in p.stderr,
+        f"a model larger than the machine is refused: {p.stderr[-200:]}")
 shutil.copytree(h.path("good", "ckpt"), h.path("crlf", "ckpt"))
 with open(h.path("crlf", "ckpt", "latest"), "w") as f:
     f.write("step00000006.h5\r\n")

@@ -3,7 +3,8 @@
 kmoe-train, writes one row per optimizer step (the "kmoe::step" region), sees the step's
 kernel launches and deep copies, counts the same work the same way step after step, and grows
 with the micro-batches of a step and the layers of the model. Which fences a build reports
-depends on Kokkos (none on Kokkos 3.4 Serial), so fences are only required to be consistent.
+depends on Kokkos (none on Kokkos 3.4 Serial): where the build reports some, steps 2 and 3 must
+report the same number; where it reports none, the fence check is reported skipped.
 Usage: check_counter.py BIN_DIR WORK_DIR COUNTER_LIB
 """
 import os
@@ -43,5 +44,9 @@ if base and micro and layers:
             f"twice the micro-batches: {base[1]['kernels']} -> {micro[1]['kernels']} launches")
     h.check(layers[1]["kernels"] > 1.3 * base[1]["kernels"],
             f"twice the layers: {base[1]['kernels']} -> {layers[1]['kernels']} launches")
-    h.check(all(r["fences"] >= 0 for r in base + micro + layers), "fence counts present")
+    if any(r["fences"] > 0 for r in base + micro + layers):
+        h.check(base[1]["fences"] == base[2]["fences"],
+                f"fences alike at steps 2 and 3: {base[1]['fences']} / {base[2]['fences']}")
+    else:
+        h.skip("fence counts", "this Kokkos reports no fences to Kokkos Tools (Kokkos 3.4)")
 h.finish()

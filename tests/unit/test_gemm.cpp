@@ -1,5 +1,7 @@
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <limits>
@@ -349,6 +351,8 @@ TEST(Gemm, StridedBatchSideBySideMatchesOneAfterTheOther) {
   if (!Kokkos::SpaceAccessibility<HostSpace, MemSpace>::accessible) GTEST_SKIP();
   GemmBatchThreadsScope threads(4);
   if (gemm_batch_threads() == 1) GTEST_SKIP() << "no host BLAS on host memory";
+  if (Kokkos::DefaultHostExecutionSpace().concurrency() < 2)
+    GTEST_SKIP() << "one host thread: side by side is one after the other here";
   const int batch = 9, m = 17, k = 11;
   for (int n : {13, 1})
     for (int pad : {0, 2})
@@ -410,8 +414,7 @@ TEST(Gemm, StridedBatchSideBySideMatchesOneAfterTheOther) {
 
 // One product on the calling host thread (what the MoE experts run side by side) is gemm()'s
 // BLAS call: bit for bit gemm() for every transpose pair, beta applied on an empty inner
-// extent, a bf16 operand refused. Items side by side cover each item once, and an item's
-// exception reaches the caller.
+// extent, a bf16 operand refused.
 TEST(Gemm, OnHostThreadIsGemmsCall) {
   if (!Kokkos::SpaceAccessibility<HostSpace, MemSpace>::accessible) GTEST_SKIP();
   GemmBatchThreadsScope threads(2);
@@ -452,13 +455,27 @@ TEST(Gemm, OnHostThreadIsGemmsCall) {
   const Operand b16{nullptr, bits.data(), 2, 2}, f32{x.data(), nullptr, 2, 2};
   EXPECT_THROW(
       gemm_on_host_thread(Trans::N, Trans::N, 1.0f, b16, f32, 0.0f, as_mat(x.data(), 2, 2)), Error);
-  std::vector<int> seen(101, 0);
+}
+
+// Items side by side on two host threads cover each item once, each on a slot of its own, and
+// an item's exception reaches the caller (not std::terminate inside the parallel region).
+TEST(Gemm, HostItemsSideBySideCoverEachItemOnce) {
+  if (Kokkos::DefaultHostExecutionSpace().concurrency() < 2)
+    GTEST_SKIP() << "one host thread: side by side is one after the other here";
+  std::vector<std::atomic<int>> seen(101);
+  std::atomic<int> on_slot[2] = {0, 0};
   host_items_side_by_side("test::items", 101, 2, [&](int i, int slot) {
-    ASSERT_TRUE(slot == 0 || slot == 1);
+    if (slot == 0 || slot == 1) ++on_slot[slot];
     ++seen[i];  // each item by one thread
+    // Hold the item a moment so the other thread takes some: both slots must work.
+    const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(200);
+    while (std::chrono::steady_clock::now() < until) {
+    }
   });
-  for (int i = 0; i < 101; ++i) ASSERT_EQ(seen[i], 1) << i;
-  // An item's exception comes back to the caller (not std::terminate inside the region).
+  for (int i = 0; i < 101; ++i) ASSERT_EQ(seen[i].load(), 1) << i;
+  EXPECT_EQ(on_slot[0] + on_slot[1], 101) << "every slot index is 0 or 1";
+  EXPECT_GT(on_slot[0].load(), 0);
+  EXPECT_GT(on_slot[1].load(), 0) << "the second thread took no item";
   EXPECT_THROW(host_items_side_by_side("test::throws", 9, 2,
                                        [&](int i, int) { KMOE_REQUIRE(i != 4, "item 4"); }),
                Error);

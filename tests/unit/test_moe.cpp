@@ -325,7 +325,8 @@ LayerRun forward_backward(const ModelCfg& m, const MoeCfg& c, int N, bool starve
 // The per-expert GEMMs side by side on the host threads (one expert's products and SwiGLU per
 // thread) against one after the other: the same calls, so bit for bit, with experts of uneven
 // rows, one without rows, and a capacity that drops. Only fp32 runs take that path.
-TEST(Moe, PerExpertGemmsSideBySideMatchOneAfterTheOther) {
+// Which layers take that path (expert_threads): the rule alone, on any build.
+TEST(Moe, ExpertThreadsRule) {
   GemmBatchThreadsScope threads(3);
   if (gemm_batch_threads() == 1) GTEST_SKIP() << "no host BLAS on host memory";
   MoeCfg per = moe(8, 2, 24), grouped = per, one_wide = per;
@@ -344,6 +345,13 @@ TEST(Moe, PerExpertGemmsSideBySideMatchOneAfterTheOther) {
   EXPECT_EQ(expert_threads(grouped, 16, 8, false), 1);
   EXPECT_EQ(expert_threads(one_wide, 16, 8, false), 1) << "single-column products are gemv";
   EXPECT_EQ(expert_threads(per, 1, 8, false), 1) << "single-column products are gemv";
+}
+
+TEST(Moe, PerExpertGemmsSideBySideMatchOneAfterTheOther) {
+  GemmBatchThreadsScope threads(3);
+  if (gemm_batch_threads() == 1) GTEST_SKIP() << "no host BLAS on host memory";
+  if (Kokkos::DefaultHostExecutionSpace().concurrency() < 2)
+    GTEST_SKIP() << "one host thread: side by side is one after the other here";
   const int N = 40, D = 16, Fe = 24;
   const ModelCfg m = model(D);
   for (int variant = 0; variant < 3; ++variant) {
