@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "core/device_sync.hpp"
 #include "core/error.hpp"
 #include "core/gemm.hpp"
 #include "modules/norm/rmsnorm.hpp"
@@ -78,6 +79,7 @@ Attention::Attention(const ModelCfg& m, const std::string& prefix, int max_seqs,
   tile_before_ = Kokkos::View<std::int64_t*, Layout, MemSpace>("attn::tile_before", tiles_.size());
   auto hb = Kokkos::create_mirror_view(tile_before_);
   for (std::size_t i = 0; i < tiles_.size(); ++i) hb(i) = tiles_[i].before;
+  mark_host_sync("attention setup");
   Kokkos::deep_copy(tile_before_, hb);
   probs_ = KeptOperand("attn::probs", static_cast<std::int64_t>(max_seqs) * H_ * band_);
   merged_ = KeptOperand("attn::merged", N * qd);

@@ -2,6 +2,8 @@
 
 #include <cmath>
 
+#include "core/device_sync.hpp"
+
 namespace kmoe {
 
 RopeTables::RopeTables(int seq_len, int head_dim, double theta)
@@ -15,7 +17,9 @@ RopeTables::RopeTables(int seq_len, int head_dim, double theta)
       hc(p, i) = static_cast<float>(std::cos(angle));
       hs(p, i) = static_cast<float>(std::sin(angle));
     }
+  mark_host_sync("rope tables");
   Kokkos::deep_copy(cos, hc);
+  mark_host_sync("rope tables");
   Kokkos::deep_copy(sin, hs);
 }
 

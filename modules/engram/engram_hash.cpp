@@ -4,6 +4,7 @@
 #include <limits>
 #include <set>
 
+#include "core/device_sync.hpp"
 #include "core/error.hpp"
 #include "io/token_data.hpp"
 
@@ -107,8 +108,11 @@ EngramHasher::EngramHasher(const EngramHashPlan& plan, int max_ngram, int heads,
     hp(j) = plan.primes[j];
     ho(j) = plan.offsets[j];
   }
+  mark_host_sync("engram hash setup");
   Kokkos::deep_copy(mult_, hm);
+  mark_host_sync("engram hash setup");
   Kokkos::deep_copy(primes_, hp);
+  mark_host_sync("engram hash setup");
   Kokkos::deep_copy(offsets_, ho);
 }
 

@@ -88,6 +88,7 @@ Stage::Stage(const ModelCfg& m, const MoeCfg& e, int max_seqs, int T, TensorTabl
     compress_ = View1I("stage::compress", m.vocab_size);
     auto h = Kokkos::create_mirror_view(compress_);
     for (int v = 0; v < m.vocab_size; ++v) h(v) = compression_.map[v];
+    mark_host_sync("stage setup");
     Kokkos::deep_copy(compress_, h);
     compressed_ = View1I("stage::compressed_tokens", max_seqs * T);
   }

@@ -85,6 +85,7 @@ void update_router_bias(TensorTable& table, int bias_index, const std::vector<do
     const double d = mean - counts[e];
     h(e) += static_cast<float>(gamma * (d > 0 ? 1.0 : (d < 0 ? -1.0 : 0.0)));
   }
+  mark_host_sync("router bias");
   Kokkos::deep_copy(b, h);
 }
 

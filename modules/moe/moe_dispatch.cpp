@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "core/buffers.hpp"
+#include "core/device_sync.hpp"
 #include "core/error.hpp"
 
 namespace kmoe {
@@ -49,6 +50,7 @@ void ExpertDispatch::plan(const std::vector<int>& offsets) {
     bounds(B + 1 + b) = fill[b % El];
     fill[b % El] += n;
   }
+  mark_host_sync("expert dispatch bounds");
   Kokkos::deep_copy(blocks_, bounds);
   auto blocks = blocks_;
   auto perm = perm_;

@@ -29,6 +29,7 @@ void to_host(const HostBuffer& host, const float* device, std::int64_t n) {
 void to_device(float* device, const HostBuffer& host, std::int64_t n) {
   if (n <= 0) return;
   const auto first_n = std::make_pair(std::int64_t(0), n);
+  mark_host_sync("staged mpi");
   Kokkos::deep_copy(DeviceOut(device, n), Kokkos::subview(host, first_n));
 }
 
@@ -44,6 +45,7 @@ void to_host(const HostBuffer& host, const std::uint16_t* device, std::int64_t n
 
 void to_device(std::uint16_t* device, const HostBuffer& host, std::int64_t n) {
   if (n <= 0) return;
+  mark_host_sync("staged mpi");
   Kokkos::deep_copy(DeviceWords(device, n),
                     HostWords(reinterpret_cast<std::uint16_t*>(host.data()), n));
 }
@@ -77,6 +79,10 @@ struct StagedMpiComm::StagedOp : PendingOp {
 };
 
 StagedMpiComm::StagedMpiComm(const Communicator& axis) : axis_(axis) {}
+
+MpiDataPlane::MpiDataPlane(const Communicator& axis, CudaAwareMpi cuda_aware_mpi) : axis_(axis) {
+  if (mpi_needs_staging(cuda_aware_mpi)) staged_ = std::make_unique<StagedMpiComm>(axis);
+}
 
 StagedMpiComm::HostBuffer StagedMpiComm::take(std::int64_t n) const {
   // The smallest pooled buffer that fits; a new one when none does.

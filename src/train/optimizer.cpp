@@ -72,6 +72,7 @@ FlatOptimizer::FlatOptimizer(const TensorTable& table, const std::vector<char>* 
   partial_ = View1D("optim::chunk_sums", chunks_ + 1);
   auto up = [](const auto& host, const auto& dev) {
     using T = typename std::decay_t<decltype(dev)>::value_type;
+    mark_host_sync("optimizer setup");
     Kokkos::deep_copy(dev, Kokkos::View<const T*, HostSpace, Unmanaged>(host.data(), host.size()));
   };
   up(begin, begin_);

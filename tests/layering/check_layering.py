@@ -31,6 +31,9 @@ INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"')
 SOURCES = (".hpp", ".cpp", ".h", ".cc")
 STEP_CODE = ("src/parallel", "modules", "src/train")
 HOST_WAIT = re.compile(r"Kokkos::fence\s*\(|\.fence\s*\(|create_mirror_view_and_copy\s*\(")
+# deep_copy without an execution space as its first argument fences before and after the copy.
+FENCING_COPY = re.compile(r"Kokkos::deep_copy\s*\((?!\s*ExecSpace\(\))")
+NAMED = re.compile(r"\bmark_host_sync\s*\(")
 
 
 def layer_of(rel):
@@ -128,13 +131,23 @@ def check(root):
 
 
 def host_waits(root):
-    """Unnamed host waits in step code: fences and mirror copies outside core/device_sync."""
+    """Unnamed host waits in step code: fences and mirror copies outside core/device_sync, and
+    deep copies without an execution space (they fence) not named by a mark_host_sync on the
+    line before."""
     out = []
+    previous = {}
     for rel, n, text in source_lines(root, STEP_CODE):
-        m = HOST_WAIT.search(text.split("//")[0])
+        code = text.split("//")[0]
+        m = HOST_WAIT.search(code)
         if m:
             out.append(f"{rel}:{n}: {m.group(0).strip()}...: step code waits for the device "
                        f"through core/device_sync.hpp (host_sync, read_to_host)")
+        m = FENCING_COPY.search(code)
+        if m and not NAMED.search(previous.get(rel, "")):
+            out.append(f"{rel}:{n}: Kokkos::deep_copy(...) without an execution space fences: "
+                       f"name the wait (mark_host_sync on the line before) or pass ExecSpace()")
+        if code.strip():
+            previous[rel] = code
     return out
 
 
@@ -154,6 +167,9 @@ def planted(root):
         ("src/train/optimizer.cpp",
          "static void f(View1F v) { Kokkos::create_mirror_view_and_copy(HostSpace(), v); }",
          "through core/device_sync.hpp"),
+        ("src/parallel/staged_comm.cpp",
+         "static void g(View1F a, View1F b) { Kokkos::deep_copy(a, b); }",
+         "without an execution space fences"),
     ]
     ok = True
     with tempfile.TemporaryDirectory(prefix="kmoe-layer-") as tmp:
