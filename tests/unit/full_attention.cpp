@@ -115,17 +115,40 @@ void FullMatrixAttention::forward(const TensorTable& table, const RopeTables& ro
   // QK-norm over the whole projected q and k, RoPE, and the split into head layout.
   const KeptOut q = q_.out(), k = k_.out(), v = v_.out();
   auto rq = rstd_q_, rk = rstd_k_;
-  const NormRope norm_rope{H,  Hkv, dh, eps, qk_norm, qk_norm ? table.param(q_norm_) : nullptr,
-                           qk_norm ? table.param(k_norm_) : nullptr, rope.cos, rope.sin};
+  // The oracle's own QK-norm and RoPE (MODEL.md section 1), not the library's NormRope: RMSNorm
+  // over the whole projected q and over k, then each head's pair (i, i + dh/2) rotated by the
+  // angle of position t.
+  const float* gq = qk_norm ? table.param(q_norm_) : nullptr;
+  const float* gk = qk_norm ? table.param(k_norm_) : nullptr;
+  auto cs = rope.cos, sn = rope.sin;
   Kokkos::parallel_for(
-      "attn::norm_rope_split", row_policy(N), KOKKOS_LAMBDA(const TeamMember& team) {
+      "oracle::norm_rope_split", row_policy(N), KOKKOS_LAMBDA(const TeamMember& team) {
         const int r = team.league_rank(), s = r / T, t = r % T;
-        float sq, sk;
-        norm_rope(team, qkv, r, t, sq, sk, [&](bool is_q, int h, int i, float a0, float a1) {
+        float sq = 1.0f, sk = 1.0f;
+        if (qk_norm) {
+          float ssq = 0.0f, ssk = 0.0f;
+          Kokkos::parallel_reduce(
+              Kokkos::TeamThreadRange(team, qd),
+              [&](int c, float& acc) { acc += qkv(r, c) * qkv(r, c); }, ssq);
+          Kokkos::parallel_reduce(
+              Kokkos::TeamThreadRange(team, kd),
+              [&](int c, float& acc) { acc += qkv(r, qd + c) * qkv(r, qd + c); }, ssk);
+          sq = 1.0f / math::sqrt(ssq / qd + eps);
+          sk = 1.0f / math::sqrt(ssk / kd + eps);
+        }
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, (H + Hkv) * half), [&](int j) {
+          const bool is_q = j < H * half;
+          const int h = (is_q ? j : j - H * half) / half, i = (is_q ? j : j - H * half) % half;
+          const int w = h * dh + i, c = (is_q ? 0 : qd) + w;
+          const float* g = is_q ? gq : gk;
+          const float inv = is_q ? sq : sk;
+          const float x0 = qkv(r, c) * inv * (g ? g[w] : 1.0f);
+          const float x1 = qkv(r, c + half) * inv * (g ? g[w + half] : 1.0f);
+          const float co = cs(t, i), si = sn(t, i);
           const std::int64_t base = ((std::int64_t(s) * (is_q ? H : Hkv) + h) * T + t) * dh;
           const KeptOut& dst = is_q ? q : k;
-          dst.set(base + i, a0);
-          dst.set(base + i + half, a1);
+          dst.set(base + i, x0 * co - x1 * si);
+          dst.set(base + i + half, x1 * co + x0 * si);
         });
         if (qk_norm) {
           Kokkos::single(Kokkos::PerTeam(team), [&]() {
@@ -251,11 +274,12 @@ void FullMatrixAttention::backward(TensorTable& table, const RopeTables& rope, C
           const bool is_q = j < H * half;
           const int jj = is_q ? j : j - H * half, h = jj / half, i = jj % half;
           const std::int64_t base = ((std::int64_t(s) * (is_q ? H : Hkv) + h) * T + t) * dh;
-          float g0 = (is_q ? dq : dk)(base + i), g1 = (is_q ? dq : dk)(base + i + half);
-          rope_rotate_transpose(g0, g1, cs(t, i), sn(t, i));
+          // The transpose of the rotation (y0 = x0 cos - x1 sin, y1 = x1 cos + x0 sin).
+          const float g0 = (is_q ? dq : dk)(base + i), g1 = (is_q ? dq : dk)(base + i + half);
+          const float co = cs(t, i), si = sn(t, i);
           const int c0 = (is_q ? 0 : qd) + h * dh + i;
-          d_qkv(r, c0) = g0;
-          d_qkv(r, c0 + half) = g1;
+          d_qkv(r, c0) = g0 * co + g1 * si;
+          d_qkv(r, c0 + half) = g1 * co - g0 * si;
         });
         Kokkos::parallel_for(Kokkos::TeamThreadRange(team, kd), [&](int c) {
           d_qkv(r, qd + kd + c) = dv(((std::int64_t(s) * Hkv + c / dh) * T + t) * dh + c % dh);

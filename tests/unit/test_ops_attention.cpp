@@ -187,10 +187,20 @@ void check_blocked(const ModelCfg& m, int T, int nseq, int window, bool document
     for (int e : {30, 127, 128}) ids[std::min(N - 1, T + e)] = 0;
     if (nseq > 2)  // a third sequence like the second: one run of two in the plan
       for (int e : {30, 127, 128}) ids[std::min(N - 1, 2 * T + e)] = 0;
-    View1I ids_dev("ids", N);
+    // The test's own walk (MODEL.md section 1: a document starts at 0 or one past an
+    // end-of-document id), which the library's document_starts must reproduce.
+    for (int q = 0; q < nseq; ++q)
+      for (int t = 0, first = 0; t < T; ++t) {
+        doc[q * T + t] = first;
+        if (ids[q * T + t] == 0) first = t + 1;
+      }
+    View1I ids_dev("ids", N), lib_dev("lib_doc", N);
     Kokkos::deep_copy(ids_dev, Kokkos::View<const int*, HostSpace, Unmanaged>(ids.data(), N));
-    document_starts(ConstIVec(ids_dev.data(), N), nseq, T, 0, doc_dev);
-    Kokkos::deep_copy(Kokkos::View<int*, HostSpace, Unmanaged>(doc.data(), N), doc_dev);
+    document_starts(ConstIVec(ids_dev.data(), N), nseq, T, 0, lib_dev);
+    std::vector<int> lib(N);
+    Kokkos::deep_copy(Kokkos::View<int*, HostSpace, Unmanaged>(lib.data(), N), lib_dev);
+    ASSERT_EQ(lib, doc) << "document_starts against the test's walk";
+    Kokkos::deep_copy(doc_dev, Kokkos::View<const int*, HostSpace, Unmanaged>(doc.data(), N));
     docs = DocStarts{ConstIVec(doc_dev.data(), N)};
     if (planned) {  // the host's plan: the blocked kernel skips keys before a tile's document
       document_tile_starts(ids.data(), nseq, T, 0, Attention::kTile, tile_start);
