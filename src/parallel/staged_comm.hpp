@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -15,9 +16,11 @@
 
 namespace kmoe {
 
-// parallel.cuda_aware_mpi resolved: true / false as given; auto asks Open MPI
-// (MPIX_Query_cuda_support, when <mpi-ext.h> declares it) and is false for every other MPI and
-// for Kokkos builds without CUDA (a HIP build stages unless told "true").
+// parallel.cuda_aware_mpi resolved: true only when the user says so ("true": the MPI takes
+// device pointers in every operation kmoe uses, the nonblocking collectives of the gradient
+// buckets included); auto and false stage. kmoe does not query the MPI: Open MPI's
+// MPIX_Query_cuda_support covers blocking collectives and point-to-point only, and its CUDA
+// support documents no nonblocking collectives on device memory.
 bool mpi_takes_device_pointers(CudaAwareMpi cuda_aware_mpi);
 
 // Whether the MPI data plane must stage: MemSpace is not host-accessible and MPI cannot take
@@ -61,6 +64,24 @@ class StagedMpiComm : public DataComm {
 
   const Communicator& axis_;
   mutable std::vector<HostBuffer> pool_;
+};
+
+// One axis' data plane for the MPI backend as ProcessGrid builds it: the axis itself where MPI
+// reads the memory (host-accessible MemSpace, or a CUDA-aware MPI the user vouches for), else
+// a StagedMpiComm over it. For code that holds an axis of its own (the unit tests). `axis` must
+// outlive it.
+class MpiDataPlane {
+ public:
+  explicit MpiDataPlane(const Communicator& axis,
+                        CudaAwareMpi cuda_aware_mpi = CudaAwareMpi::Auto);
+  const DataComm& get() const {
+    if (staged_) return *staged_;
+    return axis_;
+  }
+
+ private:
+  const Communicator& axis_;
+  std::unique_ptr<StagedMpiComm> staged_;
 };
 
 }  // namespace kmoe

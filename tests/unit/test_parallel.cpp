@@ -118,7 +118,8 @@ TEST(Comm, AllToAllVWithUnevenCounts) {
   View1F s("send", std::max<std::size_t>(1, send.size())),
       r("recv", std::max<std::size_t>(1, expect.size()));
   fill(s.data(), send);
-  c.all_to_all_v(s.data(), sc, r.data(), rc);
+  const MpiDataPlane plane(c);  // as ProcessGrid builds it: staged on device memory
+  plane.get().all_to_all_v(s.data(), sc, r.data(), rc);
   EXPECT_EQ(host(r.data(), expect.size()), expect);
 }
 
@@ -137,8 +138,10 @@ TEST(Comm, ReduceScatterAndAllGatherWithUnevenBlocks) {
   }
   View1F d("blocks", n);
   fill(d.data(), mine);
-  Pending rs = c.start_reduce_scatter_sum(d.data(), counts);
-  c.complete(rs);
+  const MpiDataPlane plane(c);  // as ProcessGrid builds it: staged on device memory
+  const DataComm& dc = plane.get();
+  Pending rs = dc.start_reduce_scatter_sum(d.data(), counts);
+  dc.complete(rs);
   std::vector<float> got = host(d.data(), n);
   std::int64_t at = 0;
   for (int q = 0; q < me; ++q) at += counts[q];
@@ -147,8 +150,8 @@ TEST(Comm, ReduceScatterAndAllGatherWithUnevenBlocks) {
   for (std::int64_t i = 0; i < n; ++i)
     if (i < at || i >= at + counts[me]) got[i] = -1.0f;
   fill(d.data(), got);
-  Pending ag = c.start_allgather(d.data(), counts);
-  c.complete(ag);
+  Pending ag = dc.start_allgather(d.data(), counts);
+  dc.complete(ag);
   EXPECT_EQ(host(d.data(), n), sum);
   EXPECT_THROW(c.start_allgather(d.data(), std::vector<std::int64_t>(P + 1, 0)), Error);
 
@@ -162,8 +165,10 @@ TEST(Comm, ReduceScatterAndAllGatherWithUnevenBlocks) {
   std::int64_t wat = 0;
   for (int q = 0; q < me; ++q) wat += wcounts[q];
   const StagedMpiComm staged(c);
-  for (const DataComm* plane : {static_cast<const DataComm*>(&c),
-                                static_cast<const DataComm*>(&staged)}) {
+  // The axis itself only where MPI reads the memory (host backends); staged everywhere.
+  std::vector<const DataComm*> planes = {&staged};
+  if (!mpi_needs_staging(CudaAwareMpi::Auto)) planes.push_back(&c);
+  for (const DataComm* plane : planes) {
     Kokkos::View<std::uint16_t*, Layout, MemSpace> w("words", nw);
     auto hw = Kokkos::create_mirror_view(w);
     for (std::int64_t i = 0; i < nw; ++i)
@@ -365,13 +370,15 @@ TEST(Comm, PipelineNeighboursExchangeBothWays) {
   View1F fwd("fwd", n), bwd("bwd", n), from_prev("from_prev", n), from_next("from_next", n);
   Kokkos::deep_copy(fwd, float(me));
   Kokkos::deep_copy(bwd, float(-me));
+  const MpiDataPlane plane(c);  // as ProcessGrid builds it: staged on device memory
+  const DataComm& d = plane.get();
   Pending to_next, to_prev;
-  if (me + 1 < P) to_next = c.start_send(fwd.data(), n, me + 1);
-  if (me > 0) to_prev = c.start_send(bwd.data(), n, me - 1);
-  if (me + 1 < P) c.recv(from_next.data(), n, me + 1);
-  if (me > 0) c.recv(from_prev.data(), n, me - 1);
-  c.complete(to_next);
-  c.complete(to_prev);
+  if (me + 1 < P) to_next = d.start_send(fwd.data(), n, me + 1);
+  if (me > 0) to_prev = d.start_send(bwd.data(), n, me - 1);
+  if (me + 1 < P) d.recv(from_next.data(), n, me + 1);
+  if (me > 0) d.recv(from_prev.data(), n, me - 1);
+  d.complete(to_next);
+  d.complete(to_prev);
   if (me + 1 < P) {
     EXPECT_EQ(host(from_next.data(), n)[n - 1], float(-(me + 1)));
   }
@@ -379,7 +386,9 @@ TEST(Comm, PipelineNeighboursExchangeBothWays) {
     EXPECT_EQ(host(from_prev.data(), n)[0], float(me - 1));
   }
   // A ring with send_recv: everyone sends right and receives from the left at once.
-  c.send_recv(fwd.data(), n, (me + 1) % P, from_prev.data(), n, (me + P - 1) % P);
+  Pending ring = d.start_send_recv(fwd.data(), n, (me + 1) % P, from_prev.data(), n,
+                                  (me + P - 1) % P);
+  d.complete(ring);
   EXPECT_EQ(host(from_prev.data(), n)[n / 2], float((me + P - 1) % P));
 }
 
@@ -440,7 +449,8 @@ void expert_parallel_matches_one_rank(ExpertGemm gemms, Precision precision = Pr
   MoeLayer one(m, e, "moe.", N, full);
   MoeCfg e_sharded = e;
   e_sharded.expert_gemm = gemms;
-  MoeLayer sharded(m, e_sharded, "moe.", N, part, &ep);
+  const MpiDataPlane ep_data(ep);  // as ProcessGrid builds it: staged on device memory
+  MoeLayer sharded(m, e_sharded, "moe.", N, part, &ep, &ep_data.get());
   full.allocate();
   part.allocate();
   full.initialize(5);
@@ -519,8 +529,9 @@ TEST(EngramSharding, MatchesTheReplicatedTable) {
   EngramLayer one(m, g, plans[0], "e.", N, T, full);
   EngramSharding sh;
   sh.kind = Shard::Stage;
+  const MpiDataPlane group_data(group);  // as ProcessGrid builds it: staged on device memory
   sh.comm = &group;
-  sh.data = &group;
+  sh.data = &group_data.get();
   EngramLayer sharded(m, g, plans[0], "e.", N, T, part, sh);
   full.allocate();
   part.allocate();
@@ -583,10 +594,11 @@ TEST(RankShare, ExpertsAndEngramRowsSplitOverTheGroup) {
   g.embed_per_ngram = 8;
   g.table_size = {11, 13};
   LayerComms comms;
+  const MpiDataPlane group_data(group);  // as ProcessGrid builds it: staged on device memory
   comms.ep = &group;
-  comms.ep_data = &group;
+  comms.ep_data = &group_data.get();
   comms.engram = &group;
-  comms.engram_data = &group;
+  comms.engram_data = &group_data.get();
   comms.engram_shard = Shard::Stage;
   TensorTable table;
   Stage stage(m, e, 2, 8, table, g, StagePlan::whole(), comms);

@@ -10,6 +10,7 @@
 
 #include "core/error.hpp"
 #include "parallel/row_exchange.hpp"
+#include "parallel/staged_comm.hpp"
 
 namespace kmoe {
 namespace {
@@ -126,7 +127,8 @@ TEST(RowExchange, RowsReachTheirDestinationsAndAnswersComeBack) {
   // nothing.
   const Scenario to_first{"all to member 0", [](int r) { return 11 + 6 * r; },
                           [](int, int) { return 0; }};
-  RowExchange ex(comm, comm, "test");
+  const MpiDataPlane data(comm);  // as ProcessGrid builds it: staged on device memory
+  RowExchange ex(comm, data.get(), "test");
   exchange_and_answer(ex, spread, P, me);
   exchange_and_answer(ex, to_first, P, me);
   exchange_and_answer(ex, spread, P, me);  // and back to a smaller plan
@@ -151,7 +153,8 @@ TEST(RowExchange, GroupedRowsCarryTheirBlockCounts) {
     }
   const std::int64_t n = rows.size() / W;
   auto d_rows = device(rows.empty() ? std::vector<float>(W) : rows);
-  RowExchange ex(comm, comm, "test");
+  const MpiDataPlane data(comm);  // as ProcessGrid builds it: staged on device memory
+  RowExchange ex(comm, data.get(), "test");
   ex.plan_grouped(counts, K);
   std::vector<float> want;
   for (int q = 0; q < P; ++q)
@@ -174,7 +177,8 @@ TEST(RowExchange, RefusesAMismatchedDataPlane) {
   Communicator world(MPI_COMM_WORLD, "world", 60.0);
   Communicator self(MPI_COMM_SELF, "self", 60.0);
   if (world.size() == 1) GTEST_SKIP() << "needs two groups of different sizes";
-  EXPECT_THROW(RowExchange(world, self, "test"), Error);
+  const MpiDataPlane self_data(self);
+  EXPECT_THROW(RowExchange(world, self_data.get(), "test"), Error);
 }
 
 }  // namespace
