@@ -391,6 +391,8 @@ Schema::Schema(Config& c) : options_("kmoe input deck") {
   key(c.checkpoint.keep, "keep", 3, "newest checkpoint files kept");
   key(c.checkpoint.resume, "resume", "auto", "auto (newest in dir) | none | <file>");
   key(c.checkpoint.save_initial, "save_initial", false, "also save the step-0 state");
+  key(c.checkpoint.at_end, "at_end", true,
+      "save after train.max_steps (false: benchmarks; a stop by signal or error still saves)");
   key(c.checkpoint.overwrite, "overwrite", false,
       "a fresh run may replace another run's checkpoints (dir) and metrics.csv (output.dir)");
   key(c.checkpoint.lock_stale_seconds, "lock_stale_seconds", 600,

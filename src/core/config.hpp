@@ -309,6 +309,7 @@ struct CheckpointCfg {
   int keep = 3;
   std::string resume = "auto";  // auto | none | <file>
   bool save_initial = false;
+  bool at_end = true;            // save after the last step (benchmarks turn it off)
   bool overwrite = false;        // a fresh run may replace another run's files
   int lock_stale_seconds = 600;  // a run lock without a heartbeat this long is stale
 };

@@ -349,7 +349,7 @@ void Trainer::run() {
                         "after step " +
                         std::to_string(step) + " without a checkpoint");
     if (trouble[0] > 0) output_error = grid_.world.first_message(output_error);
-    if ((c.every > 0 && step % c.every == 0) || step == t.max_steps || stopping ||
+    if ((c.every > 0 && step % c.every == 0) || (step == t.max_steps && c.at_end) || stopping ||
         !output_error.empty()) {
       try {
         save();
