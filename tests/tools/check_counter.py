@@ -7,6 +7,7 @@ depends on Kokkos (none on Kokkos 3.4 Serial): where the build reports some, ste
 report the same number; where it reports none, the fence check is reported skipped.
 Usage: check_counter.py BIN_DIR WORK_DIR COUNTER_LIB
 """
+import ctypes
 import os
 import sys
 
@@ -17,6 +18,18 @@ from counting import SMALL_DECK, counted_run  # noqa: E402
 
 h = Harness(sys.argv[1], sys.argv[2])
 lib = sys.argv[3]
+
+# Every callback the counter defines is exported: a missing kokkosp_request_tool_settings leaves
+# Kokkos fencing around every kernel (the counts would be the tool's own), a missing
+# kokkosp_begin_deep_copy counts no copies (both seen with an nvcc build).
+so = ctypes.CDLL(lib)
+callbacks = ["init_library", "finalize_library", "request_tool_settings", "begin_parallel_for",
+             "end_parallel_for", "begin_parallel_reduce", "end_parallel_reduce",
+             "begin_parallel_scan", "end_parallel_scan", "begin_fence", "end_fence",
+             "begin_deep_copy", "end_deep_copy", "profile_event", "push_profile_region",
+             "pop_profile_region"]
+missing = [c for c in callbacks if not hasattr(so, "kokkosp_" + c)]
+h.check(not missing, f"the counter exports its {len(callbacks)} callbacks (missing: {missing})")
 h.prepare_corpus(counting_documents(400))
 h.write("small.deck", SMALL_DECK + """
 [moe]
