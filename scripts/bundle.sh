@@ -29,7 +29,7 @@ rm -rf "$out"
 mkdir -p "$out/bin" "$out/lib" "$out/ompi"
 out=$(cd "$out" && pwd)
 
-programs=("$build"/drivers/kmoe-{train,eval,prep} "$build"/bench/bench_{gemm,layers})
+programs=("$build"/drivers/kmoe-{train,eval,prep,export,import,generate} "$build"/bench/bench_{gemm,layers})
 for t in "$build"/tests/unit/test_* "$build"/tests/test_nccl_link; do
   [ -f "$t" ] && [ -x "$t" ] && programs+=("$t")
 done
@@ -115,9 +115,19 @@ export OPAL_PREFIX="$here/ompi" PMIX_INSTALL_PREFIX="$here/pmix"
 export OMPI_MCA_ess_singleton_isolated=${OMPI_MCA_ess_singleton_isolated:-1}
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 missing=$(ldd "$prog" 2>/dev/null | awk '/not found/{print $1}' | tr '\n' ' ')
+if [ -n "$missing" ] && command -v python3 > /dev/null; then
+  # CUDA's libraries (NCCL, cuBLAS, the runtime) as NVIDIA's Python wheels install them, e.g.
+  # beside PyTorch, where the toolkit lacks them.
+  wheels=$(python3 -c 'import glob, os, site
+print(":".join(sorted({d for sp in site.getsitepackages() for d in glob.glob(os.path.join(sp, "nvidia", "*", "lib"))})))' 2>/dev/null)
+  if [ -n "$wheels" ]; then
+    export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$wheels"
+    missing=$(ldd "$prog" 2>/dev/null | awk '/not found/{print $1}' | tr '\n' ' ')
+  fi
+fi
 if [ -n "$missing" ]; then
   echo "kmoe bundle: $(basename "$prog") needs libraries this machine lacks: $missing" >&2
-  echo "(CUDA's come from the toolkit: set CUDA_HOME; see $here/MANIFEST)" >&2
+  echo "(CUDA's come from the toolkit, CUDA_HOME, or NVIDIA's Python wheels; see $here/MANIFEST)" >&2
   exit 2
 fi
 need=$(awk '/^cuda_runtime_major:/{print $2}' "$here/MANIFEST")
