@@ -15,7 +15,7 @@ asserts nothing.
 
 usage: bench/bench_syncs.py [--build build] [--steps 4] [--decks inputs/x.deck ...]
                             [--set section.key=value ...]
-e.g. --set moe.expert_gemm=grouped counts the GPU default's MoE path on a CPU build.
+e.g. --set moe.expert_gemm=grouped counts the grouped MoE path on a CPU build.
 """
 import argparse
 import csv

@@ -286,8 +286,8 @@ Schema::Schema(Config& c) : options_("kmoe input deck") {
       "aux-loss-free balancing rate gamma (DeepSeek-V3); 0 = off");
   key(c.moe.expert_gemm, "expert_gemm", ExpertGemm::Auto,
       "expert GEMMs: grouped (one launch per product, row counts read on the device) | "
-      "per_expert (vendor BLAS per expert, row counts read on the host) | auto (grouped on "
-      "GPUs, per_expert on CPUs)");
+      "per_expert (vendor BLAS per expert, row counts read on the host) | auto (per_expert: "
+      "the faster on CPUs and, measured on an H200, on GPUs)");
 
   section("engram", "Engram conditional memory (MODEL.md section 4); no layers = none");
   key(c.engram.layers, "layers", std::vector<int>{},

@@ -6,7 +6,7 @@ them (Kokkos >= 4), every fence.
 
 - A dense model, and one with an Engram layer: the same number of waits per step with twice
   the micro-batches and with twice the layers.
-- An MoE model with grouped expert GEMMs (moe.expert_gemm = grouped, the GPU default): the
+- An MoE model with grouped expert GEMMs (moe.expert_gemm = grouped): the
   same number of waits per step with twice the micro-batches and with twice the MoE layers.
 - With per-expert GEMMs (the CPU default): exactly 1 more per MoE layer and micro-batch (the
   expert row offsets that size the vendor GEMMs on the host) and nothing else.
