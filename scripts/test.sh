@@ -31,7 +31,10 @@ bash scripts/build.sh ${nccl_args[@]+"${nccl_args[@]}"}
 cd "$build"
 rc=0
 mkdir -p Testing
-ctest --output-on-failure --timeout 1500 2>&1 | tee Testing/ctest-output.txt || rc=$?
+# Every test but the long versions (ctest -L long: precision_long), as many at once as there are
+# cores (an MPI test takes as many slots as it has ranks).
+ctest --output-on-failure --timeout 1500 -j "$(nproc)" -LE long 2>&1 |
+  tee Testing/ctest-output.txt || rc=$?
 # Subjects a test could not exercise on this machine or build (gtest's SKIPPED, the script
 # tests' "skip WHAT: WHY" lines): listed, so a skip is never read as a pass.
 log=Testing/Temporary/LastTest.log

@@ -2,10 +2,11 @@
 """train.precision (MODEL.md section 8) end to end, through the real binaries.
 
 1. The main job's deck (inputs/tiny_moe_engram.deck, 2 expert-parallel ranks, the fortunes
-   corpus) trains 50 steps in fp32 and in bf16: every logged loss (each 10th step) within
-   LOSS_GAP nats of fp32's and the step-50 validation loss within VAL_GAP; the two runs must
-   differ (bf16 really ran); kmoe-eval in bf16 reproduces the bf16 run's validation loss; bf16
-   twice: bit-identical.
+   corpus; --quick, in CI: the grid test deck below, same parts at a sixteenth of the cost)
+   trains 50 steps in fp32 and in bf16: every logged loss (each 10th step) within LOSS_GAP nats
+   of fp32's and the last step's validation loss within VAL_GAP; the two runs must differ (bf16
+   really ran); kmoe-eval in bf16 reproduces the bf16 run's validation loss; bf16 twice:
+   bit-identical. (ctest precision runs --quick; precision_long, label long, the main deck.)
 2. bf16 layout invariance (RUNTIME.md section 2, bf16 contract) on the grid test deck, 20 steps,
    (1,1,1) against (2,1,2), (1,2,2), (2,2,2) and (1,1,4); with optimizer.shard (bf16 compute
    copies, sharded fp32 masters) on (1,2,2), (1,4,1), (2,2,2); a sharded save's fp32 tensors
@@ -17,7 +18,7 @@
    saves resume in the other precision on 4 ranks within the layout contract of the one-rank
    resume.
 4. Bad input: tf32 on this CPU build and an unknown precision exit 1 naming train.precision.
-Usage: precision.py BIN_DIR WORK_DIR MPIEXEC SOURCE_DIR
+Usage: precision.py BIN_DIR WORK_DIR MPIEXEC SOURCE_DIR [--quick]
 """
 import os
 import sys
@@ -27,7 +28,12 @@ import h5py
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from kmoe_testlib import Harness, counting_documents, grid_test_deck  # noqa: E402
 
-LOSS_GAP, VAL_GAP = 0.1, 0.03  # main deck, 50 steps: measured 0.043 and 0.014
+QUICK = "--quick" in sys.argv[5:]
+# bf16 against fp32: the largest logged loss gap and the validation loss gap, 2-5x what was
+# measured (main deck, 50 steps: 0.043 and 0.014; the grid deck below).
+LOSS_GAP, VAL_GAP = 0.1, 0.03
+if QUICK:
+    LOSS_GAP, VAL_GAP = 0.015, 0.009  # grid deck, 40 steps: measured 0.003 and 0.0018 (5x)
 # The bf16 layout contract: step 1 loss (the same products of the same micro-batches), the
 # gradient norm and steps 1-3 (fp32 sums in another order, then rounded to bf16 by the next
 # product), every step and the validation loss after 20 steps.
@@ -41,20 +47,33 @@ def rel(a, b):
     return abs(float(a) - float(b)) / abs(float(b))
 
 
-# 1. The main deck, fp32 against bf16.
-h.run(["kmoe-prep", "--fortunes", "--out-dir", "data/fortunes"])
-MAIN = os.path.join(source, "inputs", "tiny_moe_engram.deck")
+# 1. The main deck (or the grid deck), fp32 against bf16.
+h.prepare_corpus(counting_documents(4000))
+if QUICK:
+    MAIN, MAIN_STEPS, MAIN_EVAL = "quick.deck", 40, 32
+    h.write(MAIN, grid_test_deck("max_steps = 40", """
+val_paths = data/val.bin
+[parallel]
+ep = 2
+[output]
+log_every = 10
+"""))
+else:
+    h.run(["kmoe-prep", "--fortunes", "--out-dir", "data/fortunes"])
+    MAIN, MAIN_STEPS, MAIN_EVAL = os.path.join(source, "inputs", "tiny_moe_engram.deck"), 50, 256
 
 
 def main_run(name, precision):
-    h.run(["kmoe-train", "-i", MAIN, "--train.max_steps=50", "--train.eval_every=50",
+    h.run(["kmoe-train", "-i", MAIN, f"--train.max_steps={MAIN_STEPS}",
+           f"--train.eval_every={MAIN_STEPS}", f"--train.eval_instances={MAIN_EVAL}",
            f"--train.precision={precision}", f"--output.dir={name}",
            f"--checkpoint.dir={name}/ckpt", "--checkpoint.every=0"], ranks=2)
     return h.metrics(name)
 
 
 f32, b16 = main_run("main_fp32", "fp32"), main_run("main_bf16", "bf16")
-if h.check(len(f32) == len(b16) == 5, f"main deck: {len(f32)} and {len(b16)} logged steps"):
+logged = MAIN_STEPS // 10
+if h.check(len(f32) == len(b16) == logged, f"main deck: {len(f32)} and {len(b16)} logged steps"):
     gaps = [abs(float(a["loss"]) - float(b["loss"])) for a, b in zip(f32, b16)]
     val = abs(float(f32[-1]["val_loss"]) - float(b16[-1]["val_loss"]))
     print(f"main deck fp32 -> bf16: losses {[a['loss'][:6] for a in f32]} -> "
@@ -64,8 +83,8 @@ if h.check(len(f32) == len(b16) == 5, f"main deck: {len(f32)} and {len(b16)} log
             f"main deck bf16 within {LOSS_GAP} of fp32 at every logged step (max {max(gaps):.3f}) "
             f"and {VAL_GAP} in validation loss ({val:.4f})")
     h.check(max(gaps) > 0, "main deck: bf16 and fp32 losses differ")
-p = h.run(["kmoe-eval", "-i", MAIN, "--checkpoint", "main_bf16/ckpt/step00000050.h5",
-           "--train.precision=bf16"], ranks=2)
+p = h.run(["kmoe-eval", "-i", MAIN, "--checkpoint", f"main_bf16/ckpt/step{MAIN_STEPS:08d}.h5",
+           "--train.precision=bf16", f"--train.eval_instances={MAIN_EVAL}"], ranks=2)
 h.check(f"eval_loss {b16[-1]['val_loss']} " in p.stdout,
         f"kmoe-eval in bf16 gives the run's validation loss {b16[-1]['val_loss']}: "
         f"{p.stdout.strip().splitlines()[-1:]}")
@@ -73,7 +92,6 @@ main_run("main_bf16_again", "bf16")
 h.check(h.losses("main_bf16") == h.losses("main_bf16_again"), "main deck bf16 twice: bit-identical")
 
 # 2. bf16 layout invariance.
-h.prepare_corpus(counting_documents(4000))
 h.write("grid.deck", grid_test_deck("""
 max_steps = 20
 eval_every = 20
