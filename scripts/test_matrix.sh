@@ -27,7 +27,7 @@ for k in "${kernels[@]}"; do
     # The tests' BLAS threads are a configure setting (their ctest environment).
     cmake "$build" -DKMOE_TEST_BLAS_THREADS=$t > /dev/null
     (cd "$build" && OPENBLAS_CORETYPE=$k KMOE_FD_LOG=$fd_log \
-       ctest -L 'unit|reference' --timeout 1500 > "$out" 2>&1)
+       ctest -j "$(nproc)" -L 'unit|reference' --timeout 1500 > "$out" 2>&1)
     rc=$?
     summary=$(grep -E '^[0-9]+% tests passed' "$out")
     failed=$(sed -n '/The following tests FAILED/,$p' "$out" | grep -E '^\s+[0-9]+ - ' |
