@@ -29,6 +29,10 @@ for k in "${kernels[@]}"; do
     (cd "$build" && OPENBLAS_CORETYPE=$k KMOE_FD_LOG=$fd_log \
        ctest -j "$(nproc)" -L 'unit|reference' --timeout 1500 > "$out" 2>&1)
     rc=$?
+    # The reference tests' worst error / tolerance ratios of this combination.
+    sed -n 's/.*(\(max error [^,]*\), worst error \/ tolerance \([0-9.]*\)).*/\2/p;
+            s/.*(worst error \/ tolerance \([0-9.]*\)).*/\1/p' \
+      "$build/Testing/Temporary/LastTest.log" >> "$log_dir/ref_ratios.txt"
     summary=$(grep -E '^[0-9]+% tests passed' "$out")
     failed=$(sed -n '/The following tests FAILED/,$p' "$out" | grep -E '^\s+[0-9]+ - ' |
              awk '{print $3}' | tr '\n' ' ')
@@ -40,5 +44,8 @@ if [ -s "$fd_log" ]; then
   echo "finite-difference checks, the worst ratio |fd - analytic| / bound over the matrix:"
   sort -t$'\t' -k1,1 "$fd_log" | awk -F'\t' '{r = $3 > 0 ? $2 / $3 : 0; if (!($1 in w) || r > w[$1]) w[$1] = r}
     END {for (n in w) printf "  %-40s %.3f\n", n, w[n]}' | sort -k2 -nr | head -15
+fi
+if [ -s "$log_dir/ref_ratios.txt" ]; then
+  echo "reference tests, the worst error / tolerance over the matrix: $(sort -n "$log_dir/ref_ratios.txt" | tail -1)"
 fi
 exit $status
