@@ -31,8 +31,9 @@ step-0 weights perturbed by fp32's rounding (relative 2^-24, random signs), give
 floor of each compared quantity (the largest tensor error of the step-1 gradients, of
 theta_3 - theta_0 and of the step-3 moments); kmoe must stay within BF16_MARGIN x that floor
 (4-5e-3 measured for the step-1 gradients, 3e-2 to 1e-1 for the step-3 quantities, which
-AdamW's normalized steps and the routes of near-ties spread). Router scores may differ up to
-BF16_TIE_TOL at a near-tie. kmoe must also sit at most BF16_POWER x as far from the bf16
+AdamW's normalized steps and the routes of near-ties spread). A route may differ from the
+reference's top-k where the two scores are within 2 x BF16_MARGIN x the router scores' measured
+spread (a near-tie). kmoe must also sit at most BF16_POWER x as far from the bf16
 reference as from the fp32 one (largest tensor error), so the check fails for a run that did not
 compute in bf16.
 """
@@ -53,7 +54,8 @@ from kmoe_testlib import Harness, counting_documents  # noqa: E402
 GRAD_TOL, LOSS_TOL, DELTA_TOL = 1e-4, 1e-4, 1e-3
 BF16_LOSS_TOL, BF16_POWER = 2e-4, 0.5
 BF16_SAMPLES, BF16_MARGIN = 2, 5.0  # perturbed reference runs; tolerance = margin x their floor
-BF16_TIE_TOL = 1e-3  # RUNTIME.md section 5: near-ties of a bf16 run
+# Near-ties of a bf16 run (RUNTIME.md section 5): 2 x BF16_MARGIN x the router scores' measured
+# spread between the perturbed references.
 h = None  # the Harness, set in main()
 
 
@@ -130,12 +132,14 @@ def reference_run(ck0, dump, names, perturb_seed=None):
                 sign = torch.randint(0, 2, p.shape, generator=g, dtype=p.dtype) * 2 - 1
                 p.mul_(1 + sign * 2.0 ** -24)
     grads1 = None
+    ref.SCORES = []
     for s in (1, 2, 3):
         _, grads = ref.step_loss_and_grads(model, dump[s - 1]["tokens"], dump[s - 1]["routes"], {})
         grads1 = grads1 or grads
         opt.step(s, grads)
+    scores, ref.SCORES = ref.SCORES, None
     delta = {n: p.detach() - theta0[n] for n, p in model.named_parameters()}
-    return grads1, delta, opt.m, opt.v
+    return grads1, delta, opt.m, opt.v, scores
 
 
 def bf16_noise_floor(ck0, dump, names):
@@ -143,7 +147,7 @@ def bf16_noise_floor(ck0, dump, names):
     BF16_SAMPLES perturbed ones (the largest over the samples), and the step-1 gradient norm's
     relative difference."""
     base = reference_run(ck0, dump, names)
-    floor = {"grad": {}, "delta": {}, "exp_avg": {}, "exp_avg_sq": {}, "norm": 0.0}
+    floor = {"grad": {}, "delta": {}, "exp_avg": {}, "exp_avg_sq": {}, "norm": 0.0, "score": 0.0}
     norm = lambda g: math.sqrt(sum(float(t.pow(2).sum()) for t in g.values()))  # noqa: E731
     for seed in range(1, BF16_SAMPLES + 1):
         other = reference_run(ck0, dump, names, perturb_seed=seed)
@@ -151,6 +155,8 @@ def bf16_noise_floor(ck0, dump, names):
             for n, e in tensor_errors(a, b).items():
                 floor[key][n] = max(floor[key].get(n, 0.0), e)
         floor["norm"] = max(floor["norm"], rel(norm(other[0]), norm(base[0])))
+        for a, b in zip(other[4], base[4]):  # router scores, every MoE forward of the 3 steps
+            floor["score"] = max(floor["score"], float((a - b).abs().max()))
     return floor
 
 
@@ -324,9 +330,14 @@ def check_outputs(work):
     norm_tol = GRAD_TOL
     tol = {"grad": GRAD_TOL, "delta": DELTA_TOL, "exp_avg": DELTA_TOL, "exp_avg_sq": DELTA_TOL}
     if cfg.precision == "bf16":
-        ref.TIE_TOL = BF16_TIE_TOL
         LOSS_TOL = BF16_LOSS_TOL
         floor = bf16_noise_floor(ck0, dump, names)
+        # A route may differ where the two scores are closer than their difference between
+        # kmoe and the reference: twice the measured score spread, with the margin.
+        if cfg.moe_layers:
+            ref.TIE_TOL = max(BF16_MARGIN * 2 * floor["score"], ref.TIE_TOL)
+            print(f"bf16 router scores: largest spread {floor['score']:.2e} over the 3 steps; "
+                  f"near-tie tolerance {ref.TIE_TOL:.2e}")
         for key in tol:
             tol[key] = {n: max(BF16_MARGIN * e, tol[key]) for n, e in floor[key].items()}
         norm_tol = max(BF16_MARGIN * floor["norm"], GRAD_TOL)

@@ -337,6 +337,7 @@ class DenseMLP(nn.Module):
 
 
 TIE_TOL = 1e-5  # RUNTIME.md section 5: closer k-th/(k+1)-th scores may select differently
+SCORES = None  # a list: every MoE forward appends its router scores (check_reference's floor)
 
 
 class RouteStats:
@@ -408,6 +409,8 @@ class MoE(nn.Module):
         N = x.shape[0]
         z = x @ self.router.T  # [N, E]; fp32 in every precision
         p = torch.softmax(z, dim=-1) if c.score == "softmax" else torch.sigmoid(z)
+        if SCORES is not None:
+            SCORES.append(p.detach().clone())
         sel = self.route(p.detach(), ctx)
         w = p.gather(1, sel)  # [N, k]
         if c.normalize_topk:
