@@ -288,7 +288,7 @@ dump_step = 1, 2, 3
 
 
 def check_outputs(work):
-    global GRAD_TOL, LOSS_TOL, DELTA_TOL
+    global LOSS_TOL
     ck0, ck3 = (os.path.join(work, "ckpt", f"step{s:08d}.h5") for s in (0, 3))
     dumps = [os.path.join(work, "run", f"dump_step{s}.h5") for s in (1, 2, 3)]
     for p in [ck0, ck3] + dumps:
