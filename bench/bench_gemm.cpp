@@ -7,6 +7,7 @@
 int main(int argc, char** argv) {
   Kokkos::ScopeGuard kokkos(argc, argv);
   using namespace kmoe;
+  const RunContext ctx;  // fp32 products
   // The tiny model's projection shapes, then large squares for the machine's peak.
   const int sizes[][3] = {
       {2048, 768, 256}, {2048, 256, 768}, {1024, 1024, 1024}, {2048, 2048, 2048}};
@@ -16,12 +17,12 @@ int main(int argc, char** argv) {
     View2F a("a", m, k), b("b", n, k), c("c", m, n);
     Kokkos::deep_copy(a, 0.5f);
     Kokkos::deep_copy(b, 0.25f);
-    gemm(Trans::N, Trans::T, 1.0f, as_cmat(a), as_cmat(b), 0.0f, as_mat(c));
+    gemm(ctx, Trans::N, Trans::T, 1.0f, as_cmat(a), as_cmat(b), 0.0f, as_mat(c));
     const int reps = m * n * k > (1 << 30) ? 4 : 20;
     Kokkos::fence();
     auto t0 = std::chrono::steady_clock::now();
     for (int r = 0; r < reps; ++r)
-      gemm(Trans::N, Trans::T, 1.0f, as_cmat(a), as_cmat(b), 0.0f, as_mat(c));
+      gemm(ctx, Trans::N, Trans::T, 1.0f, as_cmat(a), as_cmat(b), 0.0f, as_mat(c));
     Kokkos::fence();
     double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     const double rate = 2.0 * m * n * k * reps / dt / 1e9;

@@ -46,7 +46,7 @@ void report(const char* name, double s, double flops) {
 // Forward + backward time per token of the blocked attention and the full-matrix oracle on
 // b sequences of T tokens; masks: "causal", "documents" (a document ends every 256 tokens or
 // so), "window" (window 1024 below T, else T / 4).
-void attention_sweep(ModelCfg m, int tokens, int reps) {
+void attention_sweep(const RunContext& ctx, ModelCfg m, int tokens, int reps) {
   std::printf("attention forward+backward per token (D %d, H %d, dh %d, %d tokens per call)\n",
               m.d_model, m.n_heads, m.head_dim(), tokens);
   std::printf("  %6s %-10s %12s %12s %8s %10s\n", "T", "mask", "full us/tok", "blocked", "speedup",
@@ -57,8 +57,8 @@ void attention_sweep(ModelCfg m, int tokens, int reps) {
       const std::string k = mask;
       const int window = k == "window" ? (T > 1024 ? 1024 : T / 4) : 0;
       TensorTable ta, tb;
-      Attention blocked(m, "blocks.0.attn.", b, T, ta, window);
-      oracle::FullMatrixAttention full(m, "blocks.0.attn.", b, T, tb, window);
+      Attention blocked(ctx, m, "blocks.0.attn.", b, T, ta, window);
+      oracle::FullMatrixAttention full(ctx, m, "blocks.0.attn.", b, T, tb, window);
       ta.allocate();
       tb.allocate();
       ta.initialize(1);
@@ -116,6 +116,7 @@ int main(int argc, char** argv) {
   m.n_heads = 4;
   m.n_kv_heads = 4;
   m.ffn_hidden = 768;
+  RunContext ctx;  // fp32; --batch_threads sets its host threads
   int b = 8, T = 256, reps = 5, sweep = 0, sweep_tokens = 4096;
   MoeCfg e;  // the MoE section's layer: 8 experts, top-2, Fe = F/2 unless overridden
   e.experts = 8;
@@ -147,22 +148,22 @@ int main(int argc, char** argv) {
     else if (k == "--sweep_tokens")
       sweep_tokens = v;
     else if (k == "--batch_threads")  // host threads for side-by-side products (gemm.hpp)
-      set_gemm_batch_threads(v);
+      ctx = make_run_context(Precision::Fp32, v);
     else
       throw std::invalid_argument("bench_layers: unknown option " + k);
   }
   if (e.expert_hidden == 0) e.expert_hidden = m.ffn_hidden / 2;
   if (sweep) {
-    attention_sweep(m, sweep_tokens, reps);
+    attention_sweep(ctx, m, sweep_tokens, reps);
     return 0;
   }
   const int N = b * T, D = m.d_model, F = m.ffn_hidden, V = m.vocab_size;
   TensorTable table;
   RopeTables rope(T, m.head_dim(), m.rope_theta);
-  Attention attn(m, "blocks.0.attn.", b, T, table);
-  SwigluMlp mlp("blocks.0.mlp.", m, F, N, table);
+  Attention attn(ctx, m, "blocks.0.attn.", b, T, table);
+  SwigluMlp mlp(ctx, "blocks.0.mlp.", m, F, N, table);
   const int embed = table.add(Embedding::weight_spec(V, D, 0.02));
-  LmHead head(m, N, embed, table);
+  LmHead head(ctx, m, N, embed, table);
   table.allocate();
   table.initialize(1);
   Workspace ws;  // the layers' temporaries, taken as a training run takes them
@@ -228,7 +229,7 @@ int main(int argc, char** argv) {
     // per expert, on the measured row counts, are timed alone.
     TensorTable t3;
     StepStats stats;  // the statistics a training run records
-    MoeLayer moe(m, e, "blocks.0.moe.", N, t3, nullptr, nullptr, &stats);
+    MoeLayer moe(ctx, m, e, "blocks.0.moe.", N, t3, nullptr, nullptr, &stats);
     t3.allocate();
     t3.initialize(2);
     const double t_moe = time_it(reps, [&] {
@@ -240,7 +241,7 @@ int main(int argc, char** argv) {
     MoeCfg eg = e;
     eg.expert_gemm = ExpertGemm::Grouped;
     TensorTable t3g;
-    MoeLayer moe_g(m, eg, "blocks.0.moe.", N, t3g, nullptr, nullptr, &stats);
+    MoeLayer moe_g(ctx, m, eg, "blocks.0.moe.", N, t3g, nullptr, nullptr, &stats);
     t3g.allocate();
     t3g.initialize(2);
     const double t_grouped = time_it(reps, [&] {
@@ -255,15 +256,15 @@ int main(int argc, char** argv) {
         const int n = st.load[ex];
         auto in = as_mat(rows.data(), n, D);
         auto a = as_mat(h1.data(), n, Fe), b = as_mat(h2.data(), n, Fe);
-        gemm(Trans::N, Trans::T, 1.0f, as_cmat(in), as_cmat(w13), 0.0f, a);          // up1
-        gemm(Trans::N, Trans::T, 1.0f, as_cmat(in), as_cmat(w13), 0.0f, b);          // up3
-        gemm(Trans::N, Trans::T, 1.0f, as_cmat(a), as_cmat(w2), 0.0f, in);           // down
-        gemm(Trans::N, Trans::N, 1.0f, as_cmat(in), as_cmat(w2), 0.0f, a);           // d act
-        gemm(Trans::T, Trans::N, 1.0f, as_cmat(in), as_cmat(b), 1.0f, as_mat(w2));   // d w2
-        gemm(Trans::T, Trans::N, 1.0f, as_cmat(a), as_cmat(in), 1.0f, as_mat(w13));  // d w1
-        gemm(Trans::T, Trans::N, 1.0f, as_cmat(b), as_cmat(in), 1.0f, as_mat(w13));  // d w3
-        gemm(Trans::N, Trans::N, 1.0f, as_cmat(a), as_cmat(w13), 0.0f, in);          // d in (w1)
-        gemm(Trans::N, Trans::N, 1.0f, as_cmat(b), as_cmat(w13), 1.0f, in);          // d in (w3)
+        gemm(ctx, Trans::N, Trans::T, 1.0f, as_cmat(in), as_cmat(w13), 0.0f, a);          // up1
+        gemm(ctx, Trans::N, Trans::T, 1.0f, as_cmat(in), as_cmat(w13), 0.0f, b);          // up3
+        gemm(ctx, Trans::N, Trans::T, 1.0f, as_cmat(a), as_cmat(w2), 0.0f, in);           // down
+        gemm(ctx, Trans::N, Trans::N, 1.0f, as_cmat(in), as_cmat(w2), 0.0f, a);           // d act
+        gemm(ctx, Trans::T, Trans::N, 1.0f, as_cmat(in), as_cmat(b), 1.0f, as_mat(w2));   // d w2
+        gemm(ctx, Trans::T, Trans::N, 1.0f, as_cmat(a), as_cmat(in), 1.0f, as_mat(w13));  // d w1
+        gemm(ctx, Trans::T, Trans::N, 1.0f, as_cmat(b), as_cmat(in), 1.0f, as_mat(w13));  // d w3
+        gemm(ctx, Trans::N, Trans::N, 1.0f, as_cmat(a), as_cmat(w13), 0.0f, in);          // d in (w1)
+        gemm(ctx, Trans::N, Trans::N, 1.0f, as_cmat(b), as_cmat(w13), 1.0f, in);          // d in (w3)
       }
     });
     const double t_dense = time_it(reps, [&] {
@@ -278,7 +279,7 @@ int main(int argc, char** argv) {
                 1e3 * t_dense, 1e6 * t_dense / N);
     std::printf("  moe time outside the expert GEMMs: %.0f%% (routing, permutation, combine)%s\n",
                 100.0 * std::max(0.0, 1.0 - t_gemm / t_moe),
-                expert_threads(e, m.d_model, e.experts, false) > 1
+                expert_threads(ctx, e, m.d_model, e.experts, false) > 1
                     ? "; the GEMMs alone run one after the other, the layer's side by side"
                     : "");
   }
@@ -292,7 +293,7 @@ int main(int argc, char** argv) {
     plans[0].pad_c = g.pad_id;
     TensorTable t4;
     StepStats stats;  // the lookup counts and gate metric a training run keeps
-    EngramLayer eng(m, g, plans[0], "blocks.0.engram.", N, T, t4, EngramSharding(), &stats);
+    EngramLayer eng(ctx, m, g, plans[0], "blocks.0.engram.", N, T, t4, EngramSharding(), &stats);
     t4.allocate();
     t4.initialize(3);
     View1I ids("ids", N);
@@ -328,7 +329,7 @@ int main(int argc, char** argv) {
     ModelCfg full = m;
     full.n_layers = 4;
     TensorTable t2;
-    Stage stage(full, MoeCfg(), b, T, t2);
+    Stage stage(ctx, full, MoeCfg(), b, T, t2);
     t2.allocate();
     t2.initialize(1);
     std::vector<std::int32_t> ids(N);

@@ -1,6 +1,7 @@
 // The frame every kmoe driver runs in: MPI, then --help (answered before Kokkos starts, which
 // would print its own help instead), then Kokkos on the rank's share of the node
-// (parallel/execution), then the driver's body, with kmoe's error
+// (parallel/execution), then the driver's body (given the execution plan, whose host threads its
+// run context takes: core/run_context.hpp), with kmoe's error
 // reporting and exit codes: 0 done, 1 error, 3 non-finite loss or gradient norm, 85/86 a
 // checkpointed stop after SIGUSR1/SIGTERM (every rank exits with it, no abort).
 #pragma once
@@ -22,7 +23,7 @@
 namespace kmoe {
 
 inline int run_driver(int argc, char** argv, const std::string& name, const std::string& help,
-                      const std::function<void(int, char**)>& body) {
+                      const std::function<void(int, char**, const ExecutionPlan&)>& body) {
   init_mpi(&argc, &argv);
   int rank = 0, world = 1;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
@@ -40,7 +41,7 @@ inline int run_driver(int argc, char** argv, const std::string& name, const std:
   {
     KokkosSession kokkos(argc, argv, name);  // consumes --kokkos-* arguments
     try {
-      body(argc, argv);
+      body(argc, argv, kokkos.plan());
     } catch (const StopRequest& e) {
       if (rank == 0) std::cerr << name << ": " << e.what() << std::endl;
       code = e.code();

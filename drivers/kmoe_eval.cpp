@@ -28,7 +28,7 @@ const char* kUsage =
 }  // namespace
 
 int main(int argc, char** argv) {
-  return kmoe::run_driver(argc, argv, "kmoe-eval", kUsage, [](int argc, char** argv) {
+  return kmoe::run_driver(argc, argv, "kmoe-eval", kUsage, [](int argc, char** argv, const kmoe::ExecutionPlan& exec) {
     std::string deck, checkpoint;
     std::vector<std::string> overrides;
     for (int i = 1; i < argc; ++i) {
@@ -56,13 +56,15 @@ int main(int argc, char** argv) {
                  deck << ": data.val_paths is empty: nothing to evaluate");
     kmoe::ProcessGrid grid(cfg.parallel, cfg.model.n_layers, MPI_COMM_WORLD);
     if (grid.is_root() && !layout_note.empty()) std::printf("note: %s\n", layout_note.c_str());
-    const kmoe::GemmPrecisionScope precision(cfg.train.precision);  // as the run evaluated
-    if (grid.is_root() && !precision.note().empty())
-      std::printf("note: %s\n", precision.note().c_str());
+    std::string precision_note;  // the run's precision, as its training evaluated
+    const kmoe::RunContext ctx =
+        kmoe::make_run_context(cfg.train.precision, exec.batch_threads, &precision_note);
+    if (grid.is_root() && !precision_note.empty())
+      std::printf("note: %s\n", precision_note.c_str());
     kmoe::TokenDataset val(cfg.data.val_paths, cfg.data.dtype, cfg.train.seq_len,
                            cfg.model.vocab_size, "data.val_paths");
     kmoe::TensorTable table;
-    kmoe::Stage stage(cfg.model, cfg.moe, cfg.train.micro_batch, cfg.train.seq_len, table,
+    kmoe::Stage stage(ctx, cfg.model, cfg.moe, cfg.train.micro_batch, cfg.train.seq_len, table,
                       cfg.engram, kmoe::StagePlan::of(grid), kmoe::layer_comms(cfg, grid));
     table.allocate();
     kmoe::load_checkpoint(checkpoint, cfg, grid, table, /*with_optimizer=*/false, nullptr);

@@ -57,7 +57,7 @@ void write_text(const fs::path& path, const std::string& text) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  return kmoe::run_driver(argc, argv, "kmoe-export", kUsage, [](int argc, char** argv) {
+  return kmoe::run_driver(argc, argv, "kmoe-export", kUsage, [](int argc, char** argv, const kmoe::ExecutionPlan&) {
     std::vector<std::string> positional;
     std::string dtype = "fp32";
     double shard_mib = 5000.0;

@@ -205,7 +205,7 @@ std::vector<float> decode_through(kmoe::Stage& stage, const kmoe::TensorTable& t
 }  // namespace
 
 int main(int argc, char** argv) {
-  return kmoe::run_driver(argc, argv, "kmoe-generate", kUsage, [](int argc, char** argv) {
+  return kmoe::run_driver(argc, argv, "kmoe-generate", kUsage, [](int argc, char** argv, const kmoe::ExecutionPlan& exec) {
     const Options o = parse(argc, argv);
     // 1. The model: the checkpoint's deck, on the launch's ranks.
     std::string deck_text;
@@ -236,13 +236,13 @@ int main(int argc, char** argv) {
                                    : nullptr;
 
     // 2. One sequence at a time, fp32, every MoE layer without a capacity.
-    const kmoe::GemmPrecisionScope precision(kmoe::Precision::Fp32);
+    const kmoe::RunContext ctx = kmoe::make_run_context(kmoe::Precision::Fp32, exec.batch_threads);
     kmoe::MoeCfg dropless = cfg.moe;
     dropless.capacity_factor = 0.0;
     const kmoe::StagePlan plan = kmoe::StagePlan::of(grid);
     const kmoe::LayerComms comms = kmoe::layer_comms(cfg, grid);
     kmoe::TensorTable table;
-    kmoe::Stage stage(cfg.model, dropless, 1, capacity, table, cfg.engram, plan, comms);
+    kmoe::Stage stage(ctx, cfg.model, dropless, 1, capacity, table, cfg.engram, plan, comms);
     table.allocate();
     const kmoe::TrainState state =
         kmoe::load_checkpoint(o.checkpoint, cfg, grid, table, /*with_optimizer=*/false, nullptr);
@@ -301,7 +301,7 @@ int main(int argc, char** argv) {
     // whole: the logits at every position against the incremental ones.
     const int L = static_cast<int>(first_ids.size()) - 1;
     if (o.check) {
-      kmoe::Stage whole(cfg.model, dropless, 1, L, table, cfg.engram, plan, comms);
+      kmoe::Stage whole(ctx, cfg.model, dropless, 1, L, table, cfg.engram, plan, comms);
       const kmoe::DataComm& pipe = grid.data_plane(grid.pipe);
       if (!grid.first_stage())
         pipe.recv(whole.input_buffer(), std::int64_t(L) * D, grid.pp_rank - 1);

@@ -43,7 +43,7 @@ std::string shape_text(const std::vector<std::int64_t>& s) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  return kmoe::run_driver(argc, argv, "kmoe-import", kUsage, [](int argc, char** argv) {
+  return kmoe::run_driver(argc, argv, "kmoe-import", kUsage, [](int argc, char** argv, const kmoe::ExecutionPlan&) {
     std::string dir, deck_out, ckpt_out;
     std::vector<std::string> overrides;
     for (int i = 1; i < argc; ++i) {

@@ -282,7 +282,7 @@ int main(int argc, char** argv) {
   kmoe::signal_at_start_if_requested();
   return kmoe::run_driver(
       argc, argv, "kmoe-train", std::string(kUsage) + "\n" + kmoe::deck_help(),
-      [](int argc, char** argv) {
+      [](int argc, char** argv, const kmoe::ExecutionPlan& exec) {
         kmoe::install_stop_handlers();
         const Args args = parse_args(argc, argv);
         const kmoe::Config cfg = kmoe::read_deck(args.deck, args.overrides);
@@ -305,7 +305,12 @@ int main(int argc, char** argv) {
         }
         kmoe::ProcessGrid grid(cfg.parallel, cfg.model.n_layers, MPI_COMM_WORLD);
         if (grid.is_root()) std::cout << cfg.resolved_text << std::endl;
-        kmoe::Trainer trainer(cfg, grid);
+        std::string precision_note;
+        const kmoe::RunContext ctx =
+            kmoe::make_run_context(cfg.train.precision, exec.batch_threads, &precision_note);
+        if (grid.is_root() && !precision_note.empty())
+          std::printf("note: %s\n", precision_note.c_str());
+        kmoe::Trainer trainer(cfg, grid, ctx);
         trainer.run();
       });
 }

@@ -45,6 +45,11 @@ class MetricsWriter {
   // model FLOP/s, MFU when known, seconds per step, memory, val_loss when evaluated, then one
   // summary per kind of layer instead of the layers' columns (those are in metrics.csv).
   static std::string console_line(const StepMetrics& m);
+  // Whether step `step` of a run ending at `last_step` is logged on its own account (every
+  // output.log_every steps and the last one; evaluations and stops are logged too).
+  static bool due(int log_every, int step, int last_step) {
+    return step % log_every == 0 || step == last_step;
+  }
   static const char* csv_header();
 
  private:

@@ -44,9 +44,10 @@ std::int64_t Attention::workspace_bytes(const ModelCfg& m, int max_seqs, int T, 
   return std::max(forward, backward);
 }
 
-Attention::Attention(const ModelCfg& m, const std::string& prefix, int max_seqs, int seq_len,
-                     TensorTable& table, int window)
-    : D_(m.d_model),
+Attention::Attention(const RunContext& ctx, const ModelCfg& m, const std::string& prefix,
+                     int max_seqs, int seq_len, TensorTable& table, int window)
+    : ctx_(ctx.unpooled()),
+      D_(m.d_model),
       H_(m.n_heads),
       Hkv_(m.n_kv_heads),
       dh_(m.head_dim()),
@@ -68,12 +69,12 @@ Attention::Attention(const ModelCfg& m, const std::string& prefix, int max_seqs,
     k_norm_ = table.add(TensorSpec::gain(prefix + "k_norm.weight", kd));
   }
   const std::int64_t N = static_cast<std::int64_t>(max_seqs) * T_;
-  qkv_ = saved_floats("attn::qkv", N * (qd + 2 * kd));
-  rstd_q_ = saved_floats("attn::rstd_q", N);
-  rstd_k_ = saved_floats("attn::rstd_k", N);
-  q_ = KeptOperand("attn::q", N * qd);
-  k_ = KeptOperand("attn::k", N * kd);
-  v_ = KeptOperand("attn::v", N * kd);
+  qkv_ = saved_floats(ctx, "attn::qkv", N * (qd + 2 * kd));
+  rstd_q_ = saved_floats(ctx, "attn::rstd_q", N);
+  rstd_k_ = saved_floats(ctx, "attn::rstd_k", N);
+  q_ = KeptOperand(ctx, "attn::q", N * qd);
+  k_ = KeptOperand(ctx, "attn::k", N * kd);
+  v_ = KeptOperand(ctx, "attn::v", N * kd);
   tiles_ = tiles(T_, window_);
   band_ = band_elements(T_, window_);
   tile_before_ = Kokkos::View<std::int64_t*, Layout, MemSpace>("attn::tile_before", tiles_.size());
@@ -81,8 +82,8 @@ Attention::Attention(const ModelCfg& m, const std::string& prefix, int max_seqs,
   for (std::size_t i = 0; i < tiles_.size(); ++i) hb(i) = tiles_[i].before;
   mark_host_sync("attention setup");
   Kokkos::deep_copy(tile_before_, hb);
-  probs_ = KeptOperand("attn::probs", static_cast<std::int64_t>(max_seqs) * H_ * band_);
-  merged_ = KeptOperand("attn::merged", N * qd);
+  probs_ = KeptOperand(ctx, "attn::probs", static_cast<std::int64_t>(max_seqs) * H_ * band_);
+  merged_ = KeptOperand(ctx, "attn::merged", N * qd);
 }
 
 namespace {
@@ -204,7 +205,7 @@ void Attention::forward(const TensorTable& table, const RopeTables& rope, ConstM
   const bool qk_norm = qk_norm_;
 
   Mat qkv = as_mat(qkv_.data(), N, W);  // (N, H*dh | Hkv*dh | Hkv*dh)
-  gemm(Trans::N, Trans::T, 1.0f, a, table.weight(wq_, W, D_), 0.0f, qkv);
+  gemm(ctx_, Trans::N, Trans::T, 1.0f, a, table.weight(wq_, W, D_), 0.0f, qkv);
 
   // QK-norm over the whole projected q and k, RoPE, and the split into head layout.
   const KeptOut q = q_.out(), k = k_.out(), v = v_.out();
@@ -255,7 +256,7 @@ void Attention::forward(const TensorTable& table, const RopeTables& rope, ConstM
     const std::int64_t mk = std::int64_t(m) * tl.nk;
     for_each_run(docs, tl, int(i), nseq, [&](int s0, int count, int off) {
       const int n = tl.nk - off;
-      gemm_strided_batched(
+      gemm_strided_batched(ctx_,
           Trans::N, Trans::T, scale,
           shifted({qs.data, m, dh, TGdh, qs.b16}, (std::int64_t(s0) * Hkv * T + tl.r0) * G * dh),
           shifted({ks.data, n, dh, Tdh, ks.b16}, (std::int64_t(s0) * Hkv * T + tl.k0 + off) * dh),
@@ -301,7 +302,7 @@ void Attention::forward(const TensorTable& table, const RopeTables& rope, ConstM
     const std::int64_t mk = std::int64_t(m) * tl.nk;
     for_each_run(docs, tl, int(i), nseq, [&](int s0, int count, int off) {
       const int n = tl.nk - off;
-      gemm_strided_batched(
+      gemm_strided_batched(ctx_,
           Trans::N, Trans::N, 1.0f,
           shifted({ps.data, m, n, mk, ps.b16, tl.nk},
                   std::int64_t(nseq) * H * tl.before + s0 * Hkv * mk + off),
@@ -310,40 +311,56 @@ void Attention::forward(const TensorTable& table, const RopeTables& rope, ConstM
     });
   }
   merge_heads(heads, merged_.out(), N, T, Hkv, G, dh);
-  gemm(Trans::N, Trans::T, 1.0f, merged_.matrix(N, qd), table.weight(wo_, D_, qd), 0.0f, out);
+  gemm(ctx_, Trans::N, Trans::T, 1.0f, merged_.matrix(N, qd), table.weight(wo_, D_, qd), 0.0f, out);
 }
 
 void Attention::backward(TensorTable& table, const RopeTables& rope, ConstMat a, ConstMat dout,
                          Mat da, Workspace& ws) {
-  const int N = a.extent(0), T = T_, nseq = N / T, H = H_, Hkv = Hkv_, dh = dh_, half = dh / 2;
-  const int qd = H * dh, kd = Hkv * dh, W = qd + 2 * kd, G = H / Hkv;
-  const bool qk_norm = qk_norm_;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(dh));
-  const std::int64_t Tdh = std::int64_t(T) * dh, TGdh = Tdh * G;
+  const int N = a.extent(0), H = H_, Hkv = Hkv_, dh = dh_;
+  const int qd = H * dh, kd = Hkv * dh, W = qd + 2 * kd;
+  N_ = N;
   Workspace::Frame frame(ws);
   float* d_heads = frame.floats(std::int64_t(N) * qd);  // query layout: dO, then dQ
-  float* d_probs = frame.floats(std::int64_t(nseq) * H * band_);
+  float* d_probs = frame.floats(std::int64_t(N / T_) * H * band_);
   float* d_k = frame.floats(std::int64_t(N) * kd);  // (nseq, Hkv, T, dh), summed over tiles
   float* d_v = frame.floats(std::int64_t(N) * kd);
   Kokkos::deep_copy(ExecSpace(), Vec(d_k, std::int64_t(N) * kd), 0.0f);
   Kokkos::deep_copy(ExecSpace(), Vec(d_v, std::int64_t(N) * kd), 0.0f);
+  output_projection_backward(table, dout, d_heads, ws);
+  probs_values_backward(d_heads, d_probs, d_v);
+  softmax_backward(d_probs);
+  queries_keys_backward(d_probs, d_heads, d_k);
+  Mat d_qkv = frame.mat(N, W);
+  unrope_merge(rope, d_heads, d_k, d_v, d_qkv);
+  if (qk_norm_) qk_norm_backward(table, d_qkv);
+  // Fused projection: dW(q|k|v) += d_qkv^T a; da = d_qkv W(q|k|v).
+  gemm(ctx_, Trans::T, Trans::N, 1.0f, as_cmat(d_qkv), a, 1.0f, as_mat(table.grad(wq_), W, D_));
+  gemm(ctx_, Trans::N, Trans::N, 1.0f, as_cmat(d_qkv), table.weight(wq_, W, D_), 0.0f, da);
+}
 
+void Attention::output_projection_backward(TensorTable& table, ConstMat dout, float* d_heads,
+                                           Workspace& ws) const {
+  const int N = N_, T = T_, H = H_, Hkv = Hkv_, dh = dh_, qd = H * dh, G = H / Hkv;
   // Output projection: dWo += dout^T merged; d_merged = dout Wo, split into heads.
-  gemm(Trans::T, Trans::N, 1.0f, dout, merged_.matrix(N, qd), 1.0f,
+  gemm(ctx_, Trans::T, Trans::N, 1.0f, dout, merged_.matrix(N, qd), 1.0f,
        as_mat(table.grad(wo_), D_, qd));
   {
     Workspace::Frame merged(ws);  // d_merged's memory becomes d_qkv's below
     Mat d_merged = merged.mat(N, qd);
-    gemm(Trans::N, Trans::N, 1.0f, dout, table.weight(wo_, D_, qd), 0.0f, d_merged);
+    gemm(ctx_, Trans::N, Trans::N, 1.0f, dout, table.weight(wo_, D_, qd), 0.0f, d_merged);
     split_heads(as_cmat(d_merged), d_heads, T, Hkv, G, dh);
   }
+}
 
+void Attention::probs_values_backward(const float* d_heads, float* d_probs, float* d_v) const {
+  const int N = N_, T = T_, nseq = N / T, H = H_, Hkv = Hkv_, dh = dh_;
+  const int G = H / Hkv;
+  const std::int64_t Tdh = std::int64_t(T) * dh, TGdh = Tdh * G;
   // Per query tile and run of sequences (as forward()): dP = dO_tile v_range^T; dv_range +=
   // P_tile^T dO_tile (summed over the group's heads by the GEMM itself, then over the tiles in
   // order).
   const DocStarts docs = docs_;
-  const Strided ps = probs_.strided(0, 0, 0), qs = q_.strided(0, 0, 0), ks = k_.strided(0, 0, 0),
-                vs = v_.strided(0, 0, 0);
+  const Strided ps = probs_.strided(0, 0, 0), vs = v_.strided(0, 0, 0);
   for (std::size_t i = 0; i < tiles_.size(); ++i) {
     const Tile& tl = tiles_[i];
     const int m = G * tl.rows;
@@ -353,15 +370,20 @@ void Attention::backward(TensorTable& table, const RopeTables& rope, ConstMat a,
       const std::int64_t at = std::int64_t(nseq) * H * tl.before + s0 * Hkv * mk + off;
       const std::int64_t key = (std::int64_t(s0) * Hkv * T + tl.k0 + off) * dh;
       const Strided d_out{d_heads + (std::int64_t(s0) * Hkv * T + tl.r0) * G * dh, m, dh, TGdh};
-      gemm_strided_batched(Trans::N, Trans::T, 1.0f, d_out,
+      gemm_strided_batched(ctx_, Trans::N, Trans::T, 1.0f, d_out,
                            shifted({vs.data, n, dh, Tdh, vs.b16}, key), 0.0f, d_probs + at, m, n,
                            mk, count * Hkv, tl.nk);
-      gemm_strided_batched(Trans::T, Trans::N, 1.0f,
+      gemm_strided_batched(ctx_, Trans::T, Trans::N, 1.0f,
                            shifted({ps.data, m, n, mk, ps.b16, tl.nk}, at), d_out, 1.0f,
                            d_v + key, n, dh, Tdh, count * Hkv);
     });
   }
+}
 
+void Attention::softmax_backward(float* d_probs) const {
+  const int N = N_, T = T_, nseq = N / T, H = H_, Hkv = Hkv_, dh = dh_, G = H / Hkv;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(dh));
+  const DocStarts docs = docs_;
   // Softmax backward in place: dS = P * (dP - sum_j P dP) * scale (P as kept: R(P) in bf16).
   const KeptIn p = probs_.in();
   const int window = window_;
@@ -375,7 +397,14 @@ void Attention::backward(TensorTable& table, const RopeTables& rope, ConstMat a,
         else
           softmax_row_backward(tm, lo, hi, b.nk, p.f32 + b.start, d_probs + b.start, scale);
       });
+}
 
+void Attention::queries_keys_backward(const float* d_probs, float* d_heads, float* d_k) const {
+  const int N = N_, T = T_, nseq = N / T, H = H_, Hkv = Hkv_, dh = dh_;
+  const int G = H / Hkv;
+  const std::int64_t Tdh = std::int64_t(T) * dh, TGdh = Tdh * G;
+  const DocStarts docs = docs_;
+  const Strided qs = q_.strided(0, 0, 0), ks = k_.strided(0, 0, 0);
   // Per query tile and run: dq_tile = dS k_range (overwrites dO, no longer needed); dk_range +=
   // dS^T q_tile.
   for (std::size_t i = 0; i < tiles_.size(); ++i) {
@@ -388,17 +417,21 @@ void Attention::backward(TensorTable& table, const RopeTables& rope, ConstMat a,
       const std::int64_t query = (std::int64_t(s0) * Hkv * T + tl.r0) * G * dh;
       const Strided d_s{d_probs + std::int64_t(nseq) * H * tl.before + s0 * Hkv * mk + off,
                         m, n, mk, nullptr, tl.nk};
-      gemm_strided_batched(Trans::N, Trans::N, 1.0f, d_s,
+      gemm_strided_batched(ctx_, Trans::N, Trans::N, 1.0f, d_s,
                            shifted({ks.data, n, dh, Tdh, ks.b16}, key), 0.0f, d_heads + query, m,
                            dh, TGdh, count * Hkv);
-      gemm_strided_batched(Trans::T, Trans::N, 1.0f, d_s,
+      gemm_strided_batched(ctx_, Trans::T, Trans::N, 1.0f, d_s,
                            shifted({qs.data, m, dh, TGdh, qs.b16}, query), 1.0f, d_k + key, n, dh,
                            Tdh, count * Hkv);
     });
   }
+}
 
+void Attention::unrope_merge(const RopeTables& rope, const float* d_heads, const float* d_k,
+                             const float* d_v, Mat d_qkv) const {
+  const int N = N_, T = T_, H = H_, Hkv = Hkv_, dh = dh_, half = dh / 2;
+  const int qd = H * dh, kd = Hkv * dh, G = H / Hkv;
   // Back to (N, W) rows: inverse RoPE on dq, dk (gradients w.r.t. the normalized q, k), dv.
-  Mat d_qkv = frame.mat(N, W);
   const ConstVec dq(d_heads, std::int64_t(N) * qd), dk(d_k, std::int64_t(N) * kd),
       dv(d_v, std::int64_t(N) * kd);
   auto cs = rope.cos, sn = rope.sin;
@@ -420,42 +453,43 @@ void Attention::backward(TensorTable& table, const RopeTables& rope, ConstMat a,
           d_qkv(r, qd + kd + c) = dv(((std::int64_t(s) * Hkv + c / dh) * T + t) * dh + c % dh);
         });
       });
+}
 
-  if (qk_norm) {
-    // Norm weights first (they need the gradient w.r.t. the norm output), then the in-place
-    // RMSNorm backward of the q and k column blocks.
-    ConstVec rq(rstd_q_.data(), N), rk(rstd_k_.data(), N);
-    rmsnorm_weight_grad(qkv_.data(), W, d_qkv.data(), W, rq, N, qd, Vec(table.grad(q_norm_), qd));
-    rmsnorm_weight_grad(qkv_.data() + qd, W, d_qkv.data() + qd, W, rk, N, kd,
-                        Vec(table.grad(k_norm_), kd));
-    auto qkv = as_cmat(qkv_.data(), N, W);
-    const float* gq = table.param(q_norm_);
-    const float* gk = table.param(k_norm_);
-    Kokkos::parallel_for(
-        "attn::qk_norm_backward", row_policy(N), KOKKOS_LAMBDA(const TeamMember& team) {
-          const int r = team.league_rank();
-          for (int part = 0; part < 2; ++part) {
-            const int c0 = part == 0 ? 0 : qd, width = part == 0 ? qd : kd;
-            const float* g = part == 0 ? gq : gk;
-            const float s = part == 0 ? rq(r) : rk(r);
-            float dot = 0.0f;
-            Kokkos::parallel_reduce(
-                Kokkos::TeamThreadRange(team, width),
-                [&](int c, float& acc) { acc += g[c] * d_qkv(r, c0 + c) * qkv(r, c0 + c) * s; },
-                dot);
-            const float mean_dot = dot / width;
-            team.team_barrier();
-            Kokkos::parallel_for(Kokkos::TeamThreadRange(team, width), [&](int c) {
-              d_qkv(r, c0 + c) = s * (g[c] * d_qkv(r, c0 + c) - qkv(r, c0 + c) * s * mean_dot);
-            });
-            team.team_barrier();
-          }
-        });
-  }
+void Attention::qk_norm_backward(TensorTable& table, Mat d_qkv) const {
+  const int N = N_, qd = H_ * dh_, kd = Hkv_ * dh_, W = qd + 2 * kd;
+  kmoe::qk_norm_backward(as_cmat(qkv_.data(), N, W), d_qkv, qd, kd,
+                         ConstVec(rstd_q_.data(), N), ConstVec(rstd_k_.data(), N),
+                         table.param(q_norm_), table.param(k_norm_), Vec(table.grad(q_norm_), qd),
+                         Vec(table.grad(k_norm_), kd));
+}
 
-  // Fused projection: dW(q|k|v) += d_qkv^T a; da = d_qkv W(q|k|v).
-  gemm(Trans::T, Trans::N, 1.0f, as_cmat(d_qkv), a, 1.0f, as_mat(table.grad(wq_), W, D_));
-  gemm(Trans::N, Trans::N, 1.0f, as_cmat(d_qkv), table.weight(wq_, W, D_), 0.0f, da);
+void qk_norm_backward(ConstMat qkv, Mat d_qkv, int qd, int kd, ConstVec rq, ConstVec rk,
+                      const float* gq, const float* gk, Vec grad_gq, Vec grad_gk) {
+  const int N = qkv.extent(0), W = qkv.extent(1);
+  // Norm weights first (they need the gradient w.r.t. the norm output), then the in-place
+  // RMSNorm backward of the q and k column blocks.
+  rmsnorm_weight_grad(qkv.data(), W, d_qkv.data(), W, rq, N, qd, grad_gq);
+  rmsnorm_weight_grad(qkv.data() + qd, W, d_qkv.data() + qd, W, rk, N, kd, grad_gk);
+  Kokkos::parallel_for(
+      "attn::qk_norm_backward", row_policy(N), KOKKOS_LAMBDA(const TeamMember& team) {
+        const int r = team.league_rank();
+        for (int part = 0; part < 2; ++part) {
+          const int c0 = part == 0 ? 0 : qd, width = part == 0 ? qd : kd;
+          const float* g = part == 0 ? gq : gk;
+          const float s = part == 0 ? rq(r) : rk(r);
+          float dot = 0.0f;
+          Kokkos::parallel_reduce(
+              Kokkos::TeamThreadRange(team, width),
+              [&](int c, float& acc) { acc += g[c] * d_qkv(r, c0 + c) * qkv(r, c0 + c) * s; },
+              dot);
+          const float mean_dot = dot / width;
+          team.team_barrier();
+          Kokkos::parallel_for(Kokkos::TeamThreadRange(team, width), [&](int c) {
+            d_qkv(r, c0 + c) = s * (g[c] * d_qkv(r, c0 + c) - qkv(r, c0 + c) * s * mean_dot);
+          });
+          team.team_barrier();
+        }
+      });
 }
 
 }  // namespace kmoe
@@ -478,7 +512,7 @@ void Attention::decode(const TensorTable& table, const RopeTables& rope, ConstMa
   const bool qk_norm = qk_norm_;
   Workspace::Frame frame(ws);
   Mat qkv = frame.mat(n, W);
-  gemm(Trans::N, Trans::T, 1.0f, a, table.weight(wq_, W, D_), 0.0f, qkv);
+  gemm(ctx_, Trans::N, Trans::T, 1.0f, a, table.weight(wq_, W, D_), 0.0f, qkv);
 
   // Per new row, as forward(): QK-norm over the whole q and k, RoPE at its position; q into
   // (n, H*dh) rows, k and v into the cache.
@@ -542,7 +576,7 @@ void Attention::decode(const TensorTable& table, const RopeTables& rope, ConstMa
           merged(r, h * dh + i) = acc;
         });
       });
-  gemm(Trans::N, Trans::T, 1.0f, as_cmat(merged), table.weight(wo_, D_, qd), 0.0f, out);
+  gemm(ctx_, Trans::N, Trans::T, 1.0f, as_cmat(merged), table.weight(wo_, D_, qd), 0.0f, out);
 }
 
 }  // namespace kmoe

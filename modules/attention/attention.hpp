@@ -25,12 +25,19 @@ struct KvCache {
   KvCache(const ModelCfg& m, int capacity);
 };
 
+// The QK-norm backward (MODEL.md section 1) of the projected rows qkv (N, W: q in columns
+// [0, qd), k in [qd, qd + kd)), given d_qkv w.r.t. the normalized q and k: grad_gq, grad_gk +=
+// the norm weights' gradients, then d_qkv's q and k columns become the gradients w.r.t. the
+// projections, in place. rq, rk: the forward's 1/rms per row; gq, gk: the norm weights.
+void qk_norm_backward(ConstMat qkv, Mat d_qkv, int qd, int kd, ConstVec rq, ConstVec rk,
+                      const float* gq, const float* gk, Vec grad_gq, Vec grad_gk);
+
 class Attention {
  public:
   // Declares blocks.<l>.attn.{wq,wk,wv,wo,q_norm,k_norm} (wq|wk|wv adjacent: one GEMM).
   // window > 0: position t reads keys (t - window, t] only (model.sliding_window).
-  Attention(const ModelCfg& m, const std::string& prefix, int max_seqs, int seq_len,
-            TensorTable& table, int window = 0);
+  Attention(const RunContext& ctx, const ModelCfg& m, const std::string& prefix, int max_seqs,
+            int seq_len, TensorTable& table, int window = 0);
 
   // a: (N, D) with N = nseq * T  ->  out: (N, D). Position t of a row reads keys
   // [max(docs(row), t - window + 1), t] (docs: train.document_mask; empty: from 0). Saves what
@@ -73,7 +80,26 @@ class Attention {
   std::int64_t scores_computed() const { return scores_computed_; }
 
  private:
+  // The phases of backward(), in order, for its N_ rows:
+  // dWo += dout^T merged; dO = dout Wo, split into the query layout (d_heads).
+  void output_projection_backward(TensorTable& table, ConstMat dout, float* d_heads,
+                                  Workspace& ws) const;
+  // Per query tile and run of sequences: dP = dO v^T; dV += P^T dO.
+  void probs_values_backward(const float* d_heads, float* d_probs, float* d_v) const;
+  // dS = P * (dP - sum_j P dP) / sqrt(dh) in place (P as kept: R(P) in bf16 runs).
+  void softmax_backward(float* d_probs) const;
+  // Per query tile and run: dQ = dS k (over dO in d_heads); dK += dS^T q.
+  void queries_keys_backward(const float* d_probs, float* d_heads, float* d_k) const;
+  // Back to (N, W) rows: inverse RoPE on dq, dk (gradients w.r.t. the normalized q, k), dv.
+  void unrope_merge(const RopeTables& rope, const float* d_heads, const float* d_k,
+                    const float* d_v, Mat d_qkv) const;
+  // QK-norm: the norm weights' gradients, then the RMSNorm backward of the q and k columns in
+  // place.
+  void qk_norm_backward(TensorTable& table, Mat d_qkv) const;
+
+  RunContext ctx_;  // the precision and host threads of its products
   int D_, H_, Hkv_, dh_, T_, window_;
+  int N_ = 0;  // rows of the micro-batch backward() runs on
   bool qk_norm_;
   DocStarts docs_;  // the last forward's
   std::vector<Tile> tiles_;

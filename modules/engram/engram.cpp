@@ -30,10 +30,11 @@ void add_bias(Mat y, const float* b_data) {
 
 }  // namespace
 
-EngramLayer::EngramLayer(const ModelCfg& m, const EngramCfg& g, const EngramHashPlan& plan,
-                         const std::string& prefix, int max_tokens, int seq_len, TensorTable& table,
-                         const Sharding& shard, StepStats* stats)
-    : D_(m.d_model),
+EngramLayer::EngramLayer(const RunContext& ctx, const ModelCfg& m, const EngramCfg& g,
+                         const EngramHashPlan& plan, const std::string& prefix, int max_tokens,
+                         int seq_len, TensorTable& table, const Sharding& shard, StepStats* stats)
+    : ctx_(ctx.unpooled()),
+      D_(m.d_model),
       T_(seq_len),
       Nn_(g.max_ngram),
       kernel_(g.kernel),
@@ -71,11 +72,11 @@ EngramLayer::EngramLayer(const ModelCfg& m, const EngramCfg& g, const EngramHash
   const std::int64_t N = max_tokens;
   rows_ = Kokkos::View<int**, Layout, MemSpace>("engram::rows", N, heads_total_);
   // Kept as bf16 in bf16 runs, unless the sharded lookup fills it (its rows arrive as fp32).
-  mem_ = KeptOperand("engram::mem", N * d_mem_, /*may_be_bf16=*/!shard_);
+  mem_ = KeptOperand(ctx, "engram::mem", N * d_mem_, /*may_be_bf16=*/!shard_);
   for (View1F* v : {&key_, &val_, &kn_, &qn_, &v_, &u_, &c_})
-    *v = saved_floats("engram::act", N * D_);
+    *v = saved_floats(ctx, "engram::act", N * D_);
   for (View1F* v : {&rstd_k_, &rstd_q_, &rstd_c_, &score_, &gate_})
-    *v = saved_floats("engram::row", N);
+    *v = saved_floats(ctx, "engram::row", N);
   gate_now_ = Kokkos::View<double, MemSpace>("engram::gate_now");
 }
 
@@ -126,8 +127,8 @@ void EngramLayer::forward(const TensorTable& table, ConstMat x, ConstIVec tokens
   const Operand mem = lookup(table, tokens, count, docs);
 
   Mat key = as_mat(key_.data(), N, D), val = as_mat(val_.data(), N, D);
-  gemm(Trans::N, Trans::T, 1.0f, mem, table.weight(wk_, D, dm), 0.0f, key);
-  gemm(Trans::N, Trans::T, 1.0f, mem, table.weight(wv_, D, dm), 0.0f, val);
+  gemm(ctx_, Trans::N, Trans::T, 1.0f, mem, table.weight(wk_, D, dm), 0.0f, key);
+  gemm(ctx_, Trans::N, Trans::T, 1.0f, mem, table.weight(wv_, D, dm), 0.0f, val);
   add_bias(key, table.param(bk_));
   add_bias(val, table.param(bv_));
 
@@ -284,13 +285,13 @@ void EngramLayer::backward(TensorTable& table, ConstMat x, ConstMat dout, Mat dx
 
   // Projections: dW += d^T mem, db += column sums, dmem = dkey Wk + dval Wv.
   const Operand mem = mem_.matrix(N, dm);
-  gemm(Trans::T, Trans::N, 1.0f, as_cmat(dkey), mem, 1.0f, as_mat(table.grad(wk_), D, dm));
-  gemm(Trans::T, Trans::N, 1.0f, as_cmat(dval), mem, 1.0f, as_mat(table.grad(wv_), D, dm));
+  gemm(ctx_, Trans::T, Trans::N, 1.0f, as_cmat(dkey), mem, 1.0f, as_mat(table.grad(wk_), D, dm));
+  gemm(ctx_, Trans::T, Trans::N, 1.0f, as_cmat(dval), mem, 1.0f, as_mat(table.grad(wv_), D, dm));
   add_column_sums(as_cmat(dkey), table.grad(bk_));
   add_column_sums(as_cmat(dval), table.grad(bv_));
   Mat dmem = frame.mat(N, dm);
-  gemm(Trans::N, Trans::N, 1.0f, as_cmat(dkey), table.weight(wk_, D, dm), 0.0f, dmem);
-  gemm(Trans::N, Trans::N, 1.0f, as_cmat(dval), table.weight(wv_, D, dm), 1.0f, dmem);
+  gemm(ctx_, Trans::N, Trans::N, 1.0f, as_cmat(dkey), table.weight(wk_, D, dm), 0.0f, dmem);
+  gemm(ctx_, Trans::N, Trans::N, 1.0f, as_cmat(dval), table.weight(wv_, D, dm), 1.0f, dmem);
 
   if (shard_) {
     shard_->return_gradients(table, table_, dmem.data(), N * heads_total_);

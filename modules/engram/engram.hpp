@@ -35,9 +35,9 @@ class EngramLayer {
   // row gradients go back to them.
   // With `stats`, every forward adds to the columns of its block (plan.layer).
   using Sharding = EngramSharding;
-  EngramLayer(const ModelCfg& m, const EngramCfg& g, const EngramHashPlan& plan,
-              const std::string& prefix, int max_tokens, int seq_len, TensorTable& table,
-              const Sharding& shard = Sharding(), StepStats* stats = nullptr);
+  EngramLayer(const RunContext& ctx, const ModelCfg& m, const EngramCfg& g,
+              const EngramHashPlan& plan, const std::string& prefix, int max_tokens, int seq_len,
+              TensorTable& table, const Sharding& shard = Sharding(), StepStats* stats = nullptr);
 
   // Declares (or finds) the columns of the Engram layer at `block`.
   static EngramStatColumns declare_stats(StepStats& stats, int block);
@@ -76,6 +76,7 @@ class EngramLayer {
   double mean_gate() const;
 
  private:
+  RunContext ctx_;  // the precision of its products
   int D_, T_, Nn_, kernel_, heads_total_, dh_, d_mem_;
   std::int64_t R_;
   bool signed_sqrt_;

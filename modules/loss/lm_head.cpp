@@ -6,8 +6,10 @@
 
 namespace kmoe {
 
-LmHead::LmHead(const ModelCfg& m, int max_tokens, int embed_weight, TensorTable& table)
-    : V_(m.vocab_size),
+LmHead::LmHead(const RunContext& ctx, const ModelCfg& m, int max_tokens, int embed_weight,
+               TensorTable& table)
+    : ctx_(ctx.unpooled()),
+      V_(m.vocab_size),
       D_(m.d_model),
       eps_(static_cast<float>(m.norm_eps)),
       z_coef_(static_cast<float>(m.output_z_coef)) {
@@ -30,7 +32,7 @@ ConstMat LmHead::logits(const TensorTable& table, ConstMat x) {
   rmsnorm_forward(x, ConstVec(table.param(norm_), D_), eps_, ConstMat(), normed,
                   Vec(rstd_.data(), N));
   Mat logits = as_mat(logits_.data(), N, V_);
-  gemm(Trans::N, Trans::T, 1.0f, as_cmat(normed), table.weight(weight_, V_, D_), 0.0f, logits);
+  gemm(ctx_, Trans::N, Trans::T, 1.0f, as_cmat(normed), table.weight(weight_, V_, D_), 0.0f, logits);
   return as_cmat(logits);
 }
 
@@ -41,7 +43,7 @@ LossSums LmHead::forward(const TensorTable& table, ConstMat x, ConstIVec tokens,
   rmsnorm_forward(x, ConstVec(table.param(norm_), D_), eps_, ConstMat(), normed,
                   Vec(rstd_.data(), N));
   Mat logits = as_mat(logits_.data(), N, V);
-  gemm(Trans::N, Trans::T, 1.0f, as_cmat(normed), table.weight(weight_, V, D_), 0.0f,
+  gemm(ctx_, Trans::N, Trans::T, 1.0f, as_cmat(normed), table.weight(weight_, V, D_), 0.0f,
        logits);
 
   // Per row with a target: lse, CE = lse - logit[target], z = lse^2; gradient in place:
@@ -119,10 +121,10 @@ void LmHead::backward(TensorTable& table, ConstMat x, Mat dx, Workspace& ws) {
   const int N = x.extent(0);
   auto d_logits = as_cmat(logits_.data(), N, V_);
   auto normed = as_cmat(normed_.data(), N, D_);
-  gemm(Trans::T, Trans::N, 1.0f, d_logits, normed, 1.0f, as_mat(table.grad(weight_), V_, D_));
+  gemm(ctx_, Trans::T, Trans::N, 1.0f, d_logits, normed, 1.0f, as_mat(table.grad(weight_), V_, D_));
   Workspace::Frame frame(ws);
   Mat d_normed = frame.mat(N, D_);
-  gemm(Trans::N, Trans::N, 1.0f, d_logits, table.weight(weight_, V_, D_), 0.0f, d_normed);
+  gemm(ctx_, Trans::N, Trans::N, 1.0f, d_logits, table.weight(weight_, V_, D_), 0.0f, d_normed);
   rmsnorm_backward(x, ConstVec(table.param(norm_), D_), ConstVec(rstd_.data(), N),
                    as_cmat(d_normed), ConstMat(), dx, Vec(table.grad(norm_), D_));
 }

@@ -8,6 +8,7 @@
 
 #include "core/config.hpp"
 #include "core/kokkos_types.hpp"
+#include "core/run_context.hpp"
 #include "core/tensor_table.hpp"
 #include "core/workspace.hpp"
 
@@ -29,7 +30,8 @@ class LmHead {
  public:
   // Declares final_norm.weight and, unless tied, lm_head.weight [V, D]; `embed_weight` is the
   // tied matrix otherwise.
-  LmHead(const ModelCfg& m, int max_tokens, int embed_weight, TensorTable& table);
+  LmHead(const RunContext& ctx, const ModelCfg& m, int max_tokens, int embed_weight,
+         TensorTable& table);
 
   // x: (N, D) final residual stream, tokens: (N) ids of the nseq = N/T sequences.
   // grad_scale > 0: also leaves d(loss * grad_scale / targets)/d logits for backward().
@@ -54,6 +56,7 @@ class LmHead {
   int first_tensor() const { return norm_; }
 
  private:
+  RunContext ctx_;  // the precision of its products
   int V_, D_;
   float eps_, z_coef_;
   int norm_, weight_;

@@ -107,15 +107,15 @@ std::int64_t SwigluMlp::workspace_bytes(std::int64_t rows, int hidden, bool bf16
   return std::max(bf16 ? up : 0, Workspace::rounded(4 * rows * hidden) + up);
 }
 
-SwigluMlp::SwigluMlp(const std::string& prefix, const ModelCfg& m, int hidden,
-                     std::int64_t max_rows, TensorTable& table)
-    : D_(m.d_model), F_(hidden) {
+SwigluMlp::SwigluMlp(const RunContext& ctx, const std::string& prefix, const ModelCfg& m,
+                     int hidden, std::int64_t max_rows, TensorTable& table)
+    : ctx_(ctx.unpooled()), D_(m.d_model), F_(hidden) {
   const double in_std = m.matrix_std(D_), out_std = m.matrix_std(F_, /*output=*/true);
   w1_ = table.add(TensorSpec::matrix(prefix + "w1", {F_, D_}, in_std).gemm_weight());
   table.add(TensorSpec::matrix(prefix + "w3", {F_, D_}, in_std).gemm_weight());
   w2_ = table.add(TensorSpec::matrix(prefix + "w2", {D_, F_}, out_std).gemm_weight());
-  up_ = KeptOperand("mlp::up", max_rows * 2 * F_);
-  act_ = KeptOperand("mlp::act", max_rows * F_);
+  up_ = KeptOperand(ctx, "mlp::up", max_rows * 2 * F_);
+  act_ = KeptOperand(ctx, "mlp::act", max_rows * F_);
 }
 
 void SwigluMlp::forward(const TensorTable& table, ConstMat x, Mat y, Workspace& ws) {
@@ -123,21 +123,21 @@ void SwigluMlp::forward(const TensorTable& table, ConstMat x, Mat y, Workspace& 
   Workspace::Frame frame(ws);
   float* staging = up_.is_bf16() ? frame.floats(std::int64_t(N) * 2 * F_) : nullptr;
   Mat up = as_mat(up_.product_target(staging), N, 2 * F_);
-  gemm(Trans::N, Trans::T, 1.0f, x, table.weight(w1_, 2 * F_, D_), 0.0f, up);
+  gemm(ctx_, Trans::N, Trans::T, 1.0f, x, table.weight(w1_, 2 * F_, D_), 0.0f, up);
   swiglu_activate(up.data(), up.data() + F_, 2 * F_, N, F_, act_.out(), up_.out(), up_.out(F_));
-  gemm(Trans::N, Trans::T, 1.0f, act_.matrix(N, F_), table.weight(w2_, D_, F_), 0.0f, y);
+  gemm(ctx_, Trans::N, Trans::T, 1.0f, act_.matrix(N, F_), table.weight(w2_, D_, F_), 0.0f, y);
 }
 
 void SwigluMlp::backward(TensorTable& table, ConstMat x, ConstMat dy, Mat dx, Workspace& ws) {
   const int N = x.extent(0);
   Workspace::Frame frame(ws);
   Mat d_act = frame.mat(N, F_), d_up = frame.mat(N, 2 * F_);
-  gemm(Trans::T, Trans::N, 1.0f, dy, act_.matrix(N, F_), 1.0f, as_mat(table.grad(w2_), D_, F_));
-  gemm(Trans::N, Trans::N, 1.0f, dy, table.weight(w2_, D_, F_), 0.0f, d_act);
+  gemm(ctx_, Trans::T, Trans::N, 1.0f, dy, act_.matrix(N, F_), 1.0f, as_mat(table.grad(w2_), D_, F_));
+  gemm(ctx_, Trans::N, Trans::N, 1.0f, dy, table.weight(w2_, D_, F_), 0.0f, d_act);
   swiglu_activate_backward(up_.in(), up_.in(F_), 2 * F_, as_cmat(d_act), d_up.data(),
                            d_up.data() + F_, 2 * F_);
-  gemm(Trans::T, Trans::N, 1.0f, as_cmat(d_up), x, 1.0f, as_mat(table.grad(w1_), 2 * F_, D_));
-  gemm(Trans::N, Trans::N, 1.0f, as_cmat(d_up), table.weight(w1_, 2 * F_, D_), 0.0f, dx);
+  gemm(ctx_, Trans::T, Trans::N, 1.0f, as_cmat(d_up), x, 1.0f, as_mat(table.grad(w1_), 2 * F_, D_));
+  gemm(ctx_, Trans::N, Trans::N, 1.0f, as_cmat(d_up), table.weight(w1_, 2 * F_, D_), 0.0f, dx);
 }
 
 }  // namespace kmoe

@@ -47,8 +47,8 @@ class SwigluMlp {
  public:
   // Declares <prefix>w1, w3 ([F, D]) and w2 ([D, F]), initialized as m says (ModelCfg::
   // matrix_std: w2 an output projection).
-  SwigluMlp(const std::string& prefix, const ModelCfg& m, int hidden, std::int64_t max_rows,
-            TensorTable& table);
+  SwigluMlp(const RunContext& ctx, const std::string& prefix, const ModelCfg& m, int hidden,
+            std::int64_t max_rows, TensorTable& table);
 
   // x, y: (N, D). In bf16 runs the fp32 up-projection passes through `ws`.
   void forward(const TensorTable& table, ConstMat x, Mat y, Workspace& ws);
@@ -60,6 +60,7 @@ class SwigluMlp {
   static std::int64_t workspace_bytes(std::int64_t rows, int hidden, bool bf16);
 
  private:
+  RunContext ctx_;
   int D_, F_;
   int w1_, w2_;
   KeptOperand up_;   // (N, 2F) saved, [x W1^T | x W3^T] (bf16 in bf16 runs)

@@ -11,51 +11,54 @@ namespace {
 std::string block_prefix(int layer) { return "blocks." + std::to_string(layer) + "."; }
 }  // namespace
 
-std::int64_t Block::workspace_bytes(const ModelCfg& m, const MoeCfg& e, const EngramCfg& g,
-                                    int layer, bool engram, int max_seqs, int T, int ep,
-                                    bool bf16) {
+std::int64_t Block::workspace_bytes(const RunContext& ctx, const ModelCfg& m, const MoeCfg& e,
+                                    const EngramCfg& g, int layer, bool engram, int max_seqs,
+                                    int T, int ep) {
   const std::int64_t N = std::int64_t(max_seqs) * T;
+  const bool bf16 = ctx.bf16();
   const std::int64_t ffn = e.is_moe_layer(layer)
-                               ? MoeLayer::workspace_bytes(m, e, N, ep, bf16)
+                               ? MoeLayer::workspace_bytes(ctx, m, e, N, ep)
                                : SwigluMlp::workspace_bytes(N, m.ffn_hidden, bf16);
-  const std::int64_t layers = std::max({Attention::workspace_bytes(m, max_seqs, T, bf16, m.window(layer)), ffn,
-                                        engram ? EngramLayer::workspace_bytes(m, g, N) : 0});
+  const std::int64_t layers =
+      std::max({Attention::workspace_bytes(m, max_seqs, T, bf16, m.window(layer)), ffn,
+                engram ? EngramLayer::workspace_bytes(m, g, N) : 0});
   return (engram ? 4 : 3) * Workspace::rounded(4 * N * m.d_model) + layers;
 }
 
-Block::Block(const ModelCfg& m, const MoeCfg& e, const EngramCfg& g, const EngramHashPlan* plan,
-             int layer, int max_seqs, int T, TensorTable& table, const LayerComms& comms,
-             StepStats* stats)
+Block::Block(const RunContext& ctx, const ModelCfg& m, const MoeCfg& e, const EngramCfg& g,
+             const EngramHashPlan* plan, int layer, int max_seqs, int T, TensorTable& table,
+             const LayerComms& comms, StepStats* stats)
     : D_(m.d_model),
       reordered_(m.block_norm == BlockNorm::Reordered),
       eps_(static_cast<float>(m.norm_eps)),
       attn_norm_(table.add(TensorSpec::gain(block_prefix(layer) + "attn_norm.weight", D_))),
       ffn_norm_(table.add(TensorSpec::gain(block_prefix(layer) + "ffn_norm.weight", D_))),
-      attn_(m, block_prefix(layer) + "attn.", max_seqs, T, table, m.window(layer)) {
+      attn_(ctx, m, block_prefix(layer) + "attn.", max_seqs, T, table, m.window(layer)) {
   const std::int64_t N = std::int64_t(max_seqs) * T;
   if (plan) {
     EngramLayer::Sharding sh;
     sh.kind = comms.engram_shard;
     sh.comm = comms.engram;
     sh.data = comms.engram_data ? comms.engram_data : comms.engram;
-    engram_ = std::make_unique<EngramLayer>(m, g, *plan, block_prefix(layer) + "engram.", N, T,
+    engram_ = std::make_unique<EngramLayer>(ctx, m, g, *plan, block_prefix(layer) + "engram.", N, T,
                                             table, sh, stats);
-    x_engram_ = saved_floats("block::x_engram", N * D_);
+    x_engram_ = saved_floats(ctx, "block::x_engram", N * D_);
   }
   if (e.is_moe_layer(layer))
-    moe_ = std::make_unique<MoeLayer>(m, e, block_prefix(layer) + "moe.", N, table, comms.ep,
+    moe_ = std::make_unique<MoeLayer>(ctx, m, e, block_prefix(layer) + "moe.", N, table, comms.ep,
                                       comms.ep_data, stats, layer);
   else
-    mlp_ = std::make_unique<SwigluMlp>(block_prefix(layer) + "mlp.", m, m.ffn_hidden, N, table);
+    mlp_ = std::make_unique<SwigluMlp>(ctx, block_prefix(layer) + "mlp.", m, m.ffn_hidden, N,
+                                       table);
   if (!reordered_) {
-    attn_in_ = saved_floats("block::attn_in", N * D_);
-    ffn_in_ = saved_floats("block::ffn_in", N * D_);
+    attn_in_ = saved_floats(ctx, "block::attn_in", N * D_);
+    ffn_in_ = saved_floats(ctx, "block::ffn_in", N * D_);
   }
-  attn_out_ = saved_floats("block::attn_out", N * D_);
-  h_ = saved_floats("block::h", N * D_);
-  ffn_out_ = saved_floats("block::ffn_out", N * D_);
-  rstd_attn_ = saved_floats("block::rstd_attn", N);
-  rstd_ffn_ = saved_floats("block::rstd_ffn", N);
+  attn_out_ = saved_floats(ctx, "block::attn_out", N * D_);
+  h_ = saved_floats(ctx, "block::h", N * D_);
+  ffn_out_ = saved_floats(ctx, "block::ffn_out", N * D_);
+  rstd_attn_ = saved_floats(ctx, "block::rstd_attn", N);
+  rstd_ffn_ = saved_floats(ctx, "block::rstd_ffn", N);
 }
 
 void Block::forward(const TensorTable& table, const RopeTables& rope, ConstMat x_block,

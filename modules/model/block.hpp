@@ -38,8 +38,10 @@ class Block {
   // The FFN is an MoE layer when e.is_moe_layer(layer), else the dense SwiGLU MLP. With an
   // Engram plan for this block, x + Engram(x, tokens) enters the block instead of x.
   // With `stats`, its MoE and Engram layers add their statistics there.
-  Block(const ModelCfg& m, const MoeCfg& e, const EngramCfg& g, const EngramHashPlan* plan,
-        int layer, int max_seqs, int seq_len, TensorTable& table,
+  // Its layers compute in ctx's precision and take their saved buffers from ctx's pool (the
+  // caller begins the pool's block first).
+  Block(const RunContext& ctx, const ModelCfg& m, const MoeCfg& e, const EngramCfg& g,
+        const EngramHashPlan* plan, int layer, int max_seqs, int seq_len, TensorTable& table,
         const LayerComms& comms = LayerComms(), StepStats* stats = nullptr);
 
   // x_in, x_out: (N, D); tokens: (N) ids (Engram); docs: document starts (train.document_mask;
@@ -63,10 +65,11 @@ class Block {
                 Mat dx_in, BlockScratch& s, float aux_scale);
 
   // The workspace bytes block `layer`'s calls take at most (with an Engram layer when
-  // `engram`), for max_seqs sequences, an ep group of `ep` ranks, bf16 or fp32 kept operands.
-  static std::int64_t workspace_bytes(const ModelCfg& m, const MoeCfg& e, const EngramCfg& g,
-                                      int layer, bool engram, int max_seqs, int seq_len, int ep,
-                                      bool bf16);
+  // `engram`), for max_seqs sequences, an ep group of `ep` ranks, in ctx's precision (bf16 or
+  // fp32 kept operands) and host threads.
+  static std::int64_t workspace_bytes(const RunContext& ctx, const ModelCfg& m, const MoeCfg& e,
+                                      const EngramCfg& g, int layer, bool engram, int max_seqs,
+                                      int seq_len, int ep);
 
   bool is_moe() const { return moe_ != nullptr; }
   // The lowest table index among the block's tensors (declared first: attn_norm.weight).

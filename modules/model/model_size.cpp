@@ -126,7 +126,7 @@ ModelSize model_size(const ModelCfg& m, const MoeCfg& e, int b, int T, const Eng
     out.state_bytes = (Size(16) * total).get();
     const Size stage = (L + 1) * s.N * D + Size(2) * s.N * D + s.N * D + s.N * V + Size(3) * s.N;
     const Size workspace =
-        Stage::workspace_bytes(m, e, g, StagePlan::whole(), b, T, /*ep=*/1, /*bf16=*/false);
+        Stage::workspace_bytes(RunContext(), m, e, g, StagePlan::whole(), b, T, /*ep=*/1);
     out.activation_bytes = (L * s.block_saved() + moe_layers * s.moe_saved(1) + workspace +
                             Size(4) * stage)
                                .get();
@@ -223,13 +223,15 @@ RankMemory rank_memory(const ModelCfg& m, const MoeCfg& e, const EngramCfg& g, i
     plan.last_block = r.last_block;
     plan.embed = r.embed;
     plan.head = r.head;
-    const Size workspace = Stage::workspace_bytes(m, e, g, plan, b, T, std::max(1, r.ep),
-                                                  r.precision == Precision::Bf16);
+    RunContext ctx;
+    ctx.precision = r.precision;
+    ctx.batch_threads = r.batch_threads;
+    const Size workspace = Stage::workspace_bytes(ctx, m, e, g, plan, b, T, std::max(1, r.ep));
     out.activation_bytes = (kept + workspace).get();
     if (expert_side.get() > 0)
       out.expert_side_bytes =
-          (expert_side + Size(MoeLayer::expert_side_workspace_bytes(
-                             m, e, N.get(), r.ep, r.precision == Precision::Bf16)))
+          (expert_side +
+           Size(MoeLayer::expert_side_workspace_bytes(ctx, m, e, N.get(), r.ep)))
               .get();
     return out;
   });

@@ -37,6 +37,9 @@ struct RankShare {
   int in_flight = 1;       // Stage instances (max_in_flight of the pipeline schedule)
   // train.precision: bf16 keeps the activations MODEL.md section 8 lists as bf16 (2 bytes).
   Precision precision = Precision::Fp32;
+  // The run context's host threads for side-by-side expert products (per-thread scratch); the
+  // dry run, planning for other machines, counts 1.
+  int batch_threads = 1;
   bool recompute = false;  // train.recompute = block: the blocks share one pool of saved buffers
   // optimizer.shard = replicas: the ranks a dense tensor's and an expert's AdamW moments are
   // split over (the stage's dp*ep replicas, the dp group); 1 unsharded. In bf16 runs the

@@ -21,28 +21,29 @@ void declare_model_stats(StepStats& stats, const ModelCfg& m, const MoeCfg& e, c
 
 std::vector<TensorSpec> model_tensors(const Config& cfg) {
   TensorTable table;
-  const Stage stage(cfg.model, cfg.moe, /*max_seqs=*/1, /*seq_len=*/2, table, cfg.engram);
+  const Stage stage(RunContext(), cfg.model, cfg.moe, /*max_seqs=*/1, /*seq_len=*/2, table,
+                    cfg.engram);
   std::vector<TensorSpec> out;
   for (const TensorEntry& e : table.entries()) out.push_back(e.spec);
   return out;
 }
 
-std::int64_t Stage::workspace_bytes(const ModelCfg& m, const MoeCfg& e, const EngramCfg& g,
-                                    const StagePlan& plan, int max_seqs, int T, int ep,
-                                    bool bf16) {
+std::int64_t Stage::workspace_bytes(const RunContext& ctx, const ModelCfg& m, const MoeCfg& e,
+                                    const EngramCfg& g, const StagePlan& plan, int max_seqs,
+                                    int T, int ep) {
   const int last = plan.last_block < 0 ? m.n_layers : plan.last_block;
   std::int64_t bytes = plan.head ? LmHead::workspace_bytes(std::int64_t(max_seqs) * T, m.d_model)
                                  : 0;
   for (int l = plan.first_block; l < last; ++l) {
     const bool engram = std::find(g.layers.begin(), g.layers.end(), l) != g.layers.end();
-    bytes = std::max(bytes, Block::workspace_bytes(m, e, g, l, engram, max_seqs, T, ep, bf16));
+    bytes = std::max(bytes, Block::workspace_bytes(ctx, m, e, g, l, engram, max_seqs, T, ep));
   }
   return bytes;
 }
 
-Stage::Stage(const ModelCfg& m, const MoeCfg& e, int max_seqs, int T, TensorTable& table,
-             const EngramCfg& g, const StagePlan& plan, const LayerComms& comms, StepStats* stats,
-             ActivationPool* pool)
+Stage::Stage(const RunContext& ctx, const ModelCfg& m, const MoeCfg& e, int max_seqs, int T,
+             TensorTable& table, const EngramCfg& g, const StagePlan& plan,
+             const LayerComms& comms, StepStats* stats)
     : model_(m),
       D_(m.d_model),
       T_(T),
@@ -55,7 +56,7 @@ Stage::Stage(const ModelCfg& m, const MoeCfg& e, int max_seqs, int T, TensorTabl
       tokens_("stage::tokens", max_seqs * T),
       d_x_("stage::d_x", std::int64_t(max_seqs) * T * m.d_model),
       d_y_("stage::d_y", std::int64_t(max_seqs) * T * m.d_model),
-      recompute_(pool != nullptr && pool->blocks_share()),
+      recompute_(ctx.pool != nullptr && ctx.pool->blocks_share()),
       top_k_(e.top_k) {
   if (stats) declare_model_stats(*stats, m, e, g);
   const int last = plan.last_block < 0 ? m.n_layers : plan.last_block;
@@ -74,15 +75,16 @@ Stage::Stage(const ModelCfg& m, const MoeCfg& e, int max_seqs, int T, TensorTabl
     const EngramHashPlan* ep = nullptr;
     for (const auto& p : plans)
       if (p.layer == l) ep = &p;
-    const ActivationPool::Block pooled(pool);  // no pool, or not sharing: its own buffers
-    blocks_.push_back(std::make_unique<Block>(m, e, g, ep, l, max_seqs, T, table, comms, stats));
+    if (ctx.pool) ctx.pool->begin_block();  // a pool whose blocks share: the next block's buffers
+    blocks_.push_back(
+        std::make_unique<Block>(ctx, m, e, g, ep, l, max_seqs, T, table, comms, stats));
   }
   if (has_head_) {
     if (m.tie_embeddings && !has_embed_) {  // the last stage's replica of the tied matrix
       embed_weight_ =
           table.add(Embedding::weight_spec(m.vocab_size, m.d_model, m.embedding_std()).as_tied_copy());
     }
-    head_ = std::make_unique<LmHead>(m, max_seqs * T, embed_weight_, table);
+    head_ = std::make_unique<LmHead>(ctx, m, max_seqs * T, embed_weight_, table);
   }
   if (g.enabled()) {
     compress_ = View1I("stage::compress", m.vocab_size);
@@ -95,12 +97,12 @@ Stage::Stage(const ModelCfg& m, const MoeCfg& e, int max_seqs, int T, TensorTabl
   if (m.document_eod >= 0) doc_start_ = View1I("stage::doc_start", max_seqs * T);
   for (std::size_t l = 0; l <= blocks_.size(); ++l)
     resid_.emplace_back("stage::resid", std::int64_t(max_seqs) * T * m.d_model);
-  scratch_ = pool ? pool->shared<BlockScratch>("stage::scratch") : std::make_shared<BlockScratch>();
+  scratch_ = ctx.pool ? ctx.pool->shared<BlockScratch>("stage::scratch")
+                      : std::make_shared<BlockScratch>();
   const int ep = comms.ep ? comms.ep->size() : 1;
-  scratch_->work.reserve(workspace_bytes(m, e, g, plan, max_seqs, T, ep,
-                                         gemm_precision() == Precision::Bf16));
+  scratch_->work.reserve(workspace_bytes(ctx, m, e, g, plan, max_seqs, T, ep));
   if (recompute_)
-    recomputed_ = *pool->shared<View1F>("stage::recomputed", "stage::recomputed",
+    recomputed_ = *ctx.pool->shared<View1F>("stage::recomputed", "stage::recomputed",
                                         std::int64_t(max_seqs) * T * m.d_model);
 }
 

@@ -45,21 +45,23 @@ class Stage {
   // the embedding but with tied embeddings declares a tied copy of embed.weight for the head.
   // With `stats`, it declares the statistics columns of every block of the model (all
   // stages, so that every rank has the same columns) and its own blocks add into them.
-  // Instances built on one `pool` share their blocks' workspace (BlockScratch); without one
-  // the stage has its own. When the pool's blocks share (train.recompute = block) the blocks
-  // take their saved buffers from it too, shared with every block of every instance built on
-  // it, keep only their inputs (the residual streams), and backward() runs each block's
-  // forward again just before its backward, counting no statistics the second time.
-  Stage(const ModelCfg& m, const MoeCfg& e, int max_seqs, int seq_len, TensorTable& table,
-        const EngramCfg& g = EngramCfg(), const StagePlan& plan = StagePlan::whole(),
-        const LayerComms& comms = LayerComms(), StepStats* stats = nullptr,
-        ActivationPool* pool = nullptr);
+  // Its layers compute as ctx says (precision, host threads). Instances built on one context's
+  // pool share their blocks' workspace (BlockScratch); without one the stage has its own. When
+  // the pool's blocks share (train.recompute = block) the blocks take their saved buffers from
+  // it too, shared with every block of every instance built on it, keep only their inputs (the
+  // residual streams), and backward() runs each block's forward again just before its
+  // backward, counting no statistics the second time.
+  Stage(const RunContext& ctx, const ModelCfg& m, const MoeCfg& e, int max_seqs, int seq_len,
+        TensorTable& table, const EngramCfg& g = EngramCfg(),
+        const StagePlan& plan = StagePlan::whole(), const LayerComms& comms = LayerComms(),
+        StepStats* stats = nullptr);
 
   // The workspace bytes reserved for the calls of a stage holding `plan`'s blocks (and head)
-  // for max_seqs sequences, with an ep group of `ep` ranks and bf16 or fp32 kept operands.
-  static std::int64_t workspace_bytes(const ModelCfg& m, const MoeCfg& e, const EngramCfg& g,
-                                      const StagePlan& plan, int max_seqs, int seq_len, int ep,
-                                      bool bf16);
+  // for max_seqs sequences, with an ep group of `ep` ranks, in ctx's precision (bf16 or fp32
+  // kept operands) and host threads.
+  static std::int64_t workspace_bytes(const RunContext& ctx, const ModelCfg& m, const MoeCfg& e,
+                                      const EngramCfg& g, const StagePlan& plan, int max_seqs,
+                                      int seq_len, int ep);
 
   // The (N, D) buffer a stage without the embedding receives its input into before forward().
   float* input_buffer() { return resid_[0].data(); }

@@ -9,6 +9,7 @@
 #include "core/device_sync.hpp"
 #include "core/error.hpp"
 #include "core/gemm.hpp"
+#include "core/segments.hpp"
 
 namespace kmoe {
 namespace {
@@ -27,7 +28,9 @@ namespace {
 struct MoeWorkspace {
   std::int64_t staging, hidden, rows_fp32, wire_in;
   bool wire;
-  MoeWorkspace(const ModelCfg& m, const MoeCfg& e, std::int64_t N, int ep, bool bf16) {
+  MoeWorkspace(const RunContext& ctx, const ModelCfg& m, const MoeCfg& e, std::int64_t N,
+               int ep) {
+    const bool bf16 = ctx.bf16();
     auto r = [](std::int64_t bytes) { return Workspace::rounded(bytes); };
     const std::int64_t D = m.d_model, Fe = e.expert_hidden, S = N * e.top_k;
     const int El = e.experts / std::max(ep, 1);
@@ -38,7 +41,7 @@ struct MoeWorkspace {
                                   : std::min(rows, (2 * rows + El - 1) / El);
     wire = ep > 1 && bf16 && D % 2 == 0;  // rows and their gradients travel as bf16
     staging = bf16 ? 2 * r(4 * most * Fe) : 0;
-    hidden = expert_threads(e, m.d_model, El, bf16) * 3 * r(4 * most * Fe);  // per thread
+    hidden = expert_threads(ctx, e, m.d_model, El, bf16) * 3 * r(4 * most * Fe);  // per thread
     rows_fp32 = r(4 * rows * D);
     wire_in = wire ? r(2 * rows * D) : 0;
   }
@@ -52,19 +55,19 @@ struct MoeWorkspace {
 };
 }  // namespace
 
-std::int64_t MoeLayer::expert_side_workspace_bytes(const ModelCfg& m, const MoeCfg& e,
-                                                   std::int64_t N, int ep, bool bf16) {
-  return ep > 1 ? MoeWorkspace(m, e, N, ep, bf16).expert_side() : 0;
+std::int64_t MoeLayer::expert_side_workspace_bytes(const RunContext& ctx, const ModelCfg& m,
+                                                   const MoeCfg& e, std::int64_t N, int ep) {
+  return ep > 1 ? MoeWorkspace(ctx, m, e, N, ep).expert_side() : 0;
 }
 
-std::int64_t MoeLayer::workspace_bytes(const ModelCfg& m, const MoeCfg& e, std::int64_t N,
-                                       int ep, bool bf16) {
+std::int64_t MoeLayer::workspace_bytes(const RunContext& ctx, const ModelCfg& m, const MoeCfg& e,
+                                       std::int64_t N, int ep) {
   auto r = [](std::int64_t bytes) { return Workspace::rounded(bytes); };
-  const MoeWorkspace w(m, e, N, ep, bf16);
+  const MoeWorkspace w(ctx, m, e, N, ep);
   const std::int64_t D = m.d_model, S = N * e.top_k;
   const std::int64_t shared =
       e.shared_experts > 0
-          ? SwigluMlp::workspace_bytes(N, e.shared_experts * e.shared_hidden, bf16)
+          ? SwigluMlp::workspace_bytes(N, e.shared_experts * e.shared_hidden, ctx.bf16())
           : 0;
   // The slots' weight and row gradients (and the rows' bf16 form), then the expert side (here:
   // the hidden gradients) or, after it, the logit gradients; the forward's staging.
@@ -108,10 +111,11 @@ void MoeLayer::after_optimizer_step(TensorTable& table, const StepStats& stats) 
   update_router_bias(table, bias_, std::vector<double>(counts, counts + E_), cfg_.bias_update_rate);
 }
 
-MoeLayer::MoeLayer(const ModelCfg& m, const MoeCfg& e, const std::string& prefix,
-                   std::int64_t max_tokens, TensorTable& table, const Communicator* ep,
-                   const DataComm* ep_data, StepStats* stats, int block)
-    : D_(m.d_model),
+MoeLayer::MoeLayer(const RunContext& ctx, const ModelCfg& m, const MoeCfg& e,
+                   const std::string& prefix, std::int64_t max_tokens, TensorTable& table,
+                   const Communicator* ep, const DataComm* ep_data, StepStats* stats, int block)
+    : ctx_(ctx.unpooled()),
+      D_(m.d_model),
       E_(e.experts),
       k_(e.top_k),
       Fe_(e.expert_hidden),
@@ -137,42 +141,42 @@ MoeLayer::MoeLayer(const ModelCfg& m, const MoeCfg& e, const std::string& prefix
   w2_ = expert("experts.w2", D_, Fe_, true);
   if (e.bias_update_rate > 0) bias_ = table.add(TensorSpec::buffer(prefix + "router_bias", {E_}));
   if (e.shared_experts > 0)
-    shared_ = std::make_unique<SwigluMlp>(prefix + "shared.", m, e.shared_experts * e.shared_hidden,
+    shared_ = std::make_unique<SwigluMlp>(ctx, prefix + "shared.", m, e.shared_experts * e.shared_hidden,
                                           max_tokens, table);
   const std::int64_t slots = max_tokens * k_;
-  logits_ = saved_floats("moe::logits", max_tokens * E_);
-  probs_ = saved_floats("moe::probs", max_tokens * E_);
-  lse_ = saved_floats("moe::lse", max_tokens);
+  logits_ = saved_floats(ctx, "moe::logits", max_tokens * E_);
+  probs_ = saved_floats(ctx, "moe::probs", max_tokens * E_);
+  lse_ = saved_floats(ctx, "moe::lse", max_tokens);
   sel_ = View1I("moe::sel", slots);
-  weights_ = saved_floats("moe::weights", slots);
-  slot_row_ = saved_ints("moe::slot_row", slots);
-  row_slot_ = saved_ints("moe::row_slot", slots);
+  weights_ = saved_floats(ctx, "moe::weights", slots);
+  slot_row_ = saved_ints(ctx, "moe::slot_row", slots);
+  row_slot_ = saved_ints(ctx, "moe::row_slot", slots);
   row_offsets_ = View1I("moe::row_offsets", E_ + 1);
   if (P_ > 1) {
     dispatch_ = std::make_unique<ExpertDispatch>(*ep, ep_data ? *ep_data : *ep, E_, D_);
     // The expert side's rows depend on the routing of every ep rank: sized here for twice a
     // balanced share, grown in a step only beyond that.
     const std::int64_t rows = 2 * slots;
-    ex_in_ = KeptOperand("moe::ex_in", rows * D_, /*may_be_bf16=*/D_ % 2 == 0);
-    ex_up1_ = KeptOperand("moe::ex_up1", rows * Fe_);
-    ex_up3_ = KeptOperand("moe::ex_up3", rows * Fe_);
-    ex_act_ = KeptOperand("moe::ex_act", rows * Fe_);
+    ex_in_ = KeptOperand(ctx, "moe::ex_in", rows * D_, /*may_be_bf16=*/D_ % 2 == 0);
+    ex_up1_ = KeptOperand(ctx, "moe::ex_up1", rows * Fe_);
+    ex_up3_ = KeptOperand(ctx, "moe::ex_up3", rows * Fe_);
+    ex_act_ = KeptOperand(ctx, "moe::ex_act", rows * Fe_);
   }
   // With expert parallelism the gathered rows are the dispatch's send buffer (bf16 only when
   // they can travel as 4-byte pairs), and the expert side uses the ex_* buffers instead of up1_,
   // up3_, act_.
-  rows_in_ = KeptOperand("moe::rows_in", slots * D_, /*may_be_bf16=*/P_ == 1 || D_ % 2 == 0);
+  rows_in_ = KeptOperand(ctx, "moe::rows_in", slots * D_, /*may_be_bf16=*/P_ == 1 || D_ % 2 == 0);
   if (P_ == 1) {
-    up1_ = KeptOperand("moe::up1", slots * Fe_);
-    up3_ = KeptOperand("moe::up3", slots * Fe_);
-    act_ = KeptOperand("moe::act", slots * Fe_);
+    up1_ = KeptOperand(ctx, "moe::up1", slots * Fe_);
+    up3_ = KeptOperand(ctx, "moe::up3", slots * Fe_);
+    act_ = KeptOperand(ctx, "moe::act", slots * Fe_);
   }
-  rows_out_ = saved_floats("moe::rows_out", slots * D_);
+  rows_out_ = saved_floats(ctx, "moe::rows_out", slots * D_);
   aux_sums_ = View1D("moe::aux_sums", E_ + 1);
   report_ = View1D("moe::report", E_ + 3);
   aux_partial_ = View1D("moe::aux_partial", ((max_tokens + kAuxChunk - 1) / kAuxChunk) * (E_ + 1));
   if (use_grouped_expert_gemm(e.expert_gemm)) {
-    grouped_ = std::make_unique<GroupedGemm>(El_);
+    grouped_ = std::make_unique<GroupedGemm>(ctx, El_);
     if (P_ > 1) local_offsets_ = View1I("moe::local_offsets", El_ + 1);
   }
 }
@@ -182,13 +186,14 @@ MoeLayer::MoeLayer(const ModelCfg& m, const MoeCfg& e, const std::string& prefix
 // read of the row counts included (docs/PERFORMANCE.md, "One GPU").
 bool use_grouped_expert_gemm(ExpertGemm choice) { return choice == ExpertGemm::Grouped; }
 
-int expert_threads(const MoeCfg& e, int d_model, int local_experts, bool bf16) {
-  if (bf16 || gemm_precision() == Precision::Bf16 || use_grouped_expert_gemm(e.expert_gemm) ||
+int expert_threads(const RunContext& ctx, const MoeCfg& e, int d_model, int local_experts,
+                   bool bf16) {
+  if (bf16 || ctx.bf16() || use_grouped_expert_gemm(e.expert_gemm) ||
       local_experts < 2)
     return 1;
   // A single-column product is gemm()'s gemv, not the call gemm_on_host_thread makes.
   if (d_model == 1 || e.expert_hidden == 1) return 1;
-  return std::min(gemm_batch_threads(), local_experts);
+  return std::min(ctx.batch_threads, local_experts);
 }
 
 MoeStats MoeLayer::report() const {
@@ -205,15 +210,31 @@ MoeStats MoeLayer::report() const {
 
 void MoeLayer::forward(const TensorTable& table, ConstMat x, Mat y, Workspace& ws, View1D aux,
                        bool count) {
-  const int N = x.extent(0), E = E_, k = k_, D = D_, Fe = Fe_;
-  N_ = N;
-  const bool softmax = cfg_.score == RouterScore::Softmax, normalize = cfg_.normalize_topk;
+  N_ = x.extent(0);
+  route(table, x);
+  const int cap = capacity(N_);
+  assign_rows(cap);
+  gather_rows(x);
+  run_experts(table, ws);
+  combine(table, x, y, ws);
+  add_aux_losses(aux, count, cap);
+}
 
+int MoeLayer::capacity(int N) const {
+  return cfg_.capacity_factor > 0
+             ? static_cast<int>(std::ceil(cfg_.capacity_factor * double(N) * k_ / E_))
+             : INT_MAX;
+}
+
+void MoeLayer::route(const TensorTable& table, ConstMat x) {
+  const int N = N_, E = E_, k = k_, D = D_;
+  const bool softmax = cfg_.score == RouterScore::Softmax, normalize = cfg_.normalize_topk;
   // Router logits (N, E), then per token: logsumexp, scores, top-k of the scores (strictly
   // greater wins, so ties go to the lower expert index), and the k weights.
   Mat z = as_mat(logits_.data(), N, E);
-  gemm(Trans::N, Trans::T, 1.0f, x, as_cmat(table.param(router_), E, D), 0.0f, z,
-       GemmInputs::Fp32);  // the router stays fp32 in every precision (MODEL.md section 8)
+  // The router stays fp32 in every precision (MODEL.md section 8).
+  gemm(ctx_.exact_fp32(), Trans::N, Trans::T, 1.0f, x, as_cmat(table.param(router_), E, D), 0.0f,
+       z);
   auto p = as_mat(probs_.data(), N, E);
   auto lse = lse_;
   auto sel = sel_;
@@ -266,14 +287,14 @@ void MoeLayer::forward(const TensorTable& table, ConstMat x, Mat y, Workspace& w
             for (int j = 0; j < k; ++j) w(t * k + j) /= wsum;
           });
       });
+}
 
+void MoeLayer::assign_rows(int cap) {
+  const int N = N_, E = E_, k = k_;
   // Dispatch: slots grouped per expert in token order; with a capacity, each expert keeps its
   // first `cap` slots (token order) and drops the rest.
   const int slots = N * k;
   buckets_.build(ConstIVec(sel_.data(), slots));
-  const int cap = cfg_.capacity_factor > 0
-                      ? static_cast<int>(std::ceil(cfg_.capacity_factor * double(N) * k / E))
-                      : INT_MAX;
   auto off = buckets_.offsets;
   auto ord = buckets_.order;
   auto roff = row_offsets_;
@@ -300,15 +321,7 @@ void MoeLayer::forward(const TensorTable& table, ConstMat x, Mat y, Workspace& w
   // One thread per grouped slot; its expert from the offsets (the last e with off(e) <= a).
   Kokkos::parallel_for(
       "moe::assign_rows", Range(0, slots), KOKKOS_LAMBDA(int a) {
-        int lo = 0, hi = E;  // off(lo) <= a < off(hi)
-        while (hi - lo > 1) {
-          const int mid = (lo + hi) / 2;
-          if (off(mid) <= a)
-            lo = mid;
-          else
-            hi = mid;
-        }
-        const int e = lo, rank = a - off(e), slot = ord(a);
+        const int e = segment_of(off, E, a), rank = a - off(e), slot = ord(a);
         if (rank < cap) {
           slot_row(slot) = roff(e) + rank;
           row_slot(roff(e) + rank) = slot;
@@ -316,6 +329,12 @@ void MoeLayer::forward(const TensorTable& table, ConstMat x, Mat y, Workspace& w
           slot_row(slot) = -1;
         }
       });
+}
+
+void MoeLayer::gather_rows(ConstMat x) {
+  const int E = E_, k = k_, D = D_;
+  auto roff = row_offsets_;
+  auto row_slot = row_slot_;
   const int R = static_cast<int>(rows_);
   const KeptOut rows_in = rows_in_.out();
   // Row copies: one team per row, its threads over the features (coalesced on GPUs, a plain
@@ -328,10 +347,13 @@ void MoeLayer::forward(const TensorTable& table, ConstMat x, Mat y, Workspace& w
         Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, D),
                              [&](int d) { rows_in.set(std::int64_t(r) * D + d, x(t, d)); });
       });
+}
 
+void MoeLayer::run_experts(const TensorTable& table, Workspace& ws) {
+  const int D = D_, Fe = Fe_, R = static_cast<int>(rows_);
   // Experts: one contiguous row block each, here or on their ep rank.
   if (!dispatch_) {
-    if (grouped_) grouped_->plan(roff, R);
+    if (grouped_) grouped_->plan(row_offsets_, R);
     experts_forward(table, rows_in_.matrix(R, D), host_offsets_, R, up1_, up3_, act_,
                     rows_out_.data(), ws);
   } else {
@@ -355,7 +377,12 @@ void MoeLayer::forward(const TensorTable& table, ConstMat x, Mat y, Workspace& w
                     ex_up1_, ex_up3_, ex_act_, ex_out, ws);
     dispatch_->combine(ex_out, rows_out_.data(), ws);
   }
+}
 
+void MoeLayer::combine(const TensorTable& table, ConstMat x, Mat y, Workspace& ws) {
+  const int N = N_, k = k_, D = D_, R = static_cast<int>(rows_);
+  auto slot_row = slot_row_;
+  auto w = weights_;
   // Combine: y = shared(x) + sum_j w_j expert_j(x), slots in order (dropped ones give 0).
   if (shared_)
     shared_->forward(table, x, y, ws);
@@ -374,7 +401,13 @@ void MoeLayer::forward(const TensorTable& table, ConstMat x, Mat y, Workspace& w
                                [&](int d) { y(t, d) += wj * out(r, d); });
         }
       });
+}
 
+void MoeLayer::add_aux_losses(View1D aux, bool count, int cap) {
+  const int N = N_, E = E_, k = k_;
+  auto p = as_mat(probs_.data(), N, E);
+  auto lse = lse_;
+  auto off = buckets_.offsets;
   // LB = (E/k) sum_e (c_e / N) P_e with P_e = mean_t p_te; RZ = mean_t lse_t^2. Column sums in
   // two fixed-order stages (chunks of tokens, then the chunks in order: the same sums on every
   // backend), then the report, the statistics and the loss term, all on the device.
@@ -434,34 +467,38 @@ void MoeLayer::forward(const TensorTable& table, ConstMat x, Mat y, Workspace& w
 
 void MoeLayer::backward(TensorTable& table, ConstMat x, ConstMat dy, Mat dx, Workspace& ws,
                         float aux_scale) {
-  const int N = N_, E = E_, k = k_, D = D_, R = static_cast<int>(rows_);
-  const bool softmax = cfg_.score == RouterScore::Softmax, normalize = cfg_.normalize_topk;
-
+  const int N = N_, k = k_, D = D_, R = static_cast<int>(rows_);
   if (shared_)
     shared_->backward(table, x, dy, dx, ws);
   else
     Kokkos::deep_copy(ExecSpace(),
                       Kokkos::View<float**, Layout, MemSpace, Unmanaged>(dx.data(), N, D), 0.0f);
-
-  // Per expert row: the gradient of its output (w * dy of its token) and of its weight
-  // (<dy, output>); dropped slots contributed 0 and get weight gradient 0.
-  auto w = weights_;
-  auto slot_row = slot_row_, row_slot = row_slot_;
   Workspace::Frame frame(ws);
   const Vec dwt(frame.floats(std::int64_t(N) * k), std::int64_t(N) * k);  // (N*k)
   // (R, D): the rows' output gradients, then their input gradients
   Mat d_rows = frame.mat(std::max(R, 1), D);
+  // In bf16 runs with expert parallelism the output gradients leave as bf16 (the products on
+  // the expert side would round them anyway); otherwise they are d_rows.
+  const bool wire = dispatch_ && rows_in_.is_bf16();
+  std::uint16_t* wire_out = wire ? frame.words(std::int64_t(std::max(R, 1)) * D) : nullptr;
+  row_grads(dy, dwt, wire ? KeptOut{nullptr, wire_out} : KeptOut{d_rows.data(), nullptr});
+  run_experts_backward(table, d_rows, wire_out, ws);
+  scatter_inputs(as_cmat(d_rows), dx);
+  router_backward(table, x, dwt, dx, aux_scale, ws);
+}
+
+void MoeLayer::row_grads(ConstMat dy, Vec dwt, KeptOut g_rows) const {
+  const int N = N_, E = E_, k = k_, D = D_, R = static_cast<int>(rows_);
+  // Per expert row: the gradient of its output (w * dy of its token) and of its weight
+  // (<dy, output>); dropped slots contributed 0 and get weight gradient 0.
+  auto w = weights_;
+  auto slot_row = slot_row_, row_slot = row_slot_;
   auto out = as_cmat(rows_out_.data(), std::max(R, 1), D);
   Kokkos::parallel_for(
       "moe::dropped_weight_grad", Range(0, N * k), KOKKOS_LAMBDA(int slot) {
         if (slot_row(slot) < 0) dwt(slot) = 0.0f;
       });
   auto roff = row_offsets_;
-  // In bf16 runs with expert parallelism the output gradients leave as bf16 (the products on
-  // the expert side would round them anyway); otherwise they are d_rows.
-  const bool wire = dispatch_ && rows_in_.is_bf16();
-  std::uint16_t* wire_out = wire ? frame.words(std::int64_t(std::max(R, 1)) * D) : nullptr;
-  const KeptOut g_rows = wire ? KeptOut{nullptr, wire_out} : KeptOut{d_rows.data(), nullptr};
   Kokkos::parallel_for(
       "moe::row_grads", row_policy(R), KOKKOS_LAMBDA(const TeamMember& tm) {
         const int r = tm.league_rank();
@@ -478,8 +515,13 @@ void MoeLayer::backward(TensorTable& table, ConstMat x, ConstMat dy, Mat dx, Wor
             dot);
         Kokkos::single(Kokkos::PerTeam(tm), [&]() { dwt(slot) = dot; });
       });
+}
 
+void MoeLayer::run_experts_backward(TensorTable& table, Mat d_rows, const std::uint16_t* wire_out,
+                                    Workspace& ws) const {
+  const int D = D_, R = static_cast<int>(rows_);
   // Experts backward (here or on their ep rank): d_rows then holds the input gradients.
+  const bool wire = wire_out != nullptr;
   if (!dispatch_) {
     experts_backward(table, operand(as_cmat(d_rows)), d_rows.data(), rows_in_.matrix(R, D), up1_,
                      up3_, act_, host_offsets_, R, ws);
@@ -500,6 +542,11 @@ void MoeLayer::backward(TensorTable& table, ConstMat x, ConstMat dy, Mat dx, Wor
                      dispatch_->local_offsets(), Rx, ws);
     dispatch_->combine(ex_grad, d_rows.data(), ws);
   }
+}
+
+void MoeLayer::scatter_inputs(ConstMat d_rows, Mat dx) const {
+  const int N = N_, k = k_, D = D_;
+  auto slot_row = slot_row_;
   Kokkos::parallel_for(
       "moe::scatter_inputs", row_policy(N), KOKKOS_LAMBDA(const TeamMember& tm) {
         const int t = tm.league_rank();
@@ -510,7 +557,13 @@ void MoeLayer::backward(TensorTable& table, ConstMat x, ConstMat dy, Mat dx, Wor
                                [&](int d) { dx(t, d) += d_rows(r, d); });
         }
       });
+}
 
+void MoeLayer::router_backward(TensorTable& table, ConstMat x, ConstVec dwt, Mat dx,
+                               float aux_scale, Workspace& ws) const {
+  const int N = N_, E = E_, k = k_, D = D_;
+  const bool softmax = cfg_.score == RouterScore::Softmax, normalize = cfg_.normalize_topk;
+  auto w = weights_;
   // Router: d scores from the weights and the LB term, then through softmax/sigmoid, plus the
   // z-loss; dlogits -> router weight and input gradients.
   auto z = as_cmat(logits_.data(), N, E);
@@ -518,6 +571,7 @@ void MoeLayer::backward(TensorTable& table, ConstMat x, ConstMat dy, Mat dx, Wor
   auto lse = lse_;
   auto sel = sel_;
   auto off = buckets_.offsets;
+  Workspace::Frame frame(ws);
   Mat dz = frame.mat(N, E);
   const float lb_scale = aux_scale * cfg_.lb_coef * float(E) / k / (float(N) * N);
   const float rz_scale = aux_scale * cfg_.z_coef * 2.0f / N;
@@ -552,10 +606,10 @@ void MoeLayer::backward(TensorTable& table, ConstMat x, ConstMat dy, Mat dx, Wor
           dz(t, e) = g;
         });
       });
-  gemm(Trans::T, Trans::N, 1.0f, as_cmat(dz), x, 1.0f, as_mat(table.grad(router_), E, D),
-       GemmInputs::Fp32);
-  gemm(Trans::N, Trans::N, 1.0f, as_cmat(dz), as_cmat(table.param(router_), E, D), 1.0f, dx,
-       GemmInputs::Fp32);
+  const RunContext fp32 = ctx_.exact_fp32();
+  gemm(fp32, Trans::T, Trans::N, 1.0f, as_cmat(dz), x, 1.0f, as_mat(table.grad(router_), E, D));
+  gemm(fp32, Trans::N, Trans::N, 1.0f, as_cmat(dz), as_cmat(table.param(router_), E, D), 1.0f,
+       dx);
 }
 
 void MoeLayer::experts_forward(const TensorTable& table, const Operand& in,
@@ -581,7 +635,7 @@ void MoeLayer::experts_forward(const TensorTable& table, const Operand& in,
                    0.0f, out, D);
     return;
   }
-  if (const int threads = expert_threads(cfg_, D_, El_, staged); threads > 1) {
+  if (const int threads = expert_threads(ctx_, cfg_, D_, El_, staged); threads > 1) {
     // fp32: the products write the kept buffers directly; each expert's chain on one thread.
     host_items_side_by_side("moe::experts_forward", El_, threads, [&](int le, int) {
       const int r0 = off[le], n = off[le + 1] - r0;
@@ -608,10 +662,10 @@ void MoeLayer::experts_forward(const TensorTable& table, const Operand& in,
     const std::int64_t h0 = std::int64_t(r0) * Fe;
     Mat u1 = as_mat(up1.product_target(s1, h0), n, Fe);
     Mat u3 = as_mat(up3.product_target(s3, h0), n, Fe);
-    gemm(Trans::N, Trans::T, 1.0f, x, table.weight(w1_, Fe, D, le * wsz), 0.0f, u1);
-    gemm(Trans::N, Trans::T, 1.0f, x, table.weight(w3_, Fe, D, le * wsz), 0.0f, u3);
+    gemm(ctx_, Trans::N, Trans::T, 1.0f, x, table.weight(w1_, Fe, D, le * wsz), 0.0f, u1);
+    gemm(ctx_, Trans::N, Trans::T, 1.0f, x, table.weight(w3_, Fe, D, le * wsz), 0.0f, u3);
     swiglu_activate(u1.data(), u3.data(), Fe, n, Fe, act.out(h0), up1.out(h0), up3.out(h0));
-    gemm(Trans::N, Trans::T, 1.0f, act.matrix(n, Fe, h0), table.weight(w2_, D, Fe, le * wsz), 0.0f,
+    gemm(ctx_, Trans::N, Trans::T, 1.0f, act.matrix(n, Fe, h0), table.weight(w2_, D, Fe, le * wsz), 0.0f,
          as_mat(out + std::int64_t(r0) * D, n, D));
   }
 }
@@ -640,7 +694,7 @@ void MoeLayer::experts_backward(TensorTable& table, const Operand& g_rows, float
   const int most = largest_block(off);
   Workspace::Frame frame(ws);  // one expert's hidden gradients at a time (per thread)
   const std::int64_t hidden = std::max<std::int64_t>(most, 1) * Fe;
-  if (const int threads = expert_threads(cfg_, D_, El_, up1.is_bf16()); threads > 1) {
+  if (const int threads = expert_threads(ctx_, cfg_, D_, El_, up1.is_bf16()); threads > 1) {
     float* bufs = frame.floats(threads * 3 * hidden);
     host_items_side_by_side("moe::experts_backward", El_, threads, [&](int le, int t) {
       const int r0 = off[le], n = off[le + 1] - r0;
@@ -679,17 +733,17 @@ void MoeLayer::experts_backward(TensorTable& table, const Operand& g_rows, float
     const std::int64_t h0 = std::int64_t(r0) * Fe;
     Mat da = as_mat(da_buf, n, Fe);
     Mat du1 = as_mat(du1_buf, n, Fe), du3 = as_mat(du3_buf, n, Fe);
-    gemm(Trans::N, Trans::N, 1.0f, g, table.weight(w2_, D, Fe, le * wsz), 0.0f, da);
-    gemm(Trans::T, Trans::N, 1.0f, g, act.matrix(n, Fe, h0), 1.0f,
+    gemm(ctx_, Trans::N, Trans::N, 1.0f, g, table.weight(w2_, D, Fe, le * wsz), 0.0f, da);
+    gemm(ctx_, Trans::T, Trans::N, 1.0f, g, act.matrix(n, Fe, h0), 1.0f,
          as_mat(table.grad(w2_) + le * wsz, D, Fe));
     swiglu_activate_backward(up1.in(h0), up3.in(h0), Fe, as_cmat(da), du1.data(), du3.data(), Fe);
-    gemm(Trans::T, Trans::N, 1.0f, as_cmat(du1), x, 1.0f,
+    gemm(ctx_, Trans::T, Trans::N, 1.0f, as_cmat(du1), x, 1.0f,
          as_mat(table.grad(w1_) + le * wsz, Fe, D));
-    gemm(Trans::T, Trans::N, 1.0f, as_cmat(du3), x, 1.0f,
+    gemm(ctx_, Trans::T, Trans::N, 1.0f, as_cmat(du3), x, 1.0f,
          as_mat(table.grad(w3_) + le * wsz, Fe, D));
     // The gradient w.r.t. the expert's inputs.
-    gemm(Trans::N, Trans::N, 1.0f, as_cmat(du1), table.weight(w1_, Fe, D, le * wsz), 0.0f, g_in);
-    gemm(Trans::N, Trans::N, 1.0f, as_cmat(du3), table.weight(w3_, Fe, D, le * wsz), 1.0f, g_in);
+    gemm(ctx_, Trans::N, Trans::N, 1.0f, as_cmat(du1), table.weight(w1_, Fe, D, le * wsz), 0.0f, g_in);
+    gemm(ctx_, Trans::N, Trans::N, 1.0f, as_cmat(du3), table.weight(w3_, Fe, D, le * wsz), 1.0f, g_in);
   }
 }
 

@@ -44,13 +44,14 @@ struct MoeStats {
 bool use_grouped_expert_gemm(ExpertGemm choice);
 
 // Host threads that run a layer's per-expert GEMMs side by side, one expert's whole chain (its
-// products and SwiGLU) per thread at a time: gemm_batch_threads() (a host BLAS running one
+// products and SwiGLU) per thread at a time: ctx.batch_threads (a host BLAS running one
 // thread per call) in fp32 runs with per-expert GEMMs, at most one per local expert; else 1,
 // the experts one after the other with the BLAS's own threads. Each product is the BLAS call
 // gemm() makes, on one thread: the numbers of a one-thread BLAS (a BLAS whose multi-threaded
 // products differ in the last bits, as an OpenMP OpenBLAS, gives other last bits when this
 // path turns on). `bf16`: the layer keeps bf16 activations.
-int expert_threads(const MoeCfg& e, int d_model, int local_experts, bool bf16);
+int expert_threads(const RunContext& ctx, const MoeCfg& e, int d_model, int local_experts,
+                   bool bf16);
 
 // Aux-loss-free balancing (DeepSeek-V3), after each optimizer step: with C_e the expert's
 // assignments over the whole global batch, bias_e += gamma * sign(mean(C) - C_e).
@@ -73,9 +74,9 @@ class MoeLayer {
   // declared as this rank's row block [E/P experts] of the global [E, ...] shape.
   // Counts go over `ep` (MPI, host), rows over `ep_data` (its data plane; ep when null).
   // With `stats`, every forward adds its report to the columns of block `block`.
-  MoeLayer(const ModelCfg& m, const MoeCfg& e, const std::string& prefix, std::int64_t max_tokens,
-           TensorTable& table, const Communicator* ep = nullptr, const DataComm* ep_data = nullptr,
-           StepStats* stats = nullptr, int block = 0);
+  MoeLayer(const RunContext& ctx, const ModelCfg& m, const MoeCfg& e, const std::string& prefix,
+           std::int64_t max_tokens, TensorTable& table, const Communicator* ep = nullptr,
+           const DataComm* ep_data = nullptr, StepStats* stats = nullptr, int block = 0);
 
   // Declares (or finds) the columns of the MoE layer at `block`.
   static MoeStatColumns declare_stats(StepStats& stats, int block, const MoeCfg& e);
@@ -103,12 +104,13 @@ class MoeLayer {
   // group of `ep` ranks, the expert side's rows at twice a balanced share (2 * max_tokens *
   // top_k, as its kept buffers are sized) and, with per-expert GEMMs, its largest expert at
   // twice a balanced share of them; a step that routes more takes more.
-  static std::int64_t workspace_bytes(const ModelCfg& m, const MoeCfg& e, std::int64_t max_tokens,
-                                      int ep, bool bf16);
+  static std::int64_t workspace_bytes(const RunContext& ctx, const ModelCfg& m, const MoeCfg& e,
+                                      std::int64_t max_tokens, int ep);
   // Of that, the expert side's (ep > 1; 0 otherwise): outputs, received gradients, transfer
   // buffers or hidden gradients.
-  static std::int64_t expert_side_workspace_bytes(const ModelCfg& m, const MoeCfg& e,
-                                                  std::int64_t max_tokens, int ep, bool bf16);
+  static std::int64_t expert_side_workspace_bytes(const RunContext& ctx, const ModelCfg& m,
+                                                  const MoeCfg& e, std::int64_t max_tokens,
+                                                  int ep);
 
   // The router_bias buffer's table index, or -1 without aux-loss-free balancing.
   int bias_index() const { return bias_; }
@@ -120,6 +122,39 @@ class MoeLayer {
   ConstIVec selected() const { return ConstIVec(sel_.data(), sel_.extent(0)); }
 
  private:
+  // The phases of forward(), in order (their kernels carry the same names):
+  // Router logits (fp32 in every precision), per token the logsumexp, scores, top-k picks and
+  // weights.
+  void route(const TensorTable& table, ConstMat x);
+  // Assignments each expert keeps (all, or its first `cap` in token order): INT_MAX dropless.
+  int capacity(int N) const;
+  // The slots grouped per expert in token order: each kept slot's row in the expert blocks and
+  // back, the blocks' offsets (read to the host where per-expert GEMMs or ep need them).
+  void assign_rows(int cap);
+  // The kept slots' input rows, expert-major (bf16 in bf16 runs).
+  void gather_rows(ConstMat x);
+  // The experts' SwiGLUs on their row blocks, here or on their ep ranks (dispatch, combine).
+  void run_experts(const TensorTable& table, Workspace& ws);
+  // y = shared(x) + sum_j w_j expert_j(x), slots in order (dropped ones give 0).
+  void combine(const TensorTable& table, ConstMat x, Mat y, Workspace& ws);
+  // LB and RZ, the report, the statistics and the loss term, on the device.
+  void add_aux_losses(View1D aux, bool count, int cap);
+
+  // The phases of backward(), in order:
+  // The rows' output gradients (w * dy of their token) into g_rows, the slots' weight
+  // gradients (<dy, output>; 0 for dropped slots) into dwt.
+  void row_grads(ConstMat dy, Vec dwt, KeptOut g_rows) const;
+  // The experts' backward, here or on their ep ranks: d_rows then holds the rows' input
+  // gradients (the output gradients arrive in d_rows, or as bf16 in wire_out).
+  void run_experts_backward(TensorTable& table, Mat d_rows, const std::uint16_t* wire_out,
+                            Workspace& ws) const;
+  // dx += each kept slot's input gradient, slots in order.
+  void scatter_inputs(ConstMat d_rows, Mat dx) const;
+  // d scores from the weights and the LB term, through softmax/sigmoid, plus the z-loss; the
+  // logit gradients -> router weight and input gradients.
+  void router_backward(TensorTable& table, ConstMat x, ConstVec dwt, Mat dx, float aux_scale,
+                       Workspace& ws) const;
+
   // The local experts' SwiGLUs on `rows` rows grouped per local expert: El+1 row bounds in
   // `off` (host; per-expert GEMMs) or planned into grouped_ (device; grouped GEMMs).
   // `in`: the (rows, D) expert inputs; up1, up3, act: the up-projections and SwiGLU
@@ -138,6 +173,7 @@ class MoeLayer {
     for (int le = 0; le < El_; ++le) most = std::max(most, off[le + 1] - off[le]);
     return most;
   }
+  RunContext ctx_;  // the precision and host threads of its products
   int D_, E_, k_, Fe_;
   int P_ = 1, El_, e0_ = 0;  // ep group size, experts per rank, first local expert
   MoeCfg cfg_;

@@ -5,6 +5,7 @@
 #include "core/buffers.hpp"
 #include "core/device_sync.hpp"
 #include "core/error.hpp"
+#include "core/segments.hpp"
 
 namespace kmoe {
 
@@ -56,14 +57,7 @@ void ExpertDispatch::plan(const std::vector<int>& offsets) {
   auto perm = perm_;
   Kokkos::parallel_for(
       "moe::dispatch_plan", Range(0, Rx), KOKKOS_LAMBDA(int i) {
-        int lo = 0, hi = B;  // the last block starting at or before i holds it (non-empty)
-        while (hi - lo > 1) {
-          const int mid = (lo + hi) / 2;
-          if (blocks(mid) <= i)
-            lo = mid;
-          else
-            hi = mid;
-        }
+        const int lo = segment_of(blocks, B, i);  // the (non-empty) block holding i
         perm(blocks(B + 1 + lo) + i - blocks(lo)) = i;
       });
 }

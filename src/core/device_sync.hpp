@@ -1,5 +1,5 @@
 // The points where the host waits for the device, each named (docs/ARCHITECTURE.md, "Host
-// synchronizations"). Step code (src/parallel, src/train, modules) waits only through these
+// synchronizations"). Step code (src/parallel, train, modules) waits only through these
 // (tests/layering checks it): a fence of the default execution space, or a read of device
 // data into host memory. Each reports the Kokkos Tools event "kmoe::sync <what>", which
 // tests/tools/kokkos_counter counts per step on every backend (Kokkos 3.4's Serial backend

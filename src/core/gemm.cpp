@@ -17,8 +17,6 @@
 namespace kmoe {
 
 namespace {
-Precision g_precision = Precision::Fp32;
-
 #if defined(KOKKOS_ENABLE_CUDA) && defined(KOKKOSKERNELS_ENABLE_TPL_CUBLAS)
 #define KMOE_CUBLAS 1
 using Bf16Input = std::uint16_t;  // bf16 bits, as cuBLAS takes them
@@ -42,16 +40,16 @@ Bf16Input* bf16_workspace(int which, std::int64_t n) {
 }
 
 #if defined(KMOE_CUBLAS)
-// cuBLAS on Kokkos' stream for one call; the handle's math mode for it (TF32 or not).
+// cuBLAS on Kokkos' stream for one call; the handle's math mode for it (TF32 or not). Between
+// calls the handle keeps the default math: Kokkos Kernels' own calls find it so.
 struct CublasCall {
   cublasHandle_t h;
   CublasCall(cublasMath_t mode) : h(KokkosBlas::Impl::CudaBlasSingleton::singleton().handle) {
     cublasSetStream(h, ExecSpace().cuda_stream());
     cublasSetMathMode(h, mode);
   }
-  ~CublasCall() {
-    cublasSetMathMode(h, g_precision == Precision::Tf32 ? CUBLAS_TF32_TENSOR_OP_MATH
-                                                        : CUBLAS_DEFAULT_MATH);
+  ~CublasCall() {  // as every call finds it: default math, no stream of its own
+    cublasSetMathMode(h, CUBLAS_DEFAULT_MATH);
     cublasSetStream(h, nullptr);
   }
 };
@@ -101,17 +99,17 @@ const float* bf16_input(int which, const float* f32, const std::uint16_t* b16, s
 #endif
 }  // namespace
 
-void gemm(Trans ta, Trans tb, float alpha, const Operand& A, const Operand& B, float beta, Mat C,
-          GemmInputs in) {
+void gemm(const RunContext& ctx, Trans ta, Trans tb, float alpha, const Operand& A,
+          const Operand& B, float beta, Mat C) {
   const int m = ta == Trans::N ? A.rows : A.cols, ka = ta == Trans::N ? A.cols : A.rows;
   const int kb = tb == Trans::N ? B.rows : B.cols, n = tb == Trans::N ? B.cols : B.rows;
   KMOE_REQUIRE(ka == kb && m == static_cast<int>(C.extent(0)) && n == static_cast<int>(C.extent(1)),
                "gemm: shape mismatch: op(A) " << m << "x" << ka << ", op(B) " << kb << "x" << n
                                               << ", C " << C.extent(0) << "x" << C.extent(1));
-  const bool bf16 = in == GemmInputs::Run && g_precision == Precision::Bf16;
+  const bool bf16 = ctx.bf16();
   KMOE_REQUIRE(bf16 || (!A.b16 && !B.b16),
                "gemm: a bf16 operand in a product with fp32 inputs (train.precision = "
-                   << choice_name(g_precision) << ")");
+                   << choice_name(ctx.precision) << ")");
   if (m == 0 || n == 0) return;
   if (ka == 0) {
     // Kokkos Kernels returns early on an empty inner extent and would leave C stale.
@@ -142,8 +140,8 @@ void gemm(Trans ta, Trans tb, float alpha, const Operand& A, const Operand& B, f
   }
   const ConstMat a(A.f32, A.rows, A.cols), b(B.f32, B.rows, B.cols);
 #if defined(KMOE_CUBLAS)
-  if (in == GemmInputs::Fp32 && g_precision == Precision::Tf32) {  // exact fp32 on a TF32 run
-    CublasCall call(CUBLAS_DEFAULT_MATH);
+  if (ctx.precision == Precision::Tf32) {  // the TF32 tensor cores for this call
+    CublasCall call(CUBLAS_TF32_TENSOR_OP_MATH);
     KokkosBlas::gemm(opa, opb, alpha, a, b, beta, C);
     return;
   }
@@ -162,19 +160,17 @@ std::int64_t span(const Strided& x, int batch) {
   return (batch - 1) * x.stride + std::int64_t(x.rows - 1) * ld_of(x) + x.cols;
 }
 
-int g_batch_threads = 1;
-
 #if defined(KOKKOSKERNELS_ENABLE_TPL_BLAS) && !defined(KMOE_CUBLAS)
 // A strided batch through the host BLAS Kokkos Kernels' gemm calls, given the leading
 // dimensions; bf16 inputs are rounded (or widened) over each operand's span first. `side_by_side`
 // runs the products on the host threads at once (each call on one BLAS thread: see
-// set_gemm_batch_threads), else one after the other.
-void host_batch(Trans ta, Trans tb, float alpha, const Strided& A, const Strided& B, float beta,
-                float* C, int m, int n, int ka, std::int64_t c_stride, int ldc, int batch,
-                bool side_by_side) {
+// RunContext::batch_threads), else one after the other.
+void host_batch(const RunContext& ctx, Trans ta, Trans tb, float alpha, const Strided& A,
+                const Strided& B, float beta, float* C, int m, int n, int ka,
+                std::int64_t c_stride, int ldc, int batch, bool side_by_side) {
   const float* a = A.data;
   const float* b = B.data;
-  if (g_precision == Precision::Bf16) {
+  if (ctx.bf16()) {
     a = bf16_input(0, A.data, A.b16, span(A, batch));
     b = bf16_input(1, B.data, B.b16, span(B, batch));
   }
@@ -186,7 +182,7 @@ void host_batch(Trans ta, Trans tb, float alpha, const Strided& A, const Strided
                                             lda, beta, C + i * c_stride, ldc);
   };
   if (side_by_side) {
-    host_items_side_by_side("gemm::strided_batch_host", batch, g_batch_threads,
+    host_items_side_by_side("gemm::strided_batch_host", batch, ctx.batch_threads,
                             [&](int i, int) { product(i); });
   } else {
     for (int i = 0; i < batch; ++i) product(i);
@@ -194,16 +190,6 @@ void host_batch(Trans ta, Trans tb, float alpha, const Strided& A, const Strided
 }
 #endif
 }  // namespace
-
-void set_gemm_batch_threads(int threads) {
-#if defined(KOKKOSKERNELS_ENABLE_TPL_BLAS) && !defined(KMOE_CUBLAS)
-  g_batch_threads = kHostBlas && threads > 1 ? threads : 1;
-#else
-  g_batch_threads = 1;  // no host BLAS on host memory: nothing to run side by side
-  (void)threads;
-#endif
-}
-int gemm_batch_threads() { return g_batch_threads; }
 
 void gemm_on_host_thread(Trans ta, Trans tb, float alpha, const Operand& A, const Operand& B,
                          float beta, Mat C) {
@@ -248,10 +234,10 @@ bool gemm_rows_apart() {
 #endif
 }
 
-void gemm_strided_batched(Trans ta, Trans tb, float alpha, Strided A, Strided B, float beta,
-                          float* C, int c_rows, int c_cols, std::int64_t c_stride, int batch,
-                          int c_ld) {
-  KMOE_REQUIRE(g_precision == Precision::Bf16 || (!A.b16 && !B.b16),
+void gemm_strided_batched(const RunContext& ctx, Trans ta, Trans tb, float alpha, Strided A,
+                          Strided B, float beta, float* C, int c_rows, int c_cols,
+                          std::int64_t c_stride, int batch, int c_ld) {
+  KMOE_REQUIRE(ctx.bf16() || (!A.b16 && !B.b16),
                "gemm_strided_batched: a bf16 operand in a product with fp32 inputs");
   const int ka = ta == Trans::N ? A.cols : A.rows, kb = tb == Trans::N ? B.rows : B.cols;
   const int m = ta == Trans::N ? A.rows : A.cols, n = tb == Trans::N ? B.cols : B.rows;
@@ -277,7 +263,7 @@ void gemm_strided_batched(Trans ta, Trans tb, float alpha, Strided A, Strided B,
     const cublasOperation_t opb = tb == Trans::N ? CUBLAS_OP_N : CUBLAS_OP_T,
                             opa = ta == Trans::N ? CUBLAS_OP_N : CUBLAS_OP_T;
     cublasStatus_t st;
-    if (g_precision == Precision::Bf16) {
+    if (ctx.bf16()) {
       const std::uint16_t* a = bf16_input(0, A.data, A.b16, span(A, batch));
       const std::uint16_t* b = bf16_input(1, B.data, B.b16, span(B, batch));
       CublasCall call(CUBLAS_DEFAULT_MATH);
@@ -286,8 +272,8 @@ void gemm_strided_batched(Trans ta, Trans tb, float alpha, Strided A, Strided B,
                                       CUDA_R_32F, ldc, c_stride, batch, CUBLAS_COMPUTE_32F,
                                       CUBLAS_GEMM_DEFAULT);
     } else {
-      CublasCall call(g_precision == Precision::Tf32 ? CUBLAS_TF32_TENSOR_OP_MATH
-                                                      : CUBLAS_DEFAULT_MATH);
+      CublasCall call(ctx.precision == Precision::Tf32 ? CUBLAS_TF32_TENSOR_OP_MATH
+                                                        : CUBLAS_DEFAULT_MATH);
       st = cublasSgemmStridedBatched(call.h, opb, opa, n, m, ka, &alpha, B.data, ldb, B.stride,
                                      A.data, lda, A.stride, &beta, C, ldc, c_stride, batch);
     }
@@ -299,8 +285,8 @@ void gemm_strided_batched(Trans ta, Trans tb, float alpha, Strided A, Strided B,
   // Host threads: the products side by side, one single-threaded BLAS call each (the same
   // call Kokkos Kernels makes for each; a single-column N x N product is its gemv instead).
   if constexpr (kHostBlas) {
-    if (g_batch_threads > 1 && batch > 1 && !(ta == Trans::N && tb == Trans::N && n == 1)) {
-      host_batch(ta, tb, alpha, A, B, beta, C, m, n, ka, c_stride, ldc, batch, true);
+    if (ctx.batch_threads > 1 && batch > 1 && !(ta == Trans::N && tb == Trans::N && n == 1)) {
+      host_batch(ctx, ta, tb, alpha, A, B, beta, C, m, n, ka, c_stride, ldc, batch, true);
       return;
     }
   }
@@ -311,7 +297,8 @@ void gemm_strided_batched(Trans ta, Trans tb, float alpha, Strided A, Strided B,
                      X.b16 ? X.b16 + b * X.stride : nullptr, X.rows, X.cols};
     };
     for (int b = 0; b < batch; ++b)
-      gemm(ta, tb, alpha, part(A, b), part(B, b), beta, as_mat(C + b * c_stride, c_rows, c_cols));
+      gemm(ctx, ta, tb, alpha, part(A, b), part(B, b), beta,
+           as_mat(C + b * c_stride, c_rows, c_cols));
     return;
   }
   KMOE_REQUIRE(gemm_rows_apart(),
@@ -320,19 +307,14 @@ void gemm_strided_batched(Trans ta, Trans tb, float alpha, Strided A, Strided B,
                    << ExecSpace::name() << " build has neither");
 #if defined(KOKKOSKERNELS_ENABLE_TPL_BLAS) && !defined(KMOE_CUBLAS)
   if constexpr (kHostBlas)
-    host_batch(ta, tb, alpha, A, B, beta, C, m, n, ka, c_stride, ldc, batch, false);
+    host_batch(ctx, ta, tb, alpha, A, B, beta, C, m, n, ka, c_stride, ldc, batch, false);
 #endif
 }
 
-std::string set_gemm_precision(Precision p) {
+namespace {
+// Checks that this build computes `p`; the line for the start-up log ("" if none).
+std::string precision_note(Precision p) {
 #if defined(KMOE_CUBLAS)
-  const std::string name = choice_name(p);
-  auto& blas = KokkosBlas::Impl::CudaBlasSingleton::singleton();
-  const cublasStatus_t st = cublasSetMathMode(
-      blas.handle, p == Precision::Tf32 ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH);
-  KMOE_REQUIRE(st == CUBLAS_STATUS_SUCCESS,
-               "train.precision = " << name << ": cublasSetMathMode failed (" << int(st) << ")");
-  g_precision = p;
   if (p != Precision::Bf16) return "";
   return std::string(
              "train.precision = bf16 on CUDA: products through cuBLAS with bf16 inputs and "
@@ -349,7 +331,6 @@ std::string set_gemm_precision(Precision p) {
                    << ExecSpace::name() << " backend has no TF32 GEMMs here ("
                    << (host ? "a GPU feature" : "cuBLAS' TF32 math mode, CUDA builds only")
                    << "); use fp32, or bf16 (emulated: bf16 inputs summed in fp32)");
-  g_precision = p;
   if (p != Precision::Bf16) return "";
   return std::string("train.precision = bf16 on the ") + ExecSpace::name() +
          " backend: GEMM inputs rounded to bf16, summed by the fp32 BLAS" +
@@ -358,18 +339,20 @@ std::string set_gemm_precision(Precision p) {
                  "no hipBLAS bf16 path yet)");
 #endif
 }
+}  // namespace
 
-Precision gemm_precision() { return g_precision; }
-
-GemmPrecisionScope::GemmPrecisionScope(Precision p) : before_(g_precision) {
-  note_ = set_gemm_precision(p);
-}
-
-GemmPrecisionScope::~GemmPrecisionScope() {
-  try {
-    set_gemm_precision(before_);
-  } catch (...) {  // the precision before was set once, so it is settable again
-  }
+RunContext make_run_context(Precision precision, int batch_threads, std::string* note) {
+  RunContext ctx;
+  const std::string line = precision_note(precision);
+  if (note) *note = line;
+  ctx.precision = precision;
+#if defined(KOKKOSKERNELS_ENABLE_TPL_BLAS) && !defined(KMOE_CUBLAS)
+  ctx.batch_threads = kHostBlas && batch_threads > 1 ? batch_threads : 1;
+#else
+  ctx.batch_threads = 1;  // no host BLAS on host memory: nothing to run side by side
+  (void)batch_threads;
+#endif
+  return ctx;
 }
 
 }  // namespace kmoe

@@ -1,11 +1,12 @@
 // C = alpha * op(A) op(B) + beta * C on contiguous row-major views, one KokkosBlas::gemm call
 // (vendor BLAS underneath). Shapes are checked here: Kokkos Kernels checks only in debug builds.
 //
-// train.precision sets how every later GEMM treats its inputs (MODEL.md section 8): fp32; TF32
-// tensor cores (CUDA); bf16: A and B rounded to bf16 (nearest, ties to even), products summed
-// and C kept in fp32 (cublasGemmEx with bf16 inputs on CUDA; on CPUs the rounded values go
-// through the fp32 BLAS, the same numbers up to the order of the sums). A GEMM whose inputs
-// stay fp32 whatever the run's precision (the router) says GemmInputs::Fp32.
+// The run context's precision (train.precision, run_context.hpp) says how a GEMM treats its inputs
+// (MODEL.md section 8): fp32; TF32 tensor cores (CUDA); bf16: A and B rounded to bf16 (nearest,
+// ties to even), products summed and C kept in fp32 (cublasGemmEx with bf16 inputs on CUDA; on
+// CPUs the rounded values go through the fp32 BLAS, the same numbers up to the order of the
+// sums). A GEMM whose inputs stay fp32 whatever the run's precision (the router) is given
+// ctx.exact_fp32().
 #pragma once
 
 #include <algorithm>
@@ -17,11 +18,11 @@
 
 #include "core/config.hpp"
 #include "core/kokkos_types.hpp"
+#include "core/run_context.hpp"
 
 namespace kmoe {
 
 enum class Trans { N, T };
-enum class GemmInputs { Run, Fp32 };  // the run's train.precision, or exact fp32
 
 // A contiguous row-major matrix operand: fp32 values, or bf16 values (`b16`, the bits of
 // bf16.hpp) that a bf16 run keeps for its products. On CUDA the bf16 values go to cuBLAS as
@@ -40,20 +41,20 @@ inline Operand rows_of(const Operand& x, int r0, int n) {
   return {x.f32 ? x.f32 + at : nullptr, x.b16 ? x.b16 + at : nullptr, n, x.cols};
 }
 
-// op(A): [m, k], op(B): [k, n], C: [m, n]. A bf16 operand needs train.precision = bf16.
-void gemm(Trans ta, Trans tb, float alpha, const Operand& A, const Operand& B, float beta, Mat C,
-          GemmInputs in = GemmInputs::Run);
-inline void gemm(Trans ta, Trans tb, float alpha, ConstMat A, ConstMat B, float beta, Mat C,
-                 GemmInputs in = GemmInputs::Run) {
-  gemm(ta, tb, alpha, operand(A), operand(B), beta, C, in);
+// op(A): [m, k], op(B): [k, n], C: [m, n]. A bf16 operand needs ctx.precision = bf16.
+void gemm(const RunContext& ctx, Trans ta, Trans tb, float alpha, const Operand& A,
+          const Operand& B, float beta, Mat C);
+inline void gemm(const RunContext& ctx, Trans ta, Trans tb, float alpha, ConstMat A, ConstMat B,
+                 float beta, Mat C) {
+  gemm(ctx, ta, tb, alpha, operand(A), operand(B), beta, C);
 }
-inline void gemm(Trans ta, Trans tb, float alpha, const Operand& A, ConstMat B, float beta, Mat C,
-                 GemmInputs in = GemmInputs::Run) {
-  gemm(ta, tb, alpha, A, operand(B), beta, C, in);
+inline void gemm(const RunContext& ctx, Trans ta, Trans tb, float alpha, const Operand& A,
+                 ConstMat B, float beta, Mat C) {
+  gemm(ctx, ta, tb, alpha, A, operand(B), beta, C);
 }
-inline void gemm(Trans ta, Trans tb, float alpha, ConstMat A, const Operand& B, float beta, Mat C,
-                 GemmInputs in = GemmInputs::Run) {
-  gemm(ta, tb, alpha, operand(A), B, beta, C, in);
+inline void gemm(const RunContext& ctx, Trans ta, Trans tb, float alpha, ConstMat A,
+                 const Operand& B, float beta, Mat C) {
+  gemm(ctx, ta, tb, alpha, operand(A), B, beta, C);
 }
 
 // A strided batch of products: for b in [0, batch), C_b = alpha op(A_b) op(B_b) + beta C_b, with
@@ -68,41 +69,25 @@ struct Strided {
   const std::uint16_t* b16 = nullptr;  // bf16 values instead of `data` (an Operand's b16)
   int ld = 0;                          // elements from one row to the next; 0: cols
 };
-void gemm_strided_batched(Trans ta, Trans tb, float alpha, Strided A, Strided B, float beta,
-                          float* C, int c_rows, int c_cols, std::int64_t c_stride, int batch,
-                          int c_ld = 0);
-// Host threads for the products of one strided batch (host backends with a host BLAS): with
-// more than 1, gemm_strided_batched runs a batch's products side by side on the host execution
-// space, one BLAS call each, instead of one after the other with the BLAS's own threads (many
-// small products, as attention's, thread poorly inside each). Only for a BLAS that runs one
-// thread per call there (apply_execution decides: an OpenBLAS that is sequential, OpenMP under
-// Kokkos' OpenMP backend (one thread inside a parallel region) or set to one thread). The
-// products of a one-thread BLAS, bit for bit. The MoE experts use the same threads
-// (expert_threads in moe.hpp). Default 1, and always 1 on builds without a host BLAS on host
-// memory.
-void set_gemm_batch_threads(int threads);
-int gemm_batch_threads();
-
-// set_gemm_batch_threads for its lifetime; the count before comes back at its end.
-class GemmBatchThreadsScope {
- public:
-  explicit GemmBatchThreadsScope(int threads) : before_(gemm_batch_threads()) {
-    set_gemm_batch_threads(threads);
-  }
-  ~GemmBatchThreadsScope() { set_gemm_batch_threads(before_); }
-  GemmBatchThreadsScope(const GemmBatchThreadsScope&) = delete;
-  GemmBatchThreadsScope& operator=(const GemmBatchThreadsScope&) = delete;
-
- private:
-  int before_;
-};
+// With ctx.batch_threads host threads for the products of one strided batch (host backends with a
+// host BLAS): with more than 1, gemm_strided_batched runs a batch's products side by side on the
+// host execution space, one BLAS call each, instead of one after the other with the BLAS's own
+// threads (many small products, as attention's, thread poorly inside each). Only for a BLAS
+// that runs one thread per call there (apply_execution decides: an OpenBLAS that is sequential,
+// OpenMP under Kokkos' OpenMP backend (one thread inside a parallel region) or set to one
+// thread). The products of a one-thread BLAS, bit for bit. The MoE experts use the same threads
+// (expert_threads in moe.hpp). Always 1 on builds without a host BLAS on host memory
+// (make_run_context).
+void gemm_strided_batched(const RunContext& ctx, Trans ta, Trans tb, float alpha, Strided A,
+                          Strided B, float beta, float* C, int c_rows, int c_cols,
+                          std::int64_t c_stride, int batch, int c_ld = 0);
 
 // One product on the calling host thread, for products a caller already runs side by side on
-// the host threads (gemm_batch_threads() > 1, as the MoE experts' per-expert GEMMs): the
+// the host threads (ctx.batch_threads > 1, as the MoE experts' per-expert GEMMs): the
 // single call of the host BLAS that gemm() makes on fp32 row-major operands, on one thread: the
 // numbers of gemm() with a one-thread BLAS. Not for a single-column N x N product (gemm() runs
 // that as a gemv). fp32 operands only (a bf16 operand is an error); a build without a host BLAS
-// on host memory never sets batch threads and throws here.
+// on host memory never has batch threads and throws here.
 void gemm_on_host_thread(Trans ta, Trans tb, float alpha, const Operand& A, const Operand& B,
                          float beta, Mat C);
 
@@ -137,27 +122,5 @@ void host_items_side_by_side(const char* label, int items, int slots, const F& f
 // on this build: CUDA with cuBLAS, and host backends with Kokkos Kernels' BLAS TPL (every build
 // kmoe accepts but HIP, where such a batch is an error).
 bool gemm_rows_apart();
-
-// train.precision for every later GEMM (cuBLAS' TF32 math mode on the handle Kokkos Kernels
-// calls through for tf32). Returns a line for the start-up log ("" if none). Throws, naming
-// train.precision, where the build cannot do it: tf32 without cuBLAS (CPUs, HIP). bf16 runs on
-// every backend: cuBLAS with bf16 inputs on CUDA, rounded inputs into the fp32 vendor BLAS
-// elsewhere (CPUs; HIP's rocBLAS: bf16's numerics and memory, not its GEMM speed).
-std::string set_gemm_precision(Precision p);
-Precision gemm_precision();
-
-// train.precision for the GEMMs of its lifetime; the one before comes back at its end.
-class GemmPrecisionScope {
- public:
-  explicit GemmPrecisionScope(Precision p);
-  ~GemmPrecisionScope();
-  GemmPrecisionScope(const GemmPrecisionScope&) = delete;
-  GemmPrecisionScope& operator=(const GemmPrecisionScope&) = delete;
-  const std::string& note() const { return note_; }
-
- private:
-  Precision before_;
-  std::string note_;
-};
 
 }  // namespace kmoe

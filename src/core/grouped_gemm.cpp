@@ -2,6 +2,7 @@
 
 #include "core/bf16.hpp"
 #include "core/error.hpp"
+#include "core/segments.hpp"
 
 #if defined(KOKKOS_ENABLE_CUDA) && (defined(KOKKOS_ARCH_AMPERE) || defined(KOKKOS_ARCH_ADA89) || \
                                     defined(KOKKOS_ARCH_HOPPER) || defined(KOKKOS_ARCH_BLACKWELL))
@@ -29,15 +30,7 @@ KOKKOS_INLINE_FUNCTION int lesser(int a, int b) { return a < b ? a : b; }
 
 // The group of row tile rt (below toff(G)): toff(g) <= rt < toff(g + 1).
 KOKKOS_INLINE_FUNCTION int tile_group(const View1I& toff, int G, int rt) {
-  int lo = 0, hi = G;
-  while (hi - lo > 1) {
-    const int mid = (lo + hi) / 2;
-    if (toff(mid) <= rt)
-      lo = mid;
-    else
-      hi = mid;
-  }
-  return lo;
+  return segment_of(toff, G, rt);
 }
 
 // The part of the output a rows() team computes: group g's rows [r0, r0 + nr) (nr <= kTile),
@@ -79,7 +72,6 @@ KOKKOS_INLINE_FUNCTION GradTile grad_tile(int league, int mt, int nt, int m, int
   return t;
 }
 
-bool g_fragment_tiles = false;  // detail::set_grouped_fragment_tiles
 
 // ---- bf16 products on 16 x 16 x 16 fragments ------------------------------------------------
 // The 32 x 32 output tiles of GroupedGemm's own kernels (below), the two inputs staged in team
@@ -301,20 +293,17 @@ void weight_grads(int G, ConstIVec off, float alpha, GroupedSrc As_, int m, Grou
 }
 }  // namespace frag
 
-// Whether a bf16 product takes the fragment kernels.
-bool fragment_tiles(bool bf16) {
+// Whether a bf16 product takes the fragment kernels (RunContext::fragment_tiles).
+bool fragment_tiles(bool bf16, bool asked) {
 #if defined(KMOE_BF16_TENSOR_CORES)
+  (void)asked;
   return bf16;
 #else
-  return bf16 && g_fragment_tiles;
+  return bf16 && asked;
 #endif
 }
 
 }  // namespace
-
-namespace detail {
-void set_grouped_fragment_tiles(bool on) { g_fragment_tiles = on; }
-}  // namespace detail
 
 bool grouped_gemm_tensor_cores() {
 #if defined(KMOE_BF16_TENSOR_CORES)
@@ -324,8 +313,11 @@ bool grouped_gemm_tensor_cores() {
 #endif
 }
 
-GroupedGemm::GroupedGemm(int groups)
-    : groups_(groups), tile_off_("grouped_gemm::tile_off", groups + 1) {
+GroupedGemm::GroupedGemm(const RunContext& ctx, int groups)
+    : bf16_(ctx.bf16()),
+      fragments_(fragment_tiles(ctx.bf16(), ctx.fragment_tiles)),
+      groups_(groups),
+      tile_off_("grouped_gemm::tile_off", groups + 1) {
   KMOE_REQUIRE(groups >= 1, "grouped gemm: " << groups << " groups");
 }
 
@@ -350,10 +342,10 @@ void GroupedGemm::rows(Trans tw, float alpha, GroupedSrc As_, int K, GroupedSrc 
   const int G = groups_, col_tiles = (n + kTile - 1) / kTile;
   const std::int64_t row_tiles = (max_rows_ + kTile - 1) / kTile + G;
   const bool wt = tw == Trans::T;
-  const bool bf = gemm_precision() == Precision::Bf16;  // inputs rounded as they are loaded
+  const bool bf = bf16_;  // inputs rounded as they are loaded
   KMOE_REQUIRE(bf || (!As_.b16 && !Ws_.b16),
                "grouped gemm: a bf16 input in a product with fp32 inputs");
-  if (fragment_tiles(bf)) {
+  if (fragments_) {
     frag::rows(G, off_, tile_off_, row_tiles, wt, alpha, As_, K, Ws_, w_stride, beta, C, n);
     return;
   }
@@ -416,10 +408,10 @@ void GroupedGemm::weight_grads(float alpha, GroupedSrc As_, int m, GroupedSrc Bs
                                float* Gm, std::int64_t g_stride) const {
   if (m == 0 || n == 0) return;
   const int mt = (m + kTile - 1) / kTile, nt = (n + kTile - 1) / kTile;
-  const bool bf = gemm_precision() == Precision::Bf16;
+  const bool bf = bf16_;
   KMOE_REQUIRE(bf || (!As_.b16 && !Bs_.b16),
                "grouped gemm: a bf16 input in a product with fp32 inputs");
-  if (fragment_tiles(bf)) {
+  if (fragments_) {
     frag::weight_grads(groups_, off_, alpha, As_, m, Bs_, n, Gm, g_stride);
     return;
   }

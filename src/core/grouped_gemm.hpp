@@ -36,24 +36,13 @@ struct GroupedSrc {
 // and later): the start-up log and the tests say which kernel ran.
 bool grouped_gemm_tensor_cores();
 
-namespace detail {
-// Tests: bf16 products through the tensor-core kernel's tiling on any build, its fragments
-// computed by one thread where there are no tensor cores (the same staging, layouts and edges
-// as on the GPU, checked on CPUs). Builds with tensor cores always take that kernel in bf16.
-void set_grouped_fragment_tiles(bool on);
-
-// set_grouped_fragment_tiles(true) for its lifetime (off again at its end).
-struct FragmentTilesScope {
-  FragmentTilesScope() { set_grouped_fragment_tiles(true); }
-  ~FragmentTilesScope() { set_grouped_fragment_tiles(false); }
-  FragmentTilesScope(const FragmentTilesScope&) = delete;
-  FragmentTilesScope& operator=(const FragmentTilesScope&) = delete;
-};
-}  // namespace detail
-
 class GroupedGemm {
  public:
-  explicit GroupedGemm(int groups);
+  // Products in ctx's precision; ctx.fragment_tiles: bf16 products through the tensor-core
+  // kernel's tiling on any build, its fragments computed by one thread where there are no tensor
+  // cores (the same staging, layouts and edges as on the GPU, checked on CPUs). Builds with
+  // tensor cores always take that kernel in bf16.
+  GroupedGemm(const RunContext& ctx, int groups);
 
   // Reads `off` on the device into the tile map that later calls use; `max_rows`: the most rows
   // the groups can hold together (a host bound, not the device count). Call again when the
@@ -77,6 +66,8 @@ class GroupedGemm {
   static constexpr int depth = 16; // k-step of the tiles in scratch
 
  private:
+  bool bf16_;       // inputs rounded to bf16 as they are loaded
+  bool fragments_;  // bf16 products on the fragment kernels
   int groups_;
   std::int64_t max_rows_ = 0;
   ConstIVec off_;

@@ -6,8 +6,6 @@
 namespace kmoe {
 
 namespace {
-thread_local ActivationPool* open_pool = nullptr;
-
 void allocate(KeptStorage& s, const std::string& label, std::int64_t n, bool bf16) {
   if (bf16)
     s.b16 = Kokkos::View<std::uint16_t*, Layout, MemSpace>(label + " (bf16)", n);
@@ -23,15 +21,6 @@ V pooled(std::map<std::string, V>& buffers, const std::string& key, const std::s
   return Kokkos::subview(v, std::make_pair(std::int64_t(0), n));
 }
 }  // namespace
-
-ActivationPool::Block::Block(ActivationPool* pool) : previous_(open_pool) {
-  open_pool = pool && pool->blocks_share_ ? pool : nullptr;
-  if (open_pool) open_pool->seen_.clear();
-}
-
-ActivationPool::Block::~Block() { open_pool = previous_; }
-
-ActivationPool* ActivationPool::current() { return open_pool; }
 
 std::string ActivationPool::key(const std::string& label) {
   return label + "#" + std::to_string(seen_[label]++);
@@ -62,19 +51,27 @@ std::int64_t ActivationPool::bytes() const {
   return b;
 }
 
-View1F saved_floats(const std::string& label, std::int64_t n) {
-  if (ActivationPool* p = ActivationPool::current()) return p->floats(label, n);
+namespace {
+// The pool a block's saved buffers come from: ctx's, when its blocks share.
+ActivationPool* sharing_pool(const RunContext& ctx) {
+  return ctx.pool && ctx.pool->blocks_share() ? ctx.pool : nullptr;
+}
+}  // namespace
+
+View1F saved_floats(const RunContext& ctx, const std::string& label, std::int64_t n) {
+  if (ActivationPool* p = sharing_pool(ctx)) return p->floats(label, n);
   return View1F(label, n);
 }
 
-View1I saved_ints(const std::string& label, std::int64_t n) {
-  if (ActivationPool* p = ActivationPool::current()) return p->ints(label, n);
+View1I saved_ints(const RunContext& ctx, const std::string& label, std::int64_t n) {
+  if (ActivationPool* p = sharing_pool(ctx)) return p->ints(label, n);
   return View1I(label, n);
 }
 
-KeptOperand::KeptOperand(const std::string& label, std::int64_t n, bool may_be_bf16)
-    : label_(label), bf16_(may_be_bf16 && gemm_precision() == Precision::Bf16) {
-  if (ActivationPool* p = ActivationPool::current())
+KeptOperand::KeptOperand(const RunContext& ctx, const std::string& label, std::int64_t n,
+                         bool may_be_bf16)
+    : label_(label), bf16_(may_be_bf16 && ctx.bf16()) {
+  if (ActivationPool* p = sharing_pool(ctx))
     s_ = p->kept(label, n, bf16_);
   else
     allocate(*s_, label, n, bf16_);

@@ -1,6 +1,6 @@
 // An activation a forward pass keeps for its backward (MODEL.md section 8): in bf16 runs it is
-// kept as bf16, half the bytes, otherwise as fp32. The precision is the one set
-// (GemmPrecisionScope) when the owner is built. Operands only products read are kept as the
+// kept as bf16, half the bytes, otherwise as fp32: the precision of the run context the owner
+// is built with. Operands only products read are kept as the
 // products would round them anyway (no number changes); values an element-wise backward reads
 // too (attention probabilities, SwiGLU pre-activations) are read back rounded, forward and
 // backward alike.
@@ -20,6 +20,7 @@
 #include "core/bf16.hpp"
 #include "core/gemm.hpp"
 #include "core/kokkos_types.hpp"
+#include "core/run_context.hpp"
 
 namespace kmoe {
 
@@ -57,37 +58,28 @@ struct KeptStorage {
   Kokkos::View<std::uint16_t*, Layout, MemSpace> b16;
 };
 
-// The activation memory a rank's Stage instances share: objects every instance uses (the
-// blocks' workspace, shared()) and, with `blocks_share` (train.recompute = block), what the
-// blocks keep from a forward for its backward. Without that every saved buffer is its own
-// allocation. Under recompute a block keeps only its input and runs its forward again just
-// before its backward, so the blocks of every Stage instance can share their buffers: while a
-// pool's Block scope is open (one block's construction), saved_floats / saved_ints and every
-// KeptOperand built return the pool's buffer for (label, i), the block's i-th request with
-// that label, so blocks of the same kind use the same memory. A request larger than the pool's
-// buffer grows it (blocks built earlier keep their own, so nothing is ever too small); a kept
-// operand's storage is shared, so its growth (ensure) is everyone's.
+// The activation memory a rank's Stage instances share (RunContext::pool): objects every
+// instance uses (the blocks' workspace, shared()) and, with `blocks_share` (train.recompute =
+// block), what the blocks keep from a forward for its backward. Without that every saved buffer
+// is its own allocation. Under recompute a block keeps only its input and runs its forward again
+// just before its backward, so the blocks of every Stage instance can share their buffers: a
+// Stage calls begin_block() before it builds each block, and saved_floats / saved_ints and every
+// KeptOperand built with a context holding the pool then return the pool's buffer for
+// (label, i), the block's i-th request with that label, so blocks of the same kind use the same
+// memory. A request larger than the pool's buffer grows it (blocks built earlier keep their own,
+// so nothing is ever too small); a kept operand's storage is shared, so its growth (ensure) is
+// everyone's.
 class ActivationPool {
  public:
   explicit ActivationPool(bool blocks_share = true) : blocks_share_(blocks_share) {}
   bool blocks_share() const { return blocks_share_; }
 
-  class Block {
-   public:
-    explicit Block(ActivationPool* pool);
-    ~Block();
-    Block(const Block&) = delete;
-    Block& operator=(const Block&) = delete;
-
-   private:
-    ActivationPool* previous_;
-  };
+  // The requests that follow are the next block's: its i-th request of a label is the pool's
+  // buffer (label, i) again.
+  void begin_block() { seen_.clear(); }
   // Bytes the pool's saved buffers hold (shared objects not counted).
   std::int64_t bytes() const;
 
-  // The pool of the open Block scope, or null (also inside the scope of a pool whose blocks
-  // do not share).
-  static ActivationPool* current();
   std::shared_ptr<KeptStorage> kept(const std::string& label, std::int64_t n, bool bf16);
   // An object every Stage instance built on the pool shares (the blocks' backward scratch):
   // made from `args` by the first request of `key`.
@@ -110,16 +102,18 @@ class ActivationPool {
   std::map<std::string, std::shared_ptr<void>> objects_;
 };
 
-// A block's saved buffer of n values: pooled inside an ActivationPool::Block scope, else its
+// A block's saved buffer of n values: the pool's when ctx has a pool whose blocks share, else its
 // own allocation.
-View1F saved_floats(const std::string& label, std::int64_t n);
-View1I saved_ints(const std::string& label, std::int64_t n);
+View1F saved_floats(const RunContext& ctx, const std::string& label, std::int64_t n);
+View1I saved_ints(const RunContext& ctx, const std::string& label, std::int64_t n);
 
 class KeptOperand {
  public:
   KeptOperand() = default;
-  // fp32 whatever the precision when `may_be_bf16` is false (a buffer other code reads as fp32).
-  KeptOperand(const std::string& label, std::int64_t n, bool may_be_bf16 = true);
+  // bf16 when ctx's precision is; fp32 whatever the precision when `may_be_bf16` is false (a
+  // buffer other code reads as fp32). Pooled as saved_floats.
+  KeptOperand(const RunContext& ctx, const std::string& label, std::int64_t n,
+              bool may_be_bf16 = true);
   // Grows to at least n values (ensure_size: a quarter of headroom); contents not kept.
   void ensure(std::int64_t n);
 

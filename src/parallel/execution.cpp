@@ -213,7 +213,6 @@ void apply_execution(ExecutionPlan& plan, const std::string& program) {
   } else if (auto set_mkl = blas_symbol<SetThreads>("MKL_Set_Num_Threads")) {
     if (!user_blas) set_mkl(plan.blas_threads);
   }
-  set_gemm_batch_threads(plan.batch_threads);
   int world_rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
   if (world_rank == 0)

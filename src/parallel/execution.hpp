@@ -40,7 +40,8 @@ ExecutionPlan plan_execution(int argc, char** argv);
 // After Kokkos starts: gives the BLAS its thread count (OpenBLAS, BLIS or MKL, whichever is
 // linked; a pthreads OpenBLAS next to OpenMP Kokkos threads gets 1 unless the OpenMP threads
 // wait passively), lets strided GEMM batches run their products side by side on the Kokkos
-// threads where each OpenBLAS call then takes one thread (set_gemm_batch_threads), and prints
+// threads where each OpenBLAS call then takes one thread (plan.batch_threads, which the run
+// context takes: core/run_context.hpp), and prints
 // the plan's notes on world rank 0 (`program: note: ...`).
 void apply_execution(ExecutionPlan& plan, const std::string& program);
 

@@ -5,6 +5,7 @@
 
 #include "core/error.hpp"
 #include "core/gemm.hpp"
+#include "modules/attention/attention.hpp"
 #include "modules/norm/rmsnorm.hpp"
 
 namespace kmoe::oracle {
@@ -20,9 +21,11 @@ std::int64_t FullMatrixAttention::workspace_bytes(const ModelCfg& m, int max_seq
   return std::max(forward, backward);
 }
 
-FullMatrixAttention::FullMatrixAttention(const ModelCfg& m, const std::string& prefix, int max_seqs, int seq_len,
-                     TensorTable& table, int window)
-    : D_(m.d_model),
+FullMatrixAttention::FullMatrixAttention(const RunContext& ctx, const ModelCfg& m,
+                                         const std::string& prefix, int max_seqs, int seq_len,
+                                         TensorTable& table, int window)
+    : ctx_(ctx.unpooled()),
+      D_(m.d_model),
       H_(m.n_heads),
       Hkv_(m.n_kv_heads),
       dh_(m.head_dim()),
@@ -44,14 +47,14 @@ FullMatrixAttention::FullMatrixAttention(const ModelCfg& m, const std::string& p
     k_norm_ = table.add(TensorSpec::gain(prefix + "k_norm.weight", kd));
   }
   const std::int64_t N = static_cast<std::int64_t>(max_seqs) * T_;
-  qkv_ = saved_floats("attn::qkv", N * (qd + 2 * kd));
-  rstd_q_ = saved_floats("attn::rstd_q", N);
-  rstd_k_ = saved_floats("attn::rstd_k", N);
-  q_ = KeptOperand("attn::q", N * qd);
-  k_ = KeptOperand("attn::k", N * kd);
-  v_ = KeptOperand("attn::v", N * kd);
-  probs_ = KeptOperand("attn::probs", static_cast<std::int64_t>(max_seqs) * H_ * T_ * T_);
-  merged_ = KeptOperand("attn::merged", N * qd);
+  qkv_ = saved_floats(ctx, "attn::qkv", N * (qd + 2 * kd));
+  rstd_q_ = saved_floats(ctx, "attn::rstd_q", N);
+  rstd_k_ = saved_floats(ctx, "attn::rstd_k", N);
+  q_ = KeptOperand(ctx, "attn::q", N * qd);
+  k_ = KeptOperand(ctx, "attn::k", N * kd);
+  v_ = KeptOperand(ctx, "attn::v", N * kd);
+  probs_ = KeptOperand(ctx, "attn::probs", static_cast<std::int64_t>(max_seqs) * H_ * T_ * T_);
+  merged_ = KeptOperand(ctx, "attn::merged", N * qd);
 }
 
 namespace {
@@ -110,7 +113,7 @@ void FullMatrixAttention::forward(const TensorTable& table, const RopeTables& ro
   const bool qk_norm = qk_norm_;
 
   Mat qkv = as_mat(qkv_.data(), N, W);  // (N, H*dh | Hkv*dh | Hkv*dh)
-  gemm(Trans::N, Trans::T, 1.0f, a, table.weight(wq_, W, D_), 0.0f, qkv);
+  gemm(ctx_, Trans::N, Trans::T, 1.0f, a, table.weight(wq_, W, D_), 0.0f, qkv);
 
   // QK-norm over the whole projected q and k, RoPE, and the split into head layout.
   const KeptOut q = q_.out(), k = k_.out(), v = v_.out();
@@ -171,7 +174,7 @@ void FullMatrixAttention::forward(const TensorTable& table, const RopeTables& ro
   // softmax rounds the probabilities into the kept bf16 buffer).
   float* scores =
       probs_.product_target(probs_.is_bf16() ? frame.floats(std::int64_t(nseq) * H * TT) : nullptr);
-  gemm_strided_batched(Trans::N, Trans::T, scale, q_.strided(G * T, dh, G * Tdh),
+  gemm_strided_batched(ctx_, Trans::N, Trans::T, scale, q_.strided(G * T, dh, G * Tdh),
                        k_.strided(T, dh, Tdh), 0.0f, scores, G * T, T, G * TT, groups);
 
   // Masked softmax over keys [lo, t] (causal, document, window), one team per row, its
@@ -202,10 +205,10 @@ void FullMatrixAttention::forward(const TensorTable& table, const RopeTables& ro
       });
 
   float* heads = frame.floats(std::int64_t(N) * qd);  // (nseq, H, T, dh) head outputs
-  gemm_strided_batched(Trans::N, Trans::N, 1.0f, probs_.strided(G * T, T, G * TT),
+  gemm_strided_batched(ctx_, Trans::N, Trans::N, 1.0f, probs_.strided(G * T, T, G * TT),
                        v_.strided(T, dh, Tdh), 0.0f, heads, G * T, dh, G * Tdh, groups);
   merge_heads(heads, merged_.out(), N, T, H, dh);
-  gemm(Trans::N, Trans::T, 1.0f, merged_.matrix(N, qd), table.weight(wo_, D_, qd), 0.0f, out);
+  gemm(ctx_, Trans::N, Trans::T, 1.0f, merged_.matrix(N, qd), table.weight(wo_, D_, qd), 0.0f, out);
 }
 
 void FullMatrixAttention::backward(TensorTable& table, const RopeTables& rope, ConstMat a, ConstMat dout,
@@ -225,19 +228,19 @@ void FullMatrixAttention::backward(TensorTable& table, const RopeTables& rope, C
   float* d_v = frame.floats(std::int64_t(N) * kd);
 
   // Output projection: dWo += dout^T merged; d_merged = dout Wo, split into heads.
-  gemm(Trans::T, Trans::N, 1.0f, dout, merged_.matrix(N, qd), 1.0f,
+  gemm(ctx_, Trans::T, Trans::N, 1.0f, dout, merged_.matrix(N, qd), 1.0f,
        as_mat(table.grad(wo_), D_, qd));
   {
     Workspace::Frame merged(ws);  // d_merged's memory becomes d_qkv's below
     Mat d_merged = merged.mat(N, qd);
-    gemm(Trans::N, Trans::N, 1.0f, dout, table.weight(wo_, D_, qd), 0.0f, d_merged);
+    gemm(ctx_, Trans::N, Trans::N, 1.0f, dout, table.weight(wo_, D_, qd), 0.0f, d_merged);
     split_heads(as_cmat(d_merged), d_heads, T, H, dh);
   }
 
   // dP = dO v^T; dv = P^T dO (summed over the group's heads by the GEMM itself).
-  gemm_strided_batched(Trans::N, Trans::T, 1.0f, {d_heads, G * T, dh, G * Tdh},
+  gemm_strided_batched(ctx_, Trans::N, Trans::T, 1.0f, {d_heads, G * T, dh, G * Tdh},
                        v_.strided(T, dh, Tdh), 0.0f, d_probs, G * T, T, G * TT, groups);
-  gemm_strided_batched(Trans::T, Trans::N, 1.0f, probs_.strided(G * T, T, G * TT),
+  gemm_strided_batched(ctx_, Trans::T, Trans::N, 1.0f, probs_.strided(G * T, T, G * TT),
                        {d_heads, G * T, dh, G * Tdh}, 0.0f, d_v, T, dh, Tdh, groups);
 
   // Softmax backward in place: dS = P * (dP - sum_j P dP) * scale (P as kept: R(P) in bf16).
@@ -257,9 +260,9 @@ void FullMatrixAttention::backward(TensorTable& table, const RopeTables& rope, C
       });
 
   // dq = dS k (overwrites dO in d_heads, no longer needed); dk = dS^T q.
-  gemm_strided_batched(Trans::N, Trans::N, 1.0f, {d_probs, G * T, T, G * TT},
+  gemm_strided_batched(ctx_, Trans::N, Trans::N, 1.0f, {d_probs, G * T, T, G * TT},
                        k_.strided(T, dh, Tdh), 0.0f, d_heads, G * T, dh, G * Tdh, groups);
-  gemm_strided_batched(Trans::T, Trans::N, 1.0f, {d_probs, G * T, T, G * TT},
+  gemm_strided_batched(ctx_, Trans::T, Trans::N, 1.0f, {d_probs, G * T, T, G * TT},
                        q_.strided(G * T, dh, G * Tdh), 0.0f, d_k, T, dh, Tdh, groups);
 
   // Back to (N, W) rows: inverse RoPE on dq, dk (gradients w.r.t. the normalized q, k), dv.
@@ -286,41 +289,16 @@ void FullMatrixAttention::backward(TensorTable& table, const RopeTables& rope, C
         });
       });
 
-  if (qk_norm) {
-    // Norm weights first (they need the gradient w.r.t. the norm output), then the in-place
-    // RMSNorm backward of the q and k column blocks.
-    ConstVec rq(rstd_q_.data(), N), rk(rstd_k_.data(), N);
-    rmsnorm_weight_grad(qkv_.data(), W, d_qkv.data(), W, rq, N, qd, Vec(table.grad(q_norm_), qd));
-    rmsnorm_weight_grad(qkv_.data() + qd, W, d_qkv.data() + qd, W, rk, N, kd,
-                        Vec(table.grad(k_norm_), kd));
-    auto qkv = as_cmat(qkv_.data(), N, W);
-    const float* gq = table.param(q_norm_);
-    const float* gk = table.param(k_norm_);
-    Kokkos::parallel_for(
-        "attn::qk_norm_backward", row_policy(N), KOKKOS_LAMBDA(const TeamMember& team) {
-          const int r = team.league_rank();
-          for (int part = 0; part < 2; ++part) {
-            const int c0 = part == 0 ? 0 : qd, width = part == 0 ? qd : kd;
-            const float* g = part == 0 ? gq : gk;
-            const float s = part == 0 ? rq(r) : rk(r);
-            float dot = 0.0f;
-            Kokkos::parallel_reduce(
-                Kokkos::TeamThreadRange(team, width),
-                [&](int c, float& acc) { acc += g[c] * d_qkv(r, c0 + c) * qkv(r, c0 + c) * s; },
-                dot);
-            const float mean_dot = dot / width;
-            team.team_barrier();
-            Kokkos::parallel_for(Kokkos::TeamThreadRange(team, width), [&](int c) {
-              d_qkv(r, c0 + c) = s * (g[c] * d_qkv(r, c0 + c) - qkv(r, c0 + c) * s * mean_dot);
-            });
-            team.team_barrier();
-          }
-        });
-  }
+  // The library's QK-norm backward, shared on purpose (see full_attention.hpp).
+  if (qk_norm)
+    kmoe::qk_norm_backward(as_cmat(qkv_.data(), N, W), d_qkv, qd, kd,
+                           ConstVec(rstd_q_.data(), N), ConstVec(rstd_k_.data(), N),
+                           table.param(q_norm_), table.param(k_norm_),
+                           Vec(table.grad(q_norm_), qd), Vec(table.grad(k_norm_), kd));
 
   // Fused projection: dW(q|k|v) += d_qkv^T a; da = d_qkv W(q|k|v).
-  gemm(Trans::T, Trans::N, 1.0f, as_cmat(d_qkv), a, 1.0f, as_mat(table.grad(wq_), W, D_));
-  gemm(Trans::N, Trans::N, 1.0f, as_cmat(d_qkv), table.weight(wq_, W, D_), 0.0f, da);
+  gemm(ctx_, Trans::T, Trans::N, 1.0f, as_cmat(d_qkv), a, 1.0f, as_mat(table.grad(wq_), W, D_));
+  gemm(ctx_, Trans::N, Trans::N, 1.0f, as_cmat(d_qkv), table.weight(wq_, W, D_), 0.0f, da);
 }
 
 }  // namespace kmoe::oracle

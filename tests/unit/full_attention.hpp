@@ -1,6 +1,13 @@
 // The full-matrix attention (every sequence's whole (T, T) score matrix per head, masked) as
 // kmoe computed it before the blocked kernel: the test oracle the blocked Attention is checked
 // against (tests/unit/test_ops_attention.cpp). Not part of the library.
+//
+// What it shares with the library, deliberately: the GEMM entry points and the QK-norm backward
+// (attention.hpp qk_norm_backward), which the oracle is not there to check (they are checked on
+// their own: finite differences in test_ops, the PyTorch reference in tests/reference). What it
+// writes again: the projections' split into heads, QK-norm and RoPE forward and RoPE's
+// backward (the rotation's transpose, written out here), the full masked score matrices, the
+// softmax and its backward: everything the blocked kernel's tiling could get wrong.
 #pragma once
 
 #include <string>
@@ -17,8 +24,8 @@ namespace kmoe::oracle {
 
 class FullMatrixAttention {
  public:
-  FullMatrixAttention(const ModelCfg& m, const std::string& prefix, int max_seqs, int seq_len,
-                      TensorTable& table, int window = 0);
+  FullMatrixAttention(const RunContext& ctx, const ModelCfg& m, const std::string& prefix,
+                      int max_seqs, int seq_len, TensorTable& table, int window = 0);
   void forward(const TensorTable& table, const RopeTables& rope, ConstMat a, Mat out,
                Workspace& ws, DocStarts docs = DocStarts());
   void backward(TensorTable& table, const RopeTables& rope, ConstMat a, ConstMat dout, Mat da,
@@ -26,6 +33,7 @@ class FullMatrixAttention {
   static std::int64_t workspace_bytes(const ModelCfg& m, int max_seqs, int seq_len, bool bf16);
 
  private:
+  RunContext ctx_;
   int D_, H_, Hkv_, dh_, T_, window_;
   bool qk_norm_;
   DocStarts docs_;

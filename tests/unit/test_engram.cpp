@@ -39,7 +39,7 @@ struct Fixture {
     g.init_std = 0.3;
     plans = engram_hash_plans(g, m.vocab_size);
     N = nseq * T;
-    layer = std::make_unique<EngramLayer>(m, g, plans[0], "blocks.0.engram.", N, T, table,
+    layer = std::make_unique<EngramLayer>(RunContext(), m, g, plans[0], "blocks.0.engram.", N, T, table,
                                           EngramSharding(), stats);
     table.allocate();
     table.initialize(9);

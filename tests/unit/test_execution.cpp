@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "core/gemm.hpp"
+#include "core/run_context.hpp"
 #include "parallel/execution.hpp"
 
 namespace kmoe {
@@ -117,7 +118,6 @@ TEST(Execution, BatchesSideBySideOnlyWithOneThreadPerBlasCall) {
   using GetParallel = int (*)();
   const auto parallel = reinterpret_cast<GetParallel>(dlsym(RTLD_DEFAULT, "openblas_get_parallel"));
   const int kind = parallel ? parallel() : -1;  // 0 sequential, 1 pthreads, 2 OpenMP
-  const int before = gemm_batch_threads();
   for (const char* user : {static_cast<const char*>(nullptr), "1", "2"}) {
     ScopedEnv blas("OPENBLAS_NUM_THREADS", user);
     ExecutionPlan p = plan_with({});
@@ -131,9 +131,9 @@ TEST(Execution, BatchesSideBySideOnlyWithOneThreadPerBlasCall) {
     want = 1;
 #endif
     EXPECT_EQ(p.batch_threads, want) << "OPENBLAS_NUM_THREADS " << (user ? user : "unset");
-    EXPECT_EQ(gemm_batch_threads(), want);
+    EXPECT_EQ(make_run_context(Precision::Fp32, p.batch_threads).batch_threads, want)
+        << "a run context takes the plan's threads";
   }
-  set_gemm_batch_threads(before);
 }
 
 }  // namespace

@@ -14,15 +14,18 @@
 #include "core/error.hpp"
 #include "core/gemm.hpp"
 #include "core/grouped_gemm.hpp"
+#include "core/segments.hpp"
 
 namespace kmoe {
 namespace {
 
-// C = alpha op(A) op(B) + beta C against a naive triple loop, all four transpose combinations.
-// bf16: the loop multiplies the bf16-rounded inputs (MODEL.md section 8), and most elements must
-// be farther than the tolerance from the product of the unrounded ones.
+// C = alpha op(A) op(B) + beta C in ctx's precision against a naive triple loop, all four
+// transpose combinations. bf16: the loop multiplies the bf16-rounded inputs (MODEL.md section
+// 8), and most elements must be farther than the tolerance from the product of the unrounded
+// ones.
 void check_gemm(Trans ta, Trans tb, int m, int n, int k, float alpha, float beta,
-                bool bf16 = false, GemmInputs in = GemmInputs::Run) {
+                const RunContext& ctx = RunContext()) {
+  const bool bf16 = ctx.bf16();
   std::mt19937 gen(m * 131 + n * 17 + k);
   std::uniform_real_distribution<float> u(-1.0f, 1.0f);
   const int ar = ta == Trans::N ? m : k, ac = ta == Trans::N ? k : m;
@@ -53,7 +56,7 @@ void check_gemm(Trans ta, Trans tb, int m, int n, int k, float alpha, float beta
   Kokkos::deep_copy(A, hA);
   Kokkos::deep_copy(B, hB);
   Kokkos::deep_copy(C, hC);
-  gemm(ta, tb, alpha, as_cmat(A), as_cmat(B), beta, as_mat(C), in);
+  gemm(ctx, ta, tb, alpha, as_cmat(A), as_cmat(B), beta, as_mat(C));
   Kokkos::deep_copy(hC, C);
   int away = 0;
   for (int i = 0; i < m; ++i)
@@ -77,12 +80,12 @@ TEST(Gemm, BetaOneAccumulates) { check_gemm(Trans::T, Trans::N, 4, 6, 3, 1.0f, 1
 TEST(Gemm, ZeroInnerExtentAppliesBeta) {
   View2F A("A", 0, 3), B("B", 0, 4), C("C", 3, 4);
   Kokkos::deep_copy(C, 5.0f);
-  gemm(Trans::T, Trans::N, 1.0f, as_cmat(A), as_cmat(B), 0.0f, as_mat(C));
+  gemm(RunContext(), Trans::T, Trans::N, 1.0f, as_cmat(A), as_cmat(B), 0.0f, as_mat(C));
   auto h = Kokkos::create_mirror_view_and_copy(HostSpace(), C);
   for (int i = 0; i < 3; ++i)
     for (int j = 0; j < 4; ++j) EXPECT_EQ(h(i, j), 0.0f);
   Kokkos::deep_copy(C, 5.0f);
-  gemm(Trans::T, Trans::N, 1.0f, as_cmat(A), as_cmat(B), 0.5f, as_mat(C));
+  gemm(RunContext(), Trans::T, Trans::N, 1.0f, as_cmat(A), as_cmat(B), 0.5f, as_mat(C));
   Kokkos::deep_copy(h, C);
   EXPECT_EQ(h(2, 3), 2.5f);
   check_gemm(Trans::N, Trans::N, 3, 4, 0, 1.0f, 0.25f);
@@ -107,33 +110,33 @@ TEST(Bf16, RoundsToNearestTiesToEven) {
 }
 
 TEST(Gemm, Bf16ProductsSumRoundedInputsInFp32) {
-  GemmPrecisionScope bf(Precision::Bf16);
-  EXPECT_EQ(gemm_precision(), Precision::Bf16);
+  const RunContext bf = make_run_context(Precision::Bf16);
+  ASSERT_TRUE(bf.bf16());
   for (Trans ta : {Trans::N, Trans::T})
-    for (Trans tb : {Trans::N, Trans::T}) check_gemm(ta, tb, 7, 5, 9, 0.7f, 0.3f, true);
+    for (Trans tb : {Trans::N, Trans::T}) check_gemm(ta, tb, 7, 5, 9, 0.7f, 0.3f, bf);
   // The router's products keep fp32 inputs in a bf16 run.
-  check_gemm(Trans::N, Trans::T, 6, 4, 11, 1.0f, 0.0f, false, GemmInputs::Fp32);
+  check_gemm(Trans::N, Trans::T, 6, 4, 11, 1.0f, 0.0f, bf.exact_fp32());
 }
 
-TEST(Gemm, PrecisionScopeRestoresFp32) {
-  {
-    GemmPrecisionScope bf(Precision::Bf16);
+// Nothing outside the context decides a product's precision: fp32 and bf16 contexts used in
+// turn in one process each give their own products.
+TEST(Gemm, ContextsOfTwoPrecisionsSideBySide) {
+  const RunContext bf = make_run_context(Precision::Bf16), fp = make_run_context(Precision::Fp32);
+  for (int round = 0; round < 2; ++round) {
+    check_gemm(Trans::N, Trans::T, 7, 5, 9, 1.0f, 0.0f, bf);
+    check_gemm(Trans::N, Trans::T, 7, 5, 9, 1.0f, 0.0f, fp);
   }
-  EXPECT_EQ(gemm_precision(), Precision::Fp32);
-  check_gemm(Trans::N, Trans::N, 5, 6, 7, 1.0f, 0.0f);
 }
 
 #if !defined(KOKKOS_ENABLE_CUDA)
-// No TF32 without cuBLAS (CPUs, HIP): an error naming the key, and the precision stays what it
-// was.
+// No TF32 without cuBLAS (CPUs, HIP): an error naming the key.
 TEST(Gemm, Tf32WithoutCublasIsAnError) {
   try {
-    GemmPrecisionScope tf(Precision::Tf32);
+    make_run_context(Precision::Tf32);
     FAIL() << "tf32 accepted on " << ExecSpace::name();
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("train.precision = tf32"), std::string::npos) << e.what();
   }
-  EXPECT_EQ(gemm_precision(), Precision::Fp32);
 }
 #endif
 
@@ -141,15 +144,19 @@ TEST(Gemm, ZeroOuterExtentIsNoop) { check_gemm(Trans::N, Trans::T, 0, 4, 3, 1.0f
 
 TEST(Gemm, ShapeMismatchThrows) {
   View2F A("A", 3, 4), B("B", 5, 6), C("C", 3, 6);
-  EXPECT_THROW(gemm(Trans::N, Trans::N, 1.0f, as_cmat(A), as_cmat(B), 0.0f, as_mat(C)), Error);
+  EXPECT_THROW(
+      gemm(RunContext(), Trans::N, Trans::N, 1.0f, as_cmat(A), as_cmat(B), 0.0f, as_mat(C)),
+      Error);
 }
 
 // Grouped GEMMs against per-group double-precision loops: group sizes 0, 1, a tile edge and a
 // few tiles (the row offsets only on the device), inner extents and widths off the tile sizes,
 // both weight orientations, beta 0 and 1; rows outside the groups and the weights of a group
 // without rows are untouched; a second run is bit-identical.
-// bf16: the loops multiply the bf16-rounded inputs (the kernel rounds them as it loads them).
-void check_grouped(bool bf16) {
+// bf16 contexts: the loops multiply the bf16-rounded inputs (the kernel rounds them as it loads
+// them).
+void check_grouped(const RunContext& ctx) {
+  const bool bf16 = ctx.bf16();
   auto q = [bf16](float x) { return bf16 ? round_bf16(x) : x; };
   const std::vector<int> sizes = {5, 0, 33, 1, 70};
   const int G = static_cast<int>(sizes.size()), K = 40, n = 37, spare = 9;
@@ -174,7 +181,7 @@ void check_grouped(bool bf16) {
   };
   View1I d_off("off", G + 1);
   Kokkos::deep_copy(d_off, Kokkos::View<const int*, HostSpace, Unmanaged>(off.data(), G + 1));
-  GroupedGemm gg(G);
+  GroupedGemm gg(ctx, G);
   gg.plan(ConstIVec(d_off.data(), G + 1), cap);
 
   const auto A = random(std::size_t(cap) * K), W = random(std::size_t(G) * n * K);
@@ -223,26 +230,45 @@ void check_grouped(bool bf16) {
       }
 }
 
-TEST(GroupedGemm, RowsAndWeightGradientsMatchPerGroupProducts) { check_grouped(false); }
+TEST(GroupedGemm, RowsAndWeightGradientsMatchPerGroupProducts) { check_grouped(RunContext()); }
 
 TEST(GroupedGemm, Bf16RoundsTheInputsAsTheyLoad) {
-  GemmPrecisionScope bf(Precision::Bf16);
   std::printf("bf16 grouped products on %s\n",
               grouped_gemm_tensor_cores() ? "tensor cores" : "the scalar tiled kernel");
-  check_grouped(true);
+  check_grouped(make_run_context(Precision::Bf16));
 }
 
 // The tensor-core kernel's tiling (bf16 staged in scratch 32 of k at a time, 16 x 16 quarters,
 // k-major A for the weight gradients) on every build: where there are no tensor cores one
 // thread computes its fragments.
 TEST(GroupedGemm, Bf16FragmentTilesMatchPerGroupProducts) {
-  GemmPrecisionScope bf(Precision::Bf16);
-  detail::FragmentTilesScope tiles;
-  check_grouped(true);
+  RunContext tiles = make_run_context(Precision::Bf16);
+  tiles.fragment_tiles = true;
+  check_grouped(tiles);
+}
+
+// segment_of for positions [0, n) on the device (a kernel: outside a TEST body, which nvcc
+// cannot host).
+std::vector<int> segments_of(const std::vector<int>& starts, int segments, int n) {
+  View1I d("starts", starts.size()), got("got", n);
+  Kokkos::deep_copy(d, Kokkos::View<const int*, HostSpace, Unmanaged>(starts.data(), starts.size()));
+  Kokkos::parallel_for(
+      "test::segment_of", Range(0, n), KOKKOS_LAMBDA(int i) { got(i) = segment_of(d, segments, i); });
+  auto h = Kokkos::create_mirror_view_and_copy(HostSpace(), got);
+  return std::vector<int>(h.data(), h.data() + n);
+}
+
+// The one segment search (grouped GEMM tiles, MoE expert blocks, dispatch blocks): the last
+// segment starting at or before a position, empty segments skipped.
+TEST(Segments, PositionToItsSegment) {
+  // 6 segments; 1 and 4 are empty.
+  EXPECT_EQ(segments_of({0, 3, 3, 4, 9, 9, 12}, 6, 12),
+            (std::vector<int>{0, 0, 0, 2, 3, 3, 3, 3, 3, 5, 5, 5}));
+  EXPECT_EQ(segments_of({0, 5}, 1, 5), (std::vector<int>(5, 0)));
 }
 
 TEST(GroupedGemm, OffsetsOfTheWrongLengthThrow) {
-  GroupedGemm gg(3);
+  GroupedGemm gg(RunContext(), 3);
   View1I off("off", 3);
   EXPECT_THROW(gg.plan(ConstIVec(off.data(), 3), 10), Error);
 }
@@ -254,7 +280,7 @@ TEST(Gemm, StridedBatchMatchesOneProductEach) {
   for (Precision p : {Precision::Fp32, Precision::Bf16})
   for (Trans ta : {Trans::N, Trans::T})
     for (Trans tb : {Trans::N, Trans::T}) {
-      GemmPrecisionScope scope(p);
+      const RunContext ctx = make_run_context(p);
       const int ar = ta == Trans::N ? m : k, ac = ta == Trans::N ? k : m;
       const int br = tb == Trans::N ? k : n, bc = tb == Trans::N ? n : k;
       const std::int64_t sa = ar * ac + 3, sb = br * bc + 1, sc = m * n + 2;  // gaps between
@@ -271,9 +297,9 @@ TEST(Gemm, StridedBatchMatchesOneProductEach) {
       View1F want("want", C.extent(0));
       Kokkos::deep_copy(want, C);
       for (int b = 0; b < batch; ++b)
-        gemm(ta, tb, 0.5f, as_cmat(A.data() + b * sa, ar, ac), as_cmat(B.data() + b * sb, br, bc),
+        gemm(ctx, ta, tb, 0.5f, as_cmat(A.data() + b * sa, ar, ac), as_cmat(B.data() + b * sb, br, bc),
              0.25f, as_mat(want.data() + b * sc, m, n));
-      gemm_strided_batched(ta, tb, 0.5f, {A.data(), ar, ac, sa}, {B.data(), br, bc, sb}, 0.25f,
+      gemm_strided_batched(ctx, ta, tb, 0.5f, {A.data(), ar, ac, sa}, {B.data(), br, bc, sb}, 0.25f,
                            C.data(), m, n, sc, batch);
       auto got = Kokkos::create_mirror_view_and_copy(HostSpace(), C);
       auto ref = Kokkos::create_mirror_view_and_copy(HostSpace(), want);
@@ -289,7 +315,7 @@ TEST(Gemm, StridedBatchWithRowsApart) {
   for (Precision p : {Precision::Fp32, Precision::Bf16})
     for (Trans ta : {Trans::N, Trans::T})
       for (Trans tb : {Trans::N, Trans::T}) {
-        GemmPrecisionScope scope(p);
+        const RunContext ctx = make_run_context(p);
         const int ar = ta == Trans::N ? m : k, ac = ta == Trans::N ? k : m;
         const int br = tb == Trans::N ? k : n, bc = tb == Trans::N ? n : k;
         const int lda = ac + pad, ldb = bc + 1, ldc = n + 2;
@@ -315,20 +341,20 @@ TEST(Gemm, StridedBatchWithRowsApart) {
         };
         View1F A = dev(a), B = dev(b), C = dev(c);
         if (!gemm_rows_apart()) {
-          EXPECT_THROW(gemm_strided_batched(ta, tb, 0.5f, {A.data(), ar, ac, sa, nullptr, lda},
+          EXPECT_THROW(gemm_strided_batched(ctx, ta, tb, 0.5f, {A.data(), ar, ac, sa, nullptr, lda},
                                             {B.data(), br, bc, sb, nullptr, ldb}, 0.25f, C.data(),
                                             m, n, sc, batch, ldc),
                        Error);
           continue;
         }
-        gemm_strided_batched(ta, tb, 0.5f, {A.data(), ar, ac, sa, nullptr, lda},
+        gemm_strided_batched(ctx, ta, tb, 0.5f, {A.data(), ar, ac, sa, nullptr, lda},
                              {B.data(), br, bc, sb, nullptr, ldb}, 0.25f, C.data(), m, n, sc,
                              batch, ldc);
         auto got = Kokkos::create_mirror_view_and_copy(HostSpace(), C);
         for (int i = 0; i < batch; ++i) {
           View1F pa = dev(packed(a, sa, ar, ac, lda, i)), pb = dev(packed(b, sb, br, bc, ldb, i)),
                  pc = dev(packed(c, sc, m, n, ldc, i));
-          gemm(ta, tb, 0.5f, as_cmat(pa.data(), ar, ac), as_cmat(pb.data(), br, bc), 0.25f,
+          gemm(ctx, ta, tb, 0.5f, as_cmat(pa.data(), ar, ac), as_cmat(pb.data(), br, bc), 0.25f,
                as_mat(pc.data(), m, n));
           auto want = Kokkos::create_mirror_view_and_copy(HostSpace(), pc);
           for (int r = 0; r < m; ++r)
@@ -343,14 +369,14 @@ TEST(Gemm, StridedBatchWithRowsApart) {
       }
 }
 
-// A strided batch's products side by side on the host threads (set_gemm_batch_threads, the
+// A strided batch's products side by side on the host threads (RunContext::batch_threads, the
 // OpenMP path): bit for bit the products one after the other, and within 1e-5 of a double loop;
 // contiguous and rows apart, fp32 and bf16, every transpose, a single-column product (Kokkos
 // Kernels' gemv: never side by side) among them. GPU builds keep their library's batch.
 TEST(Gemm, StridedBatchSideBySideMatchesOneAfterTheOther) {
   if (!Kokkos::SpaceAccessibility<HostSpace, MemSpace>::accessible) GTEST_SKIP();
-  GemmBatchThreadsScope threads(4);
-  if (gemm_batch_threads() == 1) GTEST_SKIP() << "no host BLAS on host memory";
+  if (make_run_context(Precision::Fp32, 4).batch_threads == 1)
+    GTEST_SKIP() << "no host BLAS on host memory";
   if (Kokkos::DefaultHostExecutionSpace().concurrency() < 2)
     GTEST_SKIP() << "one host thread: side by side is one after the other here";
   const int batch = 9, m = 17, k = 11;
@@ -359,7 +385,6 @@ TEST(Gemm, StridedBatchSideBySideMatchesOneAfterTheOther) {
       for (Precision p : {Precision::Fp32, Precision::Bf16})
         for (Trans ta : {Trans::N, Trans::T})
           for (Trans tb : {Trans::N, Trans::T}) {
-            GemmPrecisionScope scope(p);
             const int ar = ta == Trans::N ? m : k, ac = ta == Trans::N ? k : m;
             const int br = tb == Trans::N ? k : n, bc = tb == Trans::N ? n : k;
             const int lda = ac + pad, ldb = bc + pad, ldc = n + pad;
@@ -376,11 +401,12 @@ TEST(Gemm, StridedBatchSideBySideMatchesOneAfterTheOther) {
             Kokkos::deep_copy(B,
                               Kokkos::View<const float*, HostSpace, Unmanaged>(b.data(), b.size()));
             auto run = [&](int threads) {
-              set_gemm_batch_threads(threads);
+              const RunContext ctx = make_run_context(p, threads);
+              EXPECT_EQ(ctx.batch_threads, threads);
               View1F C("C", c.size());
               Kokkos::deep_copy(
                   C, Kokkos::View<const float*, HostSpace, Unmanaged>(c.data(), c.size()));
-              gemm_strided_batched(ta, tb, 0.5f, {A.data(), ar, ac, sa, nullptr, pad ? lda : 0},
+              gemm_strided_batched(ctx, ta, tb, 0.5f, {A.data(), ar, ac, sa, nullptr, pad ? lda : 0},
                                    {B.data(), br, bc, sb, nullptr, pad ? ldb : 0}, 0.25f, C.data(),
                                    m, n, sc, batch, pad ? ldc : 0);
               Kokkos::fence();
@@ -388,7 +414,6 @@ TEST(Gemm, StridedBatchSideBySideMatchesOneAfterTheOther) {
               return std::vector<float>(h.data(), h.data() + h.extent(0));
             };
             const std::vector<float> one = run(1), side = run(4);
-            ASSERT_EQ(gemm_batch_threads(), 4);
             for (std::size_t i = 0; i < one.size(); ++i)
               ASSERT_EQ(side[i], one[i]) << "n " << n << " pad " << pad << " at " << i;
             for (int i = 0; i < batch; ++i)
@@ -417,8 +442,9 @@ TEST(Gemm, StridedBatchSideBySideMatchesOneAfterTheOther) {
 // extent, a bf16 operand refused.
 TEST(Gemm, OnHostThreadIsGemmsCall) {
   if (!Kokkos::SpaceAccessibility<HostSpace, MemSpace>::accessible) GTEST_SKIP();
-  GemmBatchThreadsScope threads(2);
-  if (gemm_batch_threads() == 1) GTEST_SKIP() << "no host BLAS on host memory";
+  if (make_run_context(Precision::Fp32, 2).batch_threads == 1)
+    GTEST_SKIP() << "no host BLAS on host memory";
+  const RunContext ctx;
   const int m = 19, n = 23;
   for (int k : {0, 37})
     for (Trans ta : {Trans::N, Trans::T})
@@ -436,7 +462,7 @@ TEST(Gemm, OnHostThreadIsGemmsCall) {
         Kokkos::deep_copy(B, HostMat(b.data(), br, bc));
         Kokkos::deep_copy(C1, HostMat(c.data(), m, n));
         Kokkos::deep_copy(C2, C1);
-        gemm(ta, tb, 0.75f, as_cmat(A), as_cmat(B), 0.5f, as_mat(C1));
+        gemm(ctx, ta, tb, 0.75f, as_cmat(A), as_cmat(B), 0.5f, as_mat(C1));
         gemm_on_host_thread(ta, tb, 0.75f, operand(as_cmat(A)), operand(as_cmat(B)), 0.5f,
                             as_mat(C2));
         Kokkos::fence();

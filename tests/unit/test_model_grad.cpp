@@ -35,7 +35,7 @@ void check_gradients(const ModelCfg& m, const MoeCfg& e = MoeCfg(), float eps = 
                      const EngramCfg& g = EngramCfg()) {
   const int T = 8, nseq = 2;
   TensorTable table;
-  Stage stage(m, e, nseq, T, table, g);
+  Stage stage(RunContext(), m, e, nseq, T, table, g);
   table.allocate();
   table.initialize(7);
   // Perturb every parameter (norm weights too) so no gradient is trivially symmetric.

@@ -63,8 +63,8 @@ TEST(Moe, OneExpertTopOneIsTheDenseLayer) {
   const int N = 24, D = 16, F = 20;
   const ModelCfg m = model(D);
   TensorTable table;
-  SwigluMlp dense("dense.", m, F, N, table);
-  MoeLayer layer(m, moe(1, 1, F), "moe.", N, table);
+  SwigluMlp dense(RunContext(), "dense.", m, F, N, table);
+  MoeLayer layer(RunContext(), m, moe(1, 1, F), "moe.", N, table);
   table.allocate();
   table.initialize(5);
   // Copy the dense weights into the single expert: w1 [1, F, D], w3, w2 [1, D, F].
@@ -122,7 +122,7 @@ TEST(Moe, ExpertWithoutTokensGetsExactlyZeroGradientAndNoStaleRows) {
   MoeCfg e = moe(4, 1, Fe);
   e.lb_coef = 0.1;
   TensorTable table;
-  MoeLayer layer(m, e, "moe.", N, table);
+  MoeLayer layer(RunContext(), m, e, "moe.", N, table);
   table.allocate();
   table.initialize(3);
   View2F x = random_input(N, D, 4), y("y", N, D), dy = random_input(N, D, 5), dx("dx", N, D);
@@ -150,7 +150,7 @@ TEST(Moe, ExpertWithoutTokensGetsExactlyZeroGradientAndNoStaleRows) {
   }
   // A fresh layer with the same weights gives the same output: nothing stale was read.
   TensorTable fresh_table;
-  MoeLayer fresh(m, e, "moe.", N, fresh_table);
+  MoeLayer fresh(RunContext(), m, e, "moe.", N, fresh_table);
   fresh_table.allocate();
   Kokkos::deep_copy(fresh_table.params, table.params);
   View2F y2("y2", N, D);
@@ -165,9 +165,9 @@ TEST(Moe, CapacityDropsTheTailInTokenOrderDeterministically) {
   MoeCfg capped = dropless;
   capped.capacity_factor = 0.6;  // ceil(0.6 * 40 * 2 / 4) = 12 per expert
   TensorTable table;
-  MoeLayer a(m, dropless, "moe.", N, table);
+  MoeLayer a(RunContext(), m, dropless, "moe.", N, table);
   TensorTable table_b;
-  MoeLayer b(m, capped, "moe.", N, table_b);
+  MoeLayer b(RunContext(), m, capped, "moe.", N, table_b);
   table.allocate();
   table.initialize(11);
   table_b.allocate();
@@ -210,7 +210,7 @@ TEST(Moe, RouterBiasMovesTowardBalance) {
   MoeCfg e = moe(E, 1, Fe);
   e.bias_update_rate = 0.05;
   TensorTable table;
-  MoeLayer layer(m, e, "moe.", N, table);
+  MoeLayer layer(RunContext(), m, e, "moe.", N, table);
   table.allocate();
   table.initialize(3);
   ASSERT_GE(layer.bias_index(), 0);
@@ -244,7 +244,7 @@ TEST(Moe, StatisticsAndTheRouterBiasHook) {
   e.bias_update_rate = 0.05;
   StepStats stats;
   TensorTable table;
-  MoeLayer layer(m, e, "blocks.3.moe.", N, table, nullptr, nullptr, &stats, 3);
+  MoeLayer layer(RunContext(), m, e, "blocks.3.moe.", N, table, nullptr, nullptr, &stats, 3);
   table.allocate();
   table.initialize(11);
   EXPECT_EQ(stats.names(),
@@ -272,7 +272,7 @@ TEST(Moe, StatisticsAndTheRouterBiasHook) {
   EXPECT_EQ(f[3].second, double(a.dropped + b.dropped) / total);
 
   TensorTable expected;  // the same layer's bias moved by hand
-  MoeLayer twin(m, e, "blocks.3.moe.", N, expected);
+  MoeLayer twin(RunContext(), m, e, "blocks.3.moe.", N, expected);
   expected.allocate();
   Kokkos::deep_copy(expected.params, table.params);
   update_router_bias(expected, twin.bias_index(), counts, e.bias_update_rate);
@@ -294,10 +294,11 @@ struct LayerRun {
   MoeStats st;
 };
 // `starve`: positive inputs and a router that sends every token to experts 0 and 1 only.
-LayerRun forward_backward(const ModelCfg& m, const MoeCfg& c, int N, bool starve = false) {
+LayerRun forward_backward(const RunContext& ctx, const ModelCfg& m, const MoeCfg& c, int N,
+                          bool starve = false) {
   const int D = m.d_model;
   TensorTable table;
-  MoeLayer layer(m, c, "moe.", N, table);
+  MoeLayer layer(ctx, m, c, "moe.", N, table);
   table.allocate();
   table.initialize(11);
   View2F x = random_input(N, D, 6), y("y", N, D), dy = random_input(N, D, 7), dx("dx", N, D);
@@ -327,29 +328,29 @@ LayerRun forward_backward(const ModelCfg& m, const MoeCfg& c, int N, bool starve
 // rows, one without rows, and a capacity that drops. Only fp32 runs take that path.
 // Which layers take that path (expert_threads): the rule alone, on any build.
 TEST(Moe, ExpertThreadsRule) {
-  GemmBatchThreadsScope threads(3);
-  if (gemm_batch_threads() == 1) GTEST_SKIP() << "no host BLAS on host memory";
+  const RunContext threads = make_run_context(Precision::Fp32, 3);
+  if (threads.batch_threads == 1) GTEST_SKIP() << "no host BLAS on host memory";
   MoeCfg per = moe(8, 2, 24), grouped = per, one_wide = per;
   per.expert_gemm = ExpertGemm::PerExpert;
   grouped.expert_gemm = ExpertGemm::Grouped;
   one_wide.expert_gemm = ExpertGemm::PerExpert;
   one_wide.expert_hidden = 1;
-  EXPECT_EQ(expert_threads(per, 16, 8, false), 3);
-  EXPECT_EQ(expert_threads(per, 16, 2, false), 2);
-  EXPECT_EQ(expert_threads(per, 16, 1, false), 1);
-  EXPECT_EQ(expert_threads(per, 16, 8, true), 1) << "bf16 stays one after the other";
-  {
-    GemmPrecisionScope scope(Precision::Bf16);
-    EXPECT_EQ(expert_threads(per, 16, 8, false), 1) << "bf16 products";
-  }
-  EXPECT_EQ(expert_threads(grouped, 16, 8, false), 1);
-  EXPECT_EQ(expert_threads(one_wide, 16, 8, false), 1) << "single-column products are gemv";
-  EXPECT_EQ(expert_threads(per, 1, 8, false), 1) << "single-column products are gemv";
+  EXPECT_EQ(expert_threads(threads, per, 16, 8, false), 3);
+  EXPECT_EQ(expert_threads(threads, per, 16, 2, false), 2);
+  EXPECT_EQ(expert_threads(threads, per, 16, 1, false), 1);
+  EXPECT_EQ(expert_threads(threads, per, 16, 8, true), 1) << "bf16 stays one after the other";
+  EXPECT_EQ(expert_threads(make_run_context(Precision::Bf16, 3), per, 16, 8, false), 1)
+      << "bf16 products";
+  EXPECT_EQ(expert_threads(RunContext(), per, 16, 8, false), 1) << "one thread";
+  EXPECT_EQ(expert_threads(threads, grouped, 16, 8, false), 1);
+  EXPECT_EQ(expert_threads(threads, one_wide, 16, 8, false), 1)
+      << "single-column products are gemv";
+  EXPECT_EQ(expert_threads(threads, per, 1, 8, false), 1) << "single-column products are gemv";
 }
 
 TEST(Moe, PerExpertGemmsSideBySideMatchOneAfterTheOther) {
-  GemmBatchThreadsScope threads(3);
-  if (gemm_batch_threads() == 1) GTEST_SKIP() << "no host BLAS on host memory";
+  const RunContext threads = make_run_context(Precision::Fp32, 3);
+  if (threads.batch_threads == 1) GTEST_SKIP() << "no host BLAS on host memory";
   if (Kokkos::DefaultHostExecutionSpace().concurrency() < 2)
     GTEST_SKIP() << "one host thread: side by side is one after the other here";
   const int N = 40, D = 16, Fe = 24;
@@ -363,10 +364,8 @@ TEST(Moe, PerExpertGemmsSideBySideMatchOneAfterTheOther) {
     e.capacity_factor = capacity;
     e.shared_experts = 1;
     e.shared_hidden = 12;
-    set_gemm_batch_threads(1);
-    const LayerRun one = forward_backward(m, e, N, starve);
-    set_gemm_batch_threads(3);
-    const LayerRun side = forward_backward(m, e, N, starve);
+    const LayerRun one = forward_backward(RunContext(), m, e, N, starve);
+    const LayerRun side = forward_backward(threads, m, e, N, starve);
     EXPECT_EQ(side.st.load, one.st.load) << variant;
     if (capacity > 0) {
       EXPECT_GT(one.st.dropped, 0) << "the capacity must bite";
@@ -392,7 +391,7 @@ TEST(Moe, GroupedExpertGemmsMatchPerExpertGemms) {
   const ModelCfg m = model(D);
   for (Precision p : {Precision::Fp32, Precision::Bf16})
   for (double capacity : {0.0, 0.6}) {
-    GemmPrecisionScope scope(p);
+    const RunContext ctx = make_run_context(p);
     const double tol = p == Precision::Bf16 ? 2e-3 : 1e-5;
     MoeCfg e = moe(E, k, Fe);
     e.lb_coef = 0.1;
@@ -403,7 +402,7 @@ TEST(Moe, GroupedExpertGemmsMatchPerExpertGemms) {
     auto run = [&](ExpertGemm gemms) {
       MoeCfg c = e;
       c.expert_gemm = gemms;
-      return forward_backward(m, c, N);
+      return forward_backward(ctx, m, c, N);
     };
     auto max_rel = [](const std::vector<float>& a, const std::vector<float>& b) {
       double num = 0.0, den = 0.0;
@@ -433,8 +432,11 @@ TEST(Moe, GroupedExpertGemmsMatchPerExpertGemms) {
     EXPECT_EQ(again.grads, grouped.grads);
     if (p == Precision::Bf16) {  // the tensor-core kernel's tiling (scalar fragments on CPUs)
       const LayerRun tiles = [&] {
-        detail::FragmentTilesScope on;
-        return run(ExpertGemm::Grouped);
+        RunContext on = ctx;
+        on.fragment_tiles = true;
+        MoeCfg c = e;
+        c.expert_gemm = ExpertGemm::Grouped;
+        return forward_backward(on, m, c, N);
       }();
       EXPECT_EQ(tiles.st.load, per.st.load) << capacity;
       std::printf("bf16, capacity %.1f: fragment tiles vs per-expert y %.1e dx %.1e grads %.1e\n",

@@ -135,7 +135,7 @@ TEST(SwigluMlp, ForwardAndBackward) {
   ModelCfg m;
   m.d_model = D;
   m.init_std = 0.3;
-  SwigluMlp mlp(prefix, m, F, max_rows, table);
+  SwigluMlp mlp(RunContext(), prefix, m, F, max_rows, table);
   table.allocate();
   table.initialize(5);
   randomize_params(table, gen, 0.4f);
@@ -256,7 +256,7 @@ void check_lm_head(bool tie) {
   std::mt19937 gen(tie ? 7 : 8);
   TensorTable table;
   Embedding embed(V, D, m.init_std, N + 5, table);
-  LmHead head(m, N + 5, embed.weight_index(), table);
+  LmHead head(RunContext(), m, N + 5, embed.weight_index(), table);
   Workspace ws;
   table.allocate();
   table.initialize(9);

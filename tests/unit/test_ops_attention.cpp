@@ -88,7 +88,7 @@ void check_attention(const ModelCfg& m, int max_seqs, int nseq) {
   const int T = 6, D = m.d_model, N = nseq * T;
   std::mt19937 gen(100 * m.n_heads + 10 * m.n_kv_heads + max_seqs + nseq + m.qk_norm);
   TensorTable table;
-  Attention attn(m, kPrefix, max_seqs, T, table);
+  Attention attn(RunContext(), m, kPrefix, max_seqs, T, table);
   table.allocate();
   table.initialize(11);
   randomize_params(table, gen, 0.35f);
@@ -160,14 +160,14 @@ void check_blocked(const ModelCfg& m, int T, int nseq, int window, bool document
                " T " + std::to_string(T) + " window " + std::to_string(window) +
                (documents ? " documents" : "") + (planned ? " planned" : "") + " " +
                choice_name(precision));
-  GemmPrecisionScope scope(precision);  // before the kernels: their kept operands follow it
+  const RunContext ctx = make_run_context(precision);  // the products and kept operands
   const bool bf16 = precision == Precision::Bf16;
   const double tol = bf16 ? 1e-5 : 1e-6, grad_tol = bf16 ? 1e-4 : 2e-6,
                ref_tol = bf16 ? 2e-2 : 2e-6;
   std::mt19937 gen(T + window + 7 * m.n_kv_heads + documents);
   TensorTable ta, tb;
-  Attention blocked(m, kPrefix, max_seqs, T, ta, window);
-  oracle::FullMatrixAttention full(m, kPrefix, max_seqs, T, tb, window);
+  Attention blocked(ctx, m, kPrefix, max_seqs, T, ta, window);
+  oracle::FullMatrixAttention full(ctx, m, kPrefix, max_seqs, T, tb, window);
   ta.allocate();
   tb.allocate();
   ta.initialize(11);

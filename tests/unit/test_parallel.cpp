@@ -204,7 +204,7 @@ TEST(GradReducer, ShardedMomentsCoverEveryRowOnce) {
   e.dense_layers = {0};
   ProcessGrid grid(p, m.n_layers, MPI_COMM_WORLD);
   TensorTable table;
-  Stage stage(m, e, 1, 8, table, EngramCfg(), StagePlan::of(grid), layer_comms(Config(), grid));
+  Stage stage(RunContext(), m, e, 1, 8, table, EngramCfg(), StagePlan::of(grid), layer_comms(Config(), grid));
   GradReducer reducer(table, grid, /*bucket_mb=*/0.001, /*tied=*/false, /*shard=*/true);
   const auto& slices = reducer.moment_slices();
   table.allocate(&slices);
@@ -249,53 +249,47 @@ TEST(GradReducer, ShardedMomentsCoverEveryRowOnce) {
   }
 }
 
-// Under recompute the blocks built in a pool's scope share its buffers: the same request in two
-// blocks is one buffer, two requests of one label in a block are two, a larger request grows
-// the pool's (blocks built before keep theirs), a kept operand's growth is every holder's, and
-// outside a scope every request is its own allocation.
+// Under recompute the blocks built with a context holding the pool share its buffers: the same
+// request in two blocks is one buffer, two requests of one label in a block are two, a larger
+// request grows the pool's (blocks built before keep theirs), a kept operand's growth is every
+// holder's, and with a context without the pool every request is its own allocation.
 TEST(ActivationPool, BlocksShareTheirSavedBuffers) {
   ActivationPool pool;
+  RunContext pooled;
+  pooled.pool = &pool;
   View1F a1, a2, b1, big;
   KeptOperand k1, k2;
-  {
-    ActivationPool::Block scope(&pool);
-    a1 = saved_floats("x", 10);
-    a2 = saved_floats("x", 10);
-    k1 = KeptOperand("k", 8, /*may_be_bf16=*/false);
-  }
-  {
-    ActivationPool::Block scope(&pool);
-    b1 = saved_floats("x", 10);
-    big = saved_floats("x", 10);
-    k2 = KeptOperand("k", 4, /*may_be_bf16=*/false);
-  }
+  pool.begin_block();
+  a1 = saved_floats(pooled, "x", 10);
+  a2 = saved_floats(pooled, "x", 10);
+  k1 = KeptOperand(pooled, "k", 8, /*may_be_bf16=*/false);
+  pool.begin_block();
+  b1 = saved_floats(pooled, "x", 10);
+  big = saved_floats(pooled, "x", 10);
+  k2 = KeptOperand(pooled, "k", 4, /*may_be_bf16=*/false);
   EXPECT_EQ(a1.data(), b1.data());
   EXPECT_NE(a1.data(), a2.data());
   EXPECT_EQ(a2.data(), big.data());
   EXPECT_EQ(k1.f32(), k2.f32());
   k2.ensure(1000);
   EXPECT_EQ(k1.f32(), k2.f32());
-  {
-    ActivationPool::Block scope(&pool);
-    View1F grown = saved_floats("x", 20);
-    EXPECT_NE(grown.data(), a1.data());
-    EXPECT_EQ(grown.extent(0), 20u);
-  }
+  pool.begin_block();
+  View1F grown = saved_floats(pooled, "x", 20);
+  EXPECT_NE(grown.data(), a1.data());
+  EXPECT_EQ(grown.extent(0), 20u);
   EXPECT_EQ(a1.extent(0), 10u);  // still its own, valid buffer
   EXPECT_GE(pool.bytes(), std::int64_t(4 * (20 + 10 + 1000)));
-  View1F own1 = saved_floats("x", 10), own2 = saved_floats("x", 10);
+  const RunContext own;
+  View1F own1 = saved_floats(own, "x", 10), own2 = saved_floats(own, "x", 10);
   EXPECT_NE(own1.data(), own2.data());
-  EXPECT_EQ(ActivationPool::current(), nullptr);
-  // A pool whose blocks do not share (no recompute) only holds the shared objects: inside its
-  // scope every request is its own allocation.
+  // A pool whose blocks do not share (no recompute) only holds the shared objects: every
+  // request is its own allocation.
   ActivationPool apart(/*blocks_share=*/false);
-  {
-    ActivationPool::Block scope(&apart);
-    EXPECT_EQ(ActivationPool::current(), nullptr);
-    View1F s1 = saved_floats("x", 10), s2 = saved_floats("x", 10);
-    EXPECT_NE(s1.data(), s2.data());
-  }
-  EXPECT_EQ(apart.bytes(), 0);
+  RunContext with_apart;
+  with_apart.pool = &apart;
+  apart.begin_block();
+  View1F s1 = saved_floats(with_apart, "x", 10), s2 = saved_floats(with_apart, "x", 10);
+  EXPECT_NE(s1.data(), s2.data());
   EXPECT_EQ(apart.shared<int>("w", 3).get(), apart.shared<int>("w", 4).get());
 }
 
@@ -435,7 +429,7 @@ std::vector<float> random_vec(std::int64_t n, unsigned seed, float scale, float 
 // the rows and the output gradients travel as bf16 (d_model 16), the same values the one-rank
 // layer's products round.
 void expert_parallel_matches_one_rank(ExpertGemm gemms, Precision precision = Precision::Fp32) {
-  GemmPrecisionScope scope(precision);
+  const RunContext ctx = make_run_context(precision);
   Communicator ep(MPI_COMM_WORLD, "ep");
   const int me = ep.rank(), N = 24, D = 16;
   ModelCfg m = tiny_model();
@@ -446,11 +440,11 @@ void expert_parallel_matches_one_rank(ExpertGemm gemms, Precision precision = Pr
   e.lb_coef = 0.1;
   e.z_coef = 0.01;
   TensorTable full, part;
-  MoeLayer one(m, e, "moe.", N, full);
+  MoeLayer one(ctx, m, e, "moe.", N, full);
   MoeCfg e_sharded = e;
   e_sharded.expert_gemm = gemms;
   const MpiDataPlane ep_data(ep);  // as ProcessGrid builds it: staged on device memory
-  MoeLayer sharded(m, e_sharded, "moe.", N, part, &ep, &ep_data.get());
+  MoeLayer sharded(ctx, m, e_sharded, "moe.", N, part, &ep, &ep_data.get());
   full.allocate();
   part.allocate();
   full.initialize(5);
@@ -526,13 +520,13 @@ TEST(EngramSharding, MatchesTheReplicatedTable) {
   g.init_std = 0.3;
   auto plans = engram_hash_plans(g, m.vocab_size);
   TensorTable full, part;
-  EngramLayer one(m, g, plans[0], "e.", N, T, full);
+  EngramLayer one(RunContext(), m, g, plans[0], "e.", N, T, full);
   EngramSharding sh;
   sh.kind = Shard::Stage;
   const MpiDataPlane group_data(group);  // as ProcessGrid builds it: staged on device memory
   sh.comm = &group;
   sh.data = &group_data.get();
-  EngramLayer sharded(m, g, plans[0], "e.", N, T, part, sh);
+  EngramLayer sharded(RunContext(), m, g, plans[0], "e.", N, T, part, sh);
   full.allocate();
   part.allocate();
   full.initialize(3);
@@ -601,7 +595,7 @@ TEST(RankShare, ExpertsAndEngramRowsSplitOverTheGroup) {
   comms.engram_data = &group_data.get();
   comms.engram_shard = Shard::Stage;
   TensorTable table;
-  Stage stage(m, e, 2, 8, table, g, StagePlan::whole(), comms);
+  Stage stage(RunContext(), m, e, 2, 8, table, g, StagePlan::whole(), comms);
   RankShare r;
   r.first_block = 0;
   r.last_block = 2;

@@ -31,51 +31,63 @@ struct StageRun {
   std::vector<TensorEntry> tensors;  // where each tensor's gradient lies in `grads`
 };
 
-StageRun run_stage(Precision p) {
-  GemmPrecisionScope scope(p);  // before the stage: its kept operands follow the precision
+// A two-block stage (dense + Engram, MoE with a shared expert) built with one run context.
+struct StageCase {
+  static constexpr int T = 16, nseq = 2;
   ModelCfg m;
-  m.vocab_size = 37;
-  m.d_model = 32;
-  m.n_layers = 2;
-  m.n_heads = 4;
-  m.n_kv_heads = 2;
-  m.ffn_hidden = 48;
-  m.init_std = 0.2;
-  MoeCfg e;
-  e.experts = 4;
-  e.top_k = 2;
-  e.expert_hidden = 16;
-  e.dense_layers = {0};
-  e.shared_experts = 1;
-  e.shared_hidden = 16;
-  EngramCfg g;
-  g.layers = {1};
-  g.heads = 2;
-  g.embed_per_ngram = 8;
-  g.table_size = {31, 37};
-  const int T = 16, nseq = 2;
   TensorTable table;
-  Stage stage(m, e, nseq, T, table, g);
-  table.allocate();
-  table.initialize(11);
-  std::mt19937 gen(4);
-  std::vector<std::int32_t> tokens(nseq * T);
-  std::uniform_int_distribution<int> tok(0, m.vocab_size - 1);
-  for (auto& t : tokens) t = tok(gen);
-  const int targets = nseq * (T - 1);
-  const LossSums s = stage.forward(table, tokens.data(), nseq, 1.0f / targets);
-  stage.backward(table);
-  StageRun r;
-  r.loss = s.ce / s.targets + s.moe_aux;
-  auto hg = Kokkos::create_mirror_view_and_copy(HostSpace(), table.grads);
-  r.grads.assign(hg.data(), hg.data() + hg.size());
-  r.tensors = table.entries();
-  for (const auto& [block, ids] : stage.moe_routes()) {
-    auto h = Kokkos::create_mirror_view_and_copy(HostSpace(), ids);
-    r.routes.emplace_back(h.data(), h.data() + h.size());
+  std::unique_ptr<Stage> stage;
+  std::vector<std::int32_t> tokens;
+
+  explicit StageCase(const RunContext& ctx) {
+    m.vocab_size = 37;
+    m.d_model = 32;
+    m.n_layers = 2;
+    m.n_heads = 4;
+    m.n_kv_heads = 2;
+    m.ffn_hidden = 48;
+    m.init_std = 0.2;
+    MoeCfg e;
+    e.experts = 4;
+    e.top_k = 2;
+    e.expert_hidden = 16;
+    e.dense_layers = {0};
+    e.shared_experts = 1;
+    e.shared_hidden = 16;
+    EngramCfg g;
+    g.layers = {1};
+    g.heads = 2;
+    g.embed_per_ngram = 8;
+    g.table_size = {31, 37};
+    stage = std::make_unique<Stage>(ctx, m, e, nseq, T, table, g);
+    table.allocate();
+    table.initialize(11);
+    std::mt19937 gen(4);
+    tokens.resize(nseq * T);
+    std::uniform_int_distribution<int> tok(0, m.vocab_size - 1);
+    for (auto& t : tokens) t = tok(gen);
   }
-  return r;
-}
+
+  // One forward and backward from zero gradients.
+  StageRun run() {
+    Kokkos::deep_copy(table.grads, 0.0f);
+    const int targets = nseq * (T - 1);
+    const LossSums s = stage->forward(table, tokens.data(), nseq, 1.0f / targets);
+    stage->backward(table);
+    StageRun r;
+    r.loss = s.ce / s.targets + s.moe_aux;
+    auto hg = Kokkos::create_mirror_view_and_copy(HostSpace(), table.grads);
+    r.grads.assign(hg.data(), hg.data() + hg.size());
+    r.tensors = table.entries();
+    for (const auto& [block, ids] : stage->moe_routes()) {
+      auto h = Kokkos::create_mirror_view_and_copy(HostSpace(), ids);
+      r.routes.emplace_back(h.data(), h.data() + h.size());
+    }
+    return r;
+  }
+};
+
+StageRun run_stage(Precision p) { return StageCase(make_run_context(p)).run(); }
 
 // out[i] = src[i] (a device kernel: outside a TEST body, which nvcc cannot host).
 void keep_values(const View1F& src, const KeptOut& out) {
@@ -103,7 +115,6 @@ void swiglu_kept(const View1F& a, const View1F& b, int N, int F, const KeptOpera
 
 TEST(Precision, Bf16StageWithinBf16ToleranceOfFp32) {
   const StageRun a = run_stage(Precision::Fp32), b = run_stage(Precision::Bf16);
-  EXPECT_EQ(gemm_precision(), Precision::Fp32);
   const double dl = std::fabs(b.loss - a.loss) / std::fabs(a.loss);
   EXPECT_LE(dl, kLossTol) << a.loss << " vs " << b.loss;
   ASSERT_EQ(a.grads.size(), b.grads.size());
@@ -117,6 +128,21 @@ TEST(Precision, Bf16StageWithinBf16ToleranceOfFp32) {
   EXPECT_LE(rel, kGradTol) << "all gradients, relative";
   EXPECT_GE(rel, kAtLeast) << "bf16 changed nothing";
   EXPECT_GE(dl, 1e-7) << "bf16 changed nothing in the loss";
+}
+
+// Two run contexts of different precision in one process, their stages alive side by side and
+// run in turn: each stage computes as its own context says, bit for bit what it computes alone.
+TEST(Precision, TwoContextsInOneProcessEachComputeTheirOwn) {
+  const StageRun fp32_alone = run_stage(Precision::Fp32), bf16_alone = run_stage(Precision::Bf16);
+  ASSERT_NE(fp32_alone.loss, bf16_alone.loss) << "the precisions must differ to tell them apart";
+  StageCase bf16(make_run_context(Precision::Bf16)), fp32(make_run_context(Precision::Fp32));
+  for (int round = 0; round < 2; ++round) {
+    const StageRun b = bf16.run(), a = fp32.run();
+    EXPECT_EQ(a.loss, fp32_alone.loss) << round;
+    EXPECT_EQ(a.grads, fp32_alone.grads) << round;
+    EXPECT_EQ(b.loss, bf16_alone.loss) << round;
+    EXPECT_EQ(b.grads, bf16_alone.grads) << round;
+  }
 }
 
 // Tensor by tensor (each op's weights: embedding, norms, attention, dense and expert SwiGLUs,
@@ -164,9 +190,8 @@ TEST(Precision, RouterIsFp32InBf16Runs) {
   std::vector<MoeStats> st;
   std::vector<std::vector<float>> out;
   for (Precision p : {Precision::Fp32, Precision::Bf16}) {
-    GemmPrecisionScope scope(p);
     TensorTable table;
-    MoeLayer layer(m, e, "moe.", N, table);
+    MoeLayer layer(make_run_context(p), m, e, "moe.", N, table);
     table.allocate();
     table.initialize(5);
     View2F y("y", N, D);
@@ -192,12 +217,12 @@ TEST(Precision, RouterIsFp32InBf16Runs) {
 // the product of the rounded values.
 TEST(Precision, KeptOperandsStoreBf16InBf16Runs) {
   {
-    KeptOperand f("fp32", 4);
+    KeptOperand f(RunContext(), "fp32", 4);
     EXPECT_FALSE(f.is_bf16());
   }
-  GemmPrecisionScope scope(Precision::Bf16);
+  const RunContext ctx = make_run_context(Precision::Bf16);
   const int n = 6, k = 5;
-  KeptOperand kept("kept", std::int64_t(n) * k);
+  KeptOperand kept(ctx, "kept", std::int64_t(n) * k);
   EXPECT_TRUE(kept.is_bf16());
   std::vector<float> h(n * k);
   std::mt19937 gen(1);
@@ -208,23 +233,23 @@ TEST(Precision, KeptOperandsStoreBf16InBf16Runs) {
   keep_values(src, kept.out());
   // C (n x n) = K K^T from the kept operand and from the fp32 values: the same bf16 product.
   View2F c1("c1", n, n), c2("c2", n, n);
-  gemm(Trans::N, Trans::T, 1.0f, kept.matrix(n, k), kept.matrix(n, k), 0.0f, as_mat(c1));
-  gemm(Trans::N, Trans::T, 1.0f, as_cmat(src.data(), n, k), as_cmat(src.data(), n, k), 0.0f,
+  gemm(ctx, Trans::N, Trans::T, 1.0f, kept.matrix(n, k), kept.matrix(n, k), 0.0f, as_mat(c1));
+  gemm(ctx, Trans::N, Trans::T, 1.0f, as_cmat(src.data(), n, k), as_cmat(src.data(), n, k), 0.0f,
        as_mat(c2));
   auto h1 = Kokkos::create_mirror_view_and_copy(HostSpace(), c1);
   auto h2 = Kokkos::create_mirror_view_and_copy(HostSpace(), c2);
   for (int i = 0; i < n; ++i)
     for (int j = 0; j < n; ++j) EXPECT_EQ(h1(i, j), h2(i, j)) << i << "," << j;
   // In a product with fp32 inputs a bf16 operand is an error.
-  EXPECT_THROW(gemm(Trans::N, Trans::T, 1.0f, kept.matrix(n, k), kept.matrix(n, k), 0.0f,
-                    as_mat(c1), GemmInputs::Fp32),
+  EXPECT_THROW(gemm(ctx.exact_fp32(), Trans::N, Trans::T, 1.0f, kept.matrix(n, k),
+                    kept.matrix(n, k), 0.0f, as_mat(c1)),
                Error);
 }
 
 // Pre-activations kept as bf16 (MODEL.md section 8): the activation and its backward both read
 // R(a), R(b), the values the kept buffers hold.
 TEST(Precision, SwigluPreActivationsKeptAsBf16ReadBackRounded) {
-  GemmPrecisionScope scope(Precision::Bf16);
+  const RunContext ctx = make_run_context(Precision::Bf16);
   const int N = 7, F = 9, n = N * F;
   std::mt19937 gen(3);
   std::uniform_real_distribution<float> u(-3.0f, 3.0f);
@@ -236,7 +261,7 @@ TEST(Precision, SwigluPreActivationsKeptAsBf16ReadBackRounded) {
     return v;
   };
   View1F a = dev(ha), b = dev(hb), dy = dev(hdy), da("da", n), db("db", n);
-  KeptOperand ka("a", n), kb("b", n), act("act", n);
+  KeptOperand ka(ctx, "a", n), kb(ctx, "b", n), act(ctx, "act", n);
   ASSERT_TRUE(ka.is_bf16() && act.is_bf16());
   swiglu_kept(a, b, N, F, ka, kb, act, dy, da, db);
   auto g_act = Kokkos::create_mirror_view_and_copy(HostSpace(), read_kept(act, n));

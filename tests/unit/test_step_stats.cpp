@@ -153,7 +153,7 @@ TEST(StepStats, EveryStageDeclaresTheWholeModelsColumns) {
     plan.head = last == 4;
     TensorTable table;
     StepStats stats;
-    Stage stage(m, e, 1, 8, table, g, plan, LayerComms(), &stats);
+    Stage stage(RunContext(), m, e, 1, 8, table, g, plan, LayerComms(), &stats);
     EXPECT_EQ(stats.names(), want) << "blocks " << first << ".." << last;
     EXPECT_EQ(stats.num_sums(), 3 * (1 + 1 + 4 + 1) + 2 * 2);
   }

@@ -619,7 +619,7 @@ TEST(InitSchemes, EveryMatrixFollowsItsFormula) {
     m.init_gain = s.gain;
     SCOPED_TRACE(std::string(choice_name(s.init)) + (s.depth ? " depth" : ""));
     TensorTable t;
-    Stage stage(m, e, 1, 8, t, g);
+    Stage stage(RunContext(), m, e, 1, 8, t, g);
     t.allocate();
     t.initialize(11);
     const auto all = to_host(t.params);
@@ -712,7 +712,7 @@ TEST(ModelSize, MatchesBuiltStage) {
     m.n_kv_heads = var.kv_heads;
     m.block_norm = choice_from<BlockNorm>(var.block_norm);
     TensorTable table;
-    Stage stage(m, MoeCfg(), max_seqs, T, table);
+    Stage stage(RunContext(), m, MoeCfg(), max_seqs, T, table);
     const ModelSize s = model_size(m, MoeCfg(), max_seqs, T);
     const std::int64_t V = m.vocab_size, D = m.d_model, L = m.n_layers;
     EXPECT_EQ(s.total_params, table.total_elements());
@@ -738,7 +738,7 @@ TEST(ModelSize, MoeCountsMatchBuiltStage) {
   e.shared_experts = 1;
   e.shared_hidden = 6;
   TensorTable table;
-  Stage stage(m, e, 2, 16, table);
+  Stage stage(RunContext(), m, e, 2, 16, table);
   const ModelSize s = model_size(m, e, 2, 16);
   const std::int64_t D = m.d_model;
   EXPECT_EQ(s.total_params, table.total_elements());
@@ -755,7 +755,7 @@ TEST(ModelSize, MoeCountsMatchBuiltStage) {
   g.embed_per_ngram = 8;
   g.table_size = {50, 60};
   TensorTable t2;
-  Stage s2(m, e, 2, 16, t2, g);
+  Stage s2(RunContext(), m, e, 2, 16, t2, g);
   EXPECT_EQ(model_size(m, e, 2, 16, g).total_params, t2.total_elements());
   EXPECT_GE(t2.find("blocks.0.engram.table"), 0);
 }
@@ -788,7 +788,7 @@ TEST(ModelSize, RankShareMatchesTheStagesTable) {
         plan.embed = first == 0;
         plan.head = last == 3;
         TensorTable table;
-        Stage stage(m, e, 2, 16, table, g, plan);
+        Stage stage(RunContext(), m, e, 2, 16, table, g, plan);
         RankShare r;
         r.first_block = first;
         r.last_block = last;
@@ -938,7 +938,7 @@ std::map<std::string, Expected> expected_tensors(const ModelCfg& m) {
 
 void check_names_and_shapes(const ModelCfg& m) {
   TensorTable table;
-  Stage stage(m, MoeCfg(), 2, 16, table);
+  Stage stage(RunContext(), m, MoeCfg(), 2, 16, table);
   const auto expected = expected_tensors(m);
   std::map<std::string, int> seen;
   for (int i = 0; i < table.size(); ++i) {

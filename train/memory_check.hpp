@@ -6,6 +6,7 @@
 #pragma once
 
 #include "core/config.hpp"
+#include "core/run_context.hpp"
 #include "modules/model/model_size.hpp"
 #include "parallel/process_grid.hpp"
 
@@ -51,6 +52,8 @@ StepTraffic step_traffic(const Config& cfg, int stage);
 
 // Collective over grid.world; throws the same SharedError on every rank when a node or device
 // cannot hold its ranks' shares.
-void check_memory(const Config& cfg, const ProcessGrid& grid, int in_flight);
+// ctx: the run's (its host threads size the experts' side-by-side scratch).
+void check_memory(const Config& cfg, const ProcessGrid& grid, int in_flight,
+                  const RunContext& ctx);
 
 }  // namespace kmoe

@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <sstream>
 
 #include "core/device_sync.hpp"
@@ -37,7 +38,7 @@ void require_finite(const StepMetrics& m) {
 }
 }  // namespace
 
-Trainer::Trainer(const Config& cfg, ProcessGrid& grid)
+Trainer::Trainer(const Config& cfg, ProcessGrid& grid, const RunContext& ctx)
     : cfg_(cfg),
       grid_(grid),
       size_(model_size(cfg.model, cfg.moe, cfg.train.micro_batch, cfg.train.seq_len, cfg.engram)) {
@@ -53,24 +54,25 @@ Trainer::Trainer(const Config& cfg, ProcessGrid& grid)
     val_data_ = std::make_unique<TokenDataset>(cfg.data.val_paths, cfg.data.dtype, t.seq_len,
                                                cfg.model.vocab_size, "data.val_paths");
   stream_ = std::make_unique<InstanceStream>(train_data_->num_instances(), t.seed);
-  precision_ = std::make_unique<GemmPrecisionScope>(t.precision);
-  if (grid_.is_root() && !precision_->note().empty())
-    std::printf("note: %s\n", precision_->note().c_str());
+  if (val_data_) validator_ = std::make_unique<Validator>(cfg, *val_data_);
+  checkpointer_ = std::make_unique<Checkpointer>(cfg, grid);
 
   // This rank's micro-batches per step and the pipeline schedule over them; one Stage instance
   // per micro-batch the schedule keeps in flight, all on the same parameters.
-  const int n_micro = t.global_batch / t.micro_batch;
-  schedule_ =
-      pipeline_schedule(cfg.parallel.schedule, grid.pp, grid.pp_rank, n_micro / grid.replicas());
-  check_memory(cfg, grid, max_in_flight(schedule_));
+  pipeline_ = std::make_unique<PipelineRunner>(
+      grid, cfg.parallel.schedule, micro_batches() / grid.replicas(), t.micro_batch,
+      std::int64_t(t.micro_batch) * t.seq_len * cfg.model.d_model);
+  check_memory(cfg, grid, pipeline_->instances(), ctx);
   const StagePlan plan = StagePlan::of(grid);
   const LayerComms comms = layer_comms(cfg, grid);
   // The instances share one workspace; under recompute every block of every instance takes its
   // saved buffers from the pool too.
   pool_ = std::make_unique<ActivationPool>(/*blocks_share=*/t.recompute == Recompute::Block);
-  for (int i = 0; i < max_in_flight(schedule_); ++i) {
-    stages_.push_back(std::make_unique<Stage>(cfg.model, cfg.moe, t.micro_batch, t.seq_len, table_,
-                                              cfg.engram, plan, comms, &stats_, pool_.get()));
+  ctx_ = ctx;
+  ctx_.pool = pool_.get();
+  for (int i = 0; i < pipeline_->instances(); ++i) {
+    stages_.push_back(std::make_unique<Stage>(ctx_, cfg.model, cfg.moe, t.micro_batch, t.seq_len,
+                                              table_, cfg.engram, plan, comms, &stats_));
     if (i == 0) {  // later instances share the first one's tensors
       // The buckets, and with optimizer.shard the moments this rank keeps, from the tensors.
       // bf16 runs keep the sharded gemm_only tensors as bf16 copies with sharded fp32 masters.
@@ -128,91 +130,90 @@ void Trainer::load_positions(std::int64_t first, int count, int at) {
 StepMetrics Trainer::train_step(int step) {
   ProfileRegion region("kmoe::step");
   stall_if_requested(grid_.world.rank(), step);
-  const auto& t = cfg_.train;
-  const int b = t.micro_batch, T = t.seq_len, n_micro = t.global_batch / b;
-  const int R = grid_.replicas(), me = grid_.replica();
-  const std::int64_t acts = std::int64_t(b) * T * cfg_.model.d_model;  // floats between stages
-  const double targets_per_micro = double(b) * (T - 1);
-  const float grad_scale = static_cast<float>(1.0 / (n_micro * targets_per_micro));
   const auto t_step = std::chrono::steady_clock::now();
   const double comm_at_start = comm_wait_seconds();
   PhaseTimer timer(cfg_.output.phase_timing);
+  begin_step();
+  const auto& dumps = cfg_.output.dump_step;
+  std::optional<StepDump> dump;
+  if (std::find(dumps.begin(), dumps.end(), step) != dumps.end())
+    dump = StepDump{step, 0, 0, 0, 0, 0, {}, cfg_.train.global_batch, cfg_.train.seq_len, {},
+                    cfg_.moe.top_k};
 
+  // This rank's micro-batches through the pipeline schedule; the gradient buckets start
+  // reducing as the step's last backward completes them.
+  StepFeed feed;
+  feed.tokens = [this](int micro) { return micro_batch_tokens(micro); };
+  if (dump)
+    feed.after_forward = [&](const Stage& stage, int micro) {
+      record_routes(stage, *dump, first_token(micro));
+    };
+  feed.gradients_ready = [this](int k) { reducer_->ready_from(k); };
+  timer.start();
+  pipeline_->run(stages_, table_, grad_scale(), loss_sums_, feed, timer, phases_);
+
+  // Gradients, loss terms and the layers' statistics summed; the global gradient norm.
+  StepMetrics m = reduce_step(step);
+  timer.stop(phases_.reduce);
+  m.grad_norm = global_grad_norm();
+  m.lr = learning_rate(cfg_.optimizer, cfg_.train.max_steps, step);
+  require_finite(m);
+  if (dump) {
+    write_dump(*dump, m);
+    timer.stop(phases_.checkpoint);
+  }
+
+  // Clip, AdamW, and what follows the update.
+  const double clip = cfg_.optimizer.clip;
+  const double clip_scale = clip > 0 ? std::min(1.0, clip / (m.grad_norm + 1e-6)) : 1.0;
+  optimizer_->adamw_step(cfg_.optimizer, table_, step, m.lr, clip_scale);
+  reducer_->gather_params();  // sharded: every replica's updated rows to all
+  stages_[0]->after_optimizer_step(table_, stats_);
+  timer.stop(phases_.optimizer);
+
+  advance_state(step);
+  // The slowest rank's step time (its wait counts as communication), then the rest.
+  m.step_time_s = grid_.world.allreduce_max(seconds_since(t_step));
+  m.comm_s = comm_wait_seconds() - comm_at_start;
+  phases_.comm_wait += m.comm_s;
+  add_throughput(m);
+  return m;
+}
+
+void Trainer::begin_step() {
   Kokkos::deep_copy(ExecSpace(), table_.grads, 0.0f);
   Kokkos::deep_copy(ExecSpace(), loss_sums_, 0.0);
   stats_.begin_step();
-  const auto& dumps = cfg_.output.dump_step;
-  const bool dump = std::find(dumps.begin(), dumps.end(), step) != dumps.end();
-  StepDump d{step, 0, 0, 0, 0, 0, {}, t.global_batch, T, {}, cfg_.moe.top_k};
-  double sums[3] = {0.0, 0.0, 0.0};  // CE, z and MoE sums over this rank's micro-batches
+}
 
+double Trainer::targets_per_micro() const {
+  return double(cfg_.train.micro_batch) * (cfg_.train.seq_len - 1);
+}
+
+int Trainer::micro_batches() const { return cfg_.train.global_batch / cfg_.train.micro_batch; }
+
+float Trainer::grad_scale() const {
+  return static_cast<float>(1.0 / (micro_batches() * targets_per_micro()));
+}
+
+std::int64_t Trainer::first_token(int micro) const {
   // The rank's micro-batches i = 0..M-1 are the step's micro-batches j = me + i*R (RUNTIME.md
-  // section 2), run in schedule order; micro-batch i runs on Stage instance i mod S.
-  const int S = static_cast<int>(stages_.size());
-  std::vector<Pending> sends(S);  // an instance's outgoing transfer, done before its reuse
-  const DataComm& pipe = grid_.data_plane(grid_.pipe);
-  // Pipeline transfers in one agreed order (RUNTIME.md section 2): an op's send is held until
-  // the start of the rank's next op, and goes out with that op's receive as one operation, or
-  // alone when it has none. In 1F1B's steady state each rank then exchanges with a neighbour
-  // in one step (send forward + receive backward, and the reverse on the neighbour), so
-  // transfers that complete only when matched (NCCL on one stream) cannot wait on each other.
-  struct Held {
-    const float* data = nullptr;
-    int peer = -1, instance = -1;
-  } held;
-  auto send_held = [&] {
-    if (!held.data) return;
-    sends[held.instance] = pipe.start_send(held.data, acts, held.peer);
-    held = Held();
-  };
-  auto receive = [&](float* into, int from) {
-    if (!held.data) return pipe.recv(into, acts, from);
-    sends[held.instance] = pipe.start_send_recv(held.data, acts, held.peer, into, acts, from);
-    held = Held();
-  };
-  timer.start();
-  for (std::size_t k = 0; k < schedule_.size(); ++k) {
-    const PipeOp op = schedule_[k];
-    const int instance = op.micro % S;
-    Stage& stage = *stages_[instance];
-    Pending& out = sends[instance];
-    const bool receives = op.forward ? !grid_.first_stage() : !grid_.last_stage();
-    if (!receives) send_held();
-    if (op.forward) {
-      const int j = me + op.micro * R;
-      // The micro-batch's own region: an earlier upload may still be reading another.
-      std::int32_t* tokens = host_tokens_.data() + std::size_t(op.micro) * b * T;
-      load_positions(state_.next_position + std::int64_t(j) * b, b, op.micro * b);
-      timer.stop(phases_.data);
-      if (receives) {
-        receive(stage.input_buffer(), grid_.pp_rank - 1);
-        timer.stop(phases_.pipeline);
-      }
-      pipe.complete(out);  // the instance's last send: its output buffer is rewritten next
-      stage.forward(table_, tokens, b, grad_scale, loss_sums_);
-      if (!grid_.last_stage()) held = Held{stage.output(), grid_.pp_rank + 1, instance};
-      timer.stop(phases_.forward);
-      if (dump) record_routes(stage, d, std::int64_t(j) * b * T);
-    } else {
-      if (receives) {
-        receive(stage.output_grad_buffer(), grid_.pp_rank + 1);
-        timer.stop(phases_.pipeline);
-      }
-      // The step's last backward finalizes the gradients: buckets start as they complete.
-      const bool last = k + 1 == schedule_.size();
-      const float* dx = stage.backward(
-          table_, last ? std::function<void(int)>([this](int i) { reducer_->ready_from(i); })
-                       : std::function<void(int)>());
-      if (!grid_.first_stage()) {
-        pipe.complete(out);  // a middle stage's activation send of this instance (long received)
-        held = Held{dx, grid_.pp_rank - 1, instance};
-      }
-      timer.stop(phases_.backward);
-    }
-  }
-  send_held();
-  for (auto& p : sends) pipe.complete(p);
+  // section 2).
+  const int j = grid_.replica() + micro * grid_.replicas();
+  return std::int64_t(j) * cfg_.train.micro_batch * cfg_.train.seq_len;
+}
+
+const std::int32_t* Trainer::micro_batch_tokens(int micro) {
+  const int b = cfg_.train.micro_batch;
+  const int j = grid_.replica() + micro * grid_.replicas();
+  // The micro-batch's own region: an earlier upload may still be reading another.
+  load_positions(state_.next_position + std::int64_t(j) * b, b, micro * b);
+  return host_tokens_.data() + std::size_t(micro) * b * cfg_.train.seq_len;
+}
+
+StepMetrics Trainer::reduce_step(int step) {
   reducer_->finish();
+  double sums[3] = {0.0, 0.0, 0.0};  // CE, z and MoE sums over this rank's micro-batches
   if (grid_.last_stage() || stages_[0]->has_moe()) {  // CE and z on the last stage, MoE on any
     auto h = read_to_host("loss sums", loss_sums_);
     for (int i = 0; i < 3; ++i) sums[i] = h(i);
@@ -223,43 +224,31 @@ StepMetrics Trainer::train_step(int step) {
   stats_.gather_device();
   stages_[0]->finish_step(stats_, grid_);
   grid_.world.allreduce_sum(stats_.sums(), stats_.num_sums());
-  timer.stop(phases_.reduce);
 
   StepMetrics m;
   m.step = step;
-  const double total_targets = n_micro * targets_per_micro;
+  const int n_micro = micro_batches();
+  const double total_targets = n_micro * targets_per_micro();
   m.ce = sums[0] / total_targets;
   // Step loss = mean over micro-batches of CE_mb + zc Z_mb + MoE aux_mb (MODEL.md section 2).
   m.aux = cfg_.model.output_z_coef * sums[1] / total_targets + sums[2] / n_micro;
   m.loss = m.ce + m.aux;
   m.layer_stats = stats_.finish(n_micro);
   m.summaries = stats_.summaries(m.layer_stats);
+  return m;
+}
+
+double Trainer::global_grad_norm() const {
   // Every parameter once: each rank sums the squares of what it owns.
   double sq = optimizer_->grad_sq_sum(table_);
   grid_.world.allreduce_sum(&sq, 1);
-  m.grad_norm = std::sqrt(sq);
-  m.lr = learning_rate(cfg_.optimizer, t.max_steps, step);
-  require_finite(m);
-  if (dump) {
-    write_dump(d, m);
-    timer.stop(phases_.checkpoint);
-  }
-  const double clip = cfg_.optimizer.clip;
-  const double clip_scale = clip > 0 ? std::min(1.0, clip / (m.grad_norm + 1e-6)) : 1.0;
-  optimizer_->adamw_step(cfg_.optimizer, table_, step, m.lr, clip_scale);
-  reducer_->gather_params();  // sharded: every replica's updated rows to all
-  stages_[0]->after_optimizer_step(table_, stats_);
-  timer.stop(phases_.optimizer);
+  return std::sqrt(sq);
+}
 
+void Trainer::advance_state(int step) {
   state_.step = step;
-  state_.next_position += t.global_batch;
-  state_.tokens_seen += std::int64_t(t.global_batch) * T;
-  // The slowest rank's step time (its wait counts as communication), then the rest.
-  m.step_time_s = grid_.world.allreduce_max(seconds_since(t_step));
-  m.comm_s = comm_wait_seconds() - comm_at_start;
-  phases_.comm_wait += m.comm_s;
-  add_throughput(m);
-  return m;
+  state_.next_position += cfg_.train.global_batch;
+  state_.tokens_seen += std::int64_t(cfg_.train.global_batch) * cfg_.train.seq_len;
 }
 
 void Trainer::add_throughput(StepMetrics& m) const {
@@ -302,62 +291,33 @@ void Trainer::record_routes(const Stage& stage, StepDump& d, std::int64_t first_
 
 void Trainer::run() {
   install_stop_handlers();
-  const auto& t = cfg_.train;
-  const auto& c = cfg_.checkpoint;
+  const int last = cfg_.train.max_steps;
   PhaseTimer timer;
-  if (c.save_initial) {  // the state the run starts from: step 0, or the resumed step
-    save();
+  if (checkpointer_->should_save_initial()) {  // the state the run starts from
+    checkpointer_->save(table_, state_);
     timer.stop(phases_.checkpoint);
   }
-  if (state_.step >= t.max_steps && grid_.is_root())
+  if (state_.step >= last && grid_.is_root())
     std::printf("nothing to do: the checkpoint is at step %d, train.max_steps = %d\n", state_.step,
-                t.max_steps);
-  for (int step = state_.step + 1; step <= t.max_steps; ++step) {
+                last);
+  for (int step = state_.step + 1; step <= last; ++step) {
     StepMetrics m = train_step(step);
     timer.start();
-    const bool eval_now =
-        val_data_ && ((t.eval_every > 0 && step % t.eval_every == 0) || step == t.max_steps);
+    const bool eval_now = validator_ && validator_->should_validate(step);
     if (eval_now) {
-      m.val_loss = evaluate(*stages_[0], table_, *val_data_, grid_, t.micro_batch, t.eval_instances,
-                            cfg_.parallel.engram_shard != EngramShardGroup::None)
-                       .loss;
+      m.val_loss = validator_->validate(*stages_[0], table_, grid_);
       timer.stop(phases_.eval);
     }
-    // A stop signal on any rank: every rank checkpoints this step and stops.
-    const auto stop = static_cast<StopKind>(
-        static_cast<int>(grid_.world.allreduce_max(double(static_cast<int>(requested_stop())))));
+    const StopKind stop = agreed_stop();
     const bool stopping = stop != StopKind::None;
-    const bool log_now =
-        step % cfg_.output.log_every == 0 || step == t.max_steps || eval_now || stopping;
+    const bool log_now = MetricsWriter::due(cfg_.output.log_every, step, last) || eval_now ||
+                         stopping;
     // A metrics row that cannot be written (a full output disk) stops the run too, after a
-    // checkpoint, and so does a lost run lock (another run took the directory over while this
-    // one stalled), without one: every rank learns of both before the save.
-    std::string output_error;
-    if (grid_.is_root() && log_now) {
-      try {
-        metrics_->write(m, step);
-      } catch (const Error& e) {
-        output_error = e.what();
-      }
-    }
-    double trouble[2] = {output_error.empty() ? 0.0 : 1.0, lock_->lost() ? 1.0 : 0.0};
-    grid_.world.allreduce_sum(trouble, 2);
-    if (trouble[1] > 0)
-      throw SharedError(cfg_.checkpoint.dir +
-                        "/kmoe.lock was taken over by another run (this "
-                        "one made no heartbeat for checkpoint.lock_stale_seconds): stopping "
-                        "after step " +
-                        std::to_string(step) + " without a checkpoint");
-    if (trouble[0] > 0) output_error = grid_.world.first_message(output_error);
-    if ((c.every > 0 && step % c.every == 0) || (step == t.max_steps && c.at_end) || stopping ||
-        !output_error.empty()) {
-      try {
-        save();
-      } catch (const Error& e) {  // the same full disk, most likely: say both
-        if (output_error.empty()) throw;
-        throw SharedError(output_error + "; and the checkpoint of step " + std::to_string(step) +
-                          " could not be saved either: " + e.what());
-      }
+    // checkpoint.
+    const std::string output_error = agreed_output_error(log_now ? write_metrics(m, step) : "",
+                                                         step);
+    if (checkpointer_->should_save(step, stopping) || !output_error.empty()) {
+      save_after_step(step, output_error);
       timer.stop(phases_.checkpoint);
     }
     if (grid_.is_root() && log_now) {
@@ -368,32 +328,63 @@ void Trainer::run() {
       throw SharedError(output_error + "; stopped after step " + std::to_string(step) +
                         " with checkpoint " + cfg_.checkpoint.dir + "/" +
                         checkpoint_file_name(step));
-    if (stopping && step < t.max_steps) {
-      print_phases();
-      const bool cancel = stop == StopKind::Cancel;
-      const std::string by = *stop_signal_name() ? stop_signal_name() : "a signal to another rank";
-      std::ostringstream os;
-      os << "stopped by " << by << " after step " << step << " with checkpoint "
-         << cfg_.checkpoint.dir << "/" << checkpoint_file_name(step) << "; exit code "
-         << (cancel ? "86 (resumable, do not requeue)" : "85 (requeue)");
-      if (grid_.is_root()) report_stop_code(cancel ? 86 : 85);
-      throw StopRequest(cancel ? 86 : 85, os.str());
-    }
+    if (stopping && step < last) stop_after(step, stop);
   }
   print_phases();
 }
 
-void Trainer::save() {
-  const auto t0 = std::chrono::steady_clock::now();
-  save_checkpoint(cfg_, grid_, table_, state_);
-  const double secs = seconds_since(t0);
-  if (grid_.is_root()) {
-    const std::string path = cfg_.checkpoint.dir + "/" + checkpoint_file_name(state_.step);
-    const double mib = std::filesystem::file_size(path) / (1024.0 * 1024.0);
-    std::printf("checkpoint %s: %.1f MiB in %.3f s (%.1f MiB/s)\n", path.c_str(), mib, secs,
-                mib / secs);
-    std::fflush(stdout);
+// ---- What every rank must agree on after a step -------------------------------------------
+
+StopKind Trainer::agreed_stop() const {
+  // A stop signal on any rank: every rank checkpoints this step and stops.
+  return static_cast<StopKind>(
+      static_cast<int>(grid_.world.allreduce_max(double(static_cast<int>(requested_stop())))));
+}
+
+std::string Trainer::write_metrics(const StepMetrics& m, int step) {
+  if (!grid_.is_root()) return "";
+  try {
+    metrics_->write(m, step);
+  } catch (const Error& e) {
+    return e.what();
   }
+  return "";
+}
+
+std::string Trainer::agreed_output_error(const std::string& mine, int step) const {
+  // Every rank learns of a failed metrics write and of a lost run lock (another run took the
+  // directory over while this one stalled) before the save; a lost lock stops at once.
+  double trouble[2] = {mine.empty() ? 0.0 : 1.0, lock_->lost() ? 1.0 : 0.0};
+  grid_.world.allreduce_sum(trouble, 2);
+  if (trouble[1] > 0)
+    throw SharedError(cfg_.checkpoint.dir +
+                      "/kmoe.lock was taken over by another run (this "
+                      "one made no heartbeat for checkpoint.lock_stale_seconds): stopping "
+                      "after step " +
+                      std::to_string(step) + " without a checkpoint");
+  return trouble[0] > 0 ? grid_.world.first_message(mine) : std::string();
+}
+
+void Trainer::save_after_step(int step, const std::string& output_error) {
+  try {
+    checkpointer_->save(table_, state_);
+  } catch (const Error& e) {  // the same full disk, most likely: say both
+    if (output_error.empty()) throw;
+    throw SharedError(output_error + "; and the checkpoint of step " + std::to_string(step) +
+                      " could not be saved either: " + e.what());
+  }
+}
+
+void Trainer::stop_after(int step, StopKind stop) {
+  print_phases();
+  const bool cancel = stop == StopKind::Cancel;
+  const std::string by = *stop_signal_name() ? stop_signal_name() : "a signal to another rank";
+  std::ostringstream os;
+  os << "stopped by " << by << " after step " << step << " with checkpoint " << cfg_.checkpoint.dir
+     << "/" << checkpoint_file_name(step) << "; exit code "
+     << (cancel ? "86 (resumable, do not requeue)" : "85 (requeue)");
+  if (grid_.is_root()) report_stop_code(cancel ? 86 : 85);
+  throw StopRequest(cancel ? 86 : 85, os.str());
 }
 
 void Trainer::print_phases() const {

@@ -110,10 +110,13 @@ RankShare rank_share(const Config& cfg, const ProcessGrid& grid, int in_flight) 
   return rank_share(cfg, grid.pp_rank, in_flight);
 }
 
-void check_memory(const Config& cfg, const ProcessGrid& grid, int in_flight) {
+void check_memory(const Config& cfg, const ProcessGrid& grid, int in_flight,
+                  const RunContext& ctx) {
   if (!cfg.train.check_memory) return;
+  RankShare share = rank_share(cfg, grid, in_flight);
+  share.batch_threads = ctx.batch_threads;
   const RankMemory mine = rank_memory(cfg.model, cfg.moe, cfg.engram, cfg.train.micro_batch,
-                                      cfg.train.seq_len, rank_share(cfg, grid, in_flight));
+                                      cfg.train.seq_len, share);
   constexpr bool host_memory = Kokkos::SpaceAccessibility<HostSpace, MemSpace>::accessible;
   // The ranks of this node share its host memory.
   MPI_Comm node_comm;

@@ -23,4 +23,25 @@ EvalResult evaluate(Stage& stage, const TensorTable& table, const TokenDataset& 
                     const ProcessGrid& grid, int micro_batch, std::int64_t max_instances,
                     bool engram_sharded = false);
 
+// The training loop's validation: its own timing (every train.eval_every steps and after the
+// last one) and its data (at most train.eval_instances of data.val_paths).
+class Validator {
+ public:
+  Validator(const Config& cfg, const TokenDataset& val) : cfg_(cfg), val_(val) {}
+  bool should_validate(int step) const {
+    const TrainCfg& t = cfg_.train;
+    return (t.eval_every > 0 && step % t.eval_every == 0) || step == t.max_steps;
+  }
+  // The validation loss of the parameters in `table` (collective over the grid).
+  double validate(Stage& stage, const TensorTable& table, const ProcessGrid& grid) const {
+    return evaluate(stage, table, val_, grid, cfg_.train.micro_batch, cfg_.train.eval_instances,
+                    cfg_.parallel.engram_shard != EngramShardGroup::None)
+        .loss;
+  }
+
+ private:
+  const Config& cfg_;
+  const TokenDataset& val_;
+};
+
 }  // namespace kmoe
