@@ -1,6 +1,6 @@
-// The layout planner of `kmoe-train --plan N` (README "kmoe-train"): every grid of N ranks the
-// deck accepts, its memory per rank (the dry run's estimate for its largest stage, runtime
-// included) and the bytes its busiest rank sends per step, ranked by a stated cost model:
+// The layout planner of `kmoe-train --plan N` (docs/OPERATIONS.md "Planning a run"): every grid
+// of N ranks the deck accepts, its memory per rank (the dry run's estimate for its largest
+// stage, runtime included) and the bytes its busiest rank sends per step, ranked by a stated cost model:
 //   step time = model FLOPs per step / (N * flops_per_rank) * (1 + (pp - 1) / M)
 //             + the busiest rank's bytes per step / link_bytes_per_s,
 // M the micro-batches per replica and step: compute balanced over the ranks, the pipeline's

@@ -1,5 +1,6 @@
 // The resolved input deck as typed structs, one per deck section (RUNTIME.md section 5).
-// io/deck.cpp declares every key (type, default, help) and fills these; nothing else parses.
+// io/deck_schema.cpp declares every key (type, default, help) and fills these; nothing else
+// parses.
 #pragma once
 
 #include <cmath>
