@@ -79,8 +79,8 @@ class Attention {
   // the keys before each query tile's document (when `docs` carried the host's tile plan).
   std::int64_t scores_computed() const { return scores_computed_; }
 
- private:
-  // The phases of backward(), in order, for its N_ rows:
+  // The phases of backward(), in order, for its N_ rows. Public only because a function that
+  // launches a device lambda may not be private under nvcc; backward() is the interface.
   // dWo += dout^T merged; dO = dout Wo, split into the query layout (d_heads).
   void output_projection_backward(TensorTable& table, ConstMat dout, float* d_heads,
                                   Workspace& ws) const;
@@ -97,6 +97,7 @@ class Attention {
   // place.
   void qk_norm_backward(TensorTable& table, Mat d_qkv) const;
 
+ private:
   RunContext ctx_;  // the precision and host threads of its products
   int D_, H_, Hkv_, dh_, T_, window_;
   int N_ = 0;  // rows of the micro-batch backward() runs on

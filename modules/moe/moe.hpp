@@ -121,8 +121,9 @@ class MoeLayer {
   // Routing of the last forward: (N*k) expert ids, token-major (the buffer's first N*k).
   ConstIVec selected() const { return ConstIVec(sel_.data(), sel_.extent(0)); }
 
- private:
-  // The phases of forward(), in order (their kernels carry the same names):
+  // The phases of forward() and backward(), public only because a function that launches a
+  // device lambda may not be private under nvcc; forward() and backward() are the interface.
+  // Forward, in order (their kernels carry the same names):
   // Router logits (fp32 in every precision), per token the logsumexp, scores, top-k picks and
   // weights.
   void route(const TensorTable& table, ConstMat x);
@@ -140,7 +141,7 @@ class MoeLayer {
   // LB and RZ, the report, the statistics and the loss term, on the device.
   void add_aux_losses(View1D aux, bool count, int cap);
 
-  // The phases of backward(), in order:
+  // Backward, in order:
   // The rows' output gradients (w * dy of their token) into g_rows, the slots' weight
   // gradients (<dy, output>; 0 for dropped slots) into dwt.
   void row_grads(ConstMat dy, Vec dwt, KeptOut g_rows) const;
@@ -155,6 +156,7 @@ class MoeLayer {
   void router_backward(TensorTable& table, ConstMat x, ConstVec dwt, Mat dx, float aux_scale,
                        Workspace& ws) const;
 
+ private:
   // The local experts' SwiGLUs on `rows` rows grouped per local expert: El+1 row bounds in
   // `off` (host; per-expert GEMMs) or planned into grouped_ (device; grouped GEMMs).
   // `in`: the (rows, D) expert inputs; up1, up3, act: the up-projections and SwiGLU
