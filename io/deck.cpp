@@ -1,6 +1,7 @@
 // Boost 1.74's config-file parser reports no line numbers, and its errors name neither file nor
 // line, so the deck is also scanned here (same line rules) to map each key to its line. Boost
-// still reads the file and converts every value through the options of io/deck_schema.cpp.
+// still reads the file and converts every value through the schema's options (io/deck_schema.hpp:
+// every section as its owner declares it).
 #include "io/deck.hpp"
 
 #include <algorithm>

@@ -1,6 +1,7 @@
 // The resolved input deck as typed structs, one per deck section (RUNTIME.md section 5).
-// io/deck_schema.cpp declares every key (type, default, help) and fills these; nothing else
-// parses.
+// Each section's keys (type, default, help) and checks are declared by the code that reads
+// them (a DeckSection: modules/moe/moe_keys.cpp for [moe], ...; train/deck_sections.cpp lists
+// them) and filled by io/deck.cpp; nothing else parses.
 #pragma once
 
 #include <cmath>

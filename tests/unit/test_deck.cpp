@@ -8,12 +8,14 @@
 #include <fstream>
 #include <initializer_list>
 #include <limits>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "core/error.hpp"
 #include "io/deck.hpp"
+#include "io/deck_schema.hpp"
 
 namespace kmoe {
 namespace {
@@ -377,6 +379,31 @@ TEST(Deck, HelpListsEverySectionAndKey) {
     }
   }
   expect_contains(help, {"required", "500000", "= n_heads", "reordered"});
+}
+
+// Each section comes from its owner: the nine sections in deck order, each with a check and
+// keys of its own, no key declared twice, model checked first.
+TEST(Deck, SectionsComeFromTheirOwners) {
+  const std::vector<deck::DeckSection>& sections = deck::deck_sections();
+  Config scratch;
+  const deck::Schema schema(scratch);
+  std::vector<std::string> names;
+  std::set<int> orders;
+  for (const deck::DeckSection& s : sections) {
+    names.push_back(s.name);
+    EXPECT_NE(s.check, nullptr) << s.name;
+    int declared = 0;
+    for (const deck::KeySpec& k : schema.keys()) declared += k.section == s.name;
+    EXPECT_GE(declared, 1) << s.name;
+    EXPECT_TRUE(orders.insert(s.check_order).second) << s.name << ": check order taken";
+  }
+  EXPECT_EQ(names, (std::vector<std::string>{"model", "moe", "engram", "train", "optimizer",
+                                             "data", "parallel", "checkpoint", "output"}));
+  EXPECT_EQ(sections.front().check_order, 0) << "model is checked first";
+  std::set<std::string> keys;
+  for (const deck::KeySpec& k : schema.keys())
+    EXPECT_TRUE(keys.insert(k.name()).second) << k.name() << " declared twice";
+  EXPECT_EQ(keys.size(), schema.keys().size());
 }
 
 TEST(Deck, ReadDeckFromFile) {
