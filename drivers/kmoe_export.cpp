@@ -4,7 +4,8 @@
 // model-0000k-of-0000n.safetensors shards of at most --max-shard-size MiB with
 // model.safetensors.index.json) and, for byte-level ids, the tokenizer. The model is the
 // checkpoint's own deck (its /input/deck); a model no Hugging Face type can express is an
-// error naming the feature. One process; tensors are read and written one at a time.
+// error naming the feature, and so is a non-finite weight (before OUT_DIR is touched). One
+// process; tensors are read and written one at a time.
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -121,6 +122,20 @@ int main(int argc, char** argv) {
         in_shard += bytes;
         total += bytes;
       }
+
+    // 2b. Every weight finite, checked before OUT_DIR is touched: exported, a NaN or Inf would
+    // load silently elsewhere (every kmoe tool refuses such a checkpoint).
+    {
+      std::vector<float> v;
+      for (const kmoe::TensorSpec& g : tensors) {
+        std::int64_t n = 1;
+        for (std::int64_t d : g.shape) n *= d;
+        v.resize(n);
+        const std::string dataset = "/model/" + kmoe::tensor_path(g.name);
+        file.read_f32(dataset, g.shape, v.data());
+        kmoe::require_finite(checkpoint, dataset, g, 0, v.data(), n, "export");
+      }
+    }
 
     // 3. The directory: a fresh one, or --overwrite.
     std::error_code ec;

@@ -6,6 +6,7 @@
 // imported weights on any layout. Unsupported config keys, missing, misshapen or extra tensors
 // and broken safetensors files are errors naming the file and the key or tensor.
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -101,7 +102,12 @@ int main(int argc, char** argv) {
                          dir << ": tensor " << h.name << " has shape " << shape_text(t.shape)
                              << ", config.json makes it " << shape_text(h.shape));
             const std::int64_t n = t.numel();
-            weights.read_f32(h.name, v.data() + (h.expert < 0 ? 0 : h.expert * n));
+            float* at = v.data() + (h.expert < 0 ? 0 : h.expert * n);
+            weights.read_f32(h.name, at);
+            for (std::int64_t i = 0; i < n; ++i)  // a NaN or Inf would be trained on
+              KMOE_REQUIRE(std::isfinite(at[i]),
+                           dir << ": tensor " << h.name << " holds " << at[i] << " at element "
+                               << i << " (a non-finite value): refusing to import it");
             used.insert(h.name);
             read_values += n;
           }

@@ -224,7 +224,14 @@ void write_initial_checkpoint(
       std::int64_t n = 1;
       for (std::int64_t d : g.shape) n *= d;
       v.assign(n, 0.0f);
-      values(g, v);
+      try {
+        values(g, v);
+      } catch (...) {  // the source refused a value: no half-written file stays behind
+        f.close();
+        std::error_code ec;
+        fs::remove(tmp, ec);
+        throw;
+      }
       KMOE_REQUIRE(std::int64_t(v.size()) == n, path << ": " << g.name << " got " << v.size()
                                                       << " values for " << n << " elements");
       const std::string p = tensor_path(g.name);
@@ -332,6 +339,19 @@ TrainState inspect(const H5File& f, const std::string& path, const Config& cfg,
 
 }  // namespace
 
+void require_finite(const std::string& file, const std::string& dataset, const TensorSpec& spec,
+                    std::int64_t first_row, const float* values, std::int64_t n,
+                    const char* action) {
+  for (std::int64_t i = 0; i < n; ++i) {
+    if (std::isfinite(values[i])) continue;
+    const std::int64_t row_len = std::max<std::int64_t>(1, spec.row_elements());
+    KMOE_FAIL(file << ": dataset " << dataset << " holds " << values[i] << " at row "
+                   << first_row + i / row_len << ", element " << i % row_len
+                   << " (a non-finite value in " << spec.name << "): refusing to " << action
+                   << " it");
+  }
+}
+
 TrainState check_checkpoint(const std::string& path, const Config& cfg, std::string* changes) {
   const H5File f = H5File::open(path, MPI_COMM_SELF);
   return inspect(f, path, cfg, changes);
@@ -353,13 +373,7 @@ TrainState load_checkpoint(const std::string& path, const Config& cfg, const Pro
                   std::int64_t nr, float* out) {
     f.read_rows_f32(dataset, e.spec.shape, r0, nr, out);
     watchdog.progress();
-    for (std::int64_t i = 0; i < nr * e.spec.row_elements(); ++i) {
-      if (std::isfinite(out[i])) continue;
-      const std::int64_t row_len = std::max<std::int64_t>(1, e.spec.row_elements());
-      KMOE_FAIL(path << ": dataset " << dataset << " holds " << out[i] << " at row "
-                     << r0 + i / row_len << ", element " << i % row_len
-                     << " (a non-finite value in " << e.spec.name << "): refusing to load it");
-    }
+    require_finite(path, dataset, e.spec, r0, out, nr * e.spec.row_elements(), "load");
   };
   for (int t = 0; t < table.size(); ++t) {
     const TensorEntry& e = table.entry(t);

@@ -44,6 +44,13 @@ std::string resume_file(const CheckpointCfg& c);
 // attributes (not the tensors) and returns its state; for the dry run.
 TrainState check_checkpoint(const std::string& path, const Config& cfg, std::string* changes);
 
+// Throws kmoe::Error naming `file`, `dataset`, the row and element of the first non-finite value
+// among `n` values of tensor `spec` that start at row `first_row` ("refusing to <action> it"):
+// trained on or exported, a NaN or Inf would spread or load silently elsewhere.
+void require_finite(const std::string& file, const std::string& dataset, const TensorSpec& spec,
+                    std::int64_t first_row, const float* values, std::int64_t n,
+                    const char* action);
+
 // Collective. Validates the file (format, version, shapes, the deck's model section) and reads
 // the parameters, and with `with_optimizer` the AdamW moments. `changes` receives a
 // description of the non-model deck keys that differ from the file's.

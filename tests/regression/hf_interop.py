@@ -15,7 +15,8 @@
    each value rounded to bf16 (imported back: exactly the rounded values).
 3. Bad input, each an error naming the feature, key, file or tensor: exporting Engram, shared
    experts, sigmoid scores, a router bias, a dense block in an MoE model, pre-norm with QK-norm;
-   an existing export without --overwrite; importing rope scaling, a sliding window, biases,
+   an existing export without --overwrite; exporting a NaN or Inf weight (no directory left);
+   importing a NaN weight (no checkpoint or temporary left); importing rope scaling, a sliding window, biases,
    another model type, another activation; safetensors files with a header length past the end,
    overlapping or out-of-range offsets, a shape that does not fit its bytes, a tensor of another
    shape than config.json's, an extra tensor, a missing shard.
@@ -194,6 +195,19 @@ for name, extra, words in [
     refused(["kmoe-export", ckpt, f"bad_{name}_hf"], words, f"export with {name}")
 refused(["kmoe-export", "olmo2/ck/step00000003.h5", "olmo2_hf"], ["--overwrite"],
         "export over an existing one")
+# Non-finite weights: refused naming the dataset, row and element, before OUT_DIR exists.
+for name, dataset, index, value in [("nan_norm", "model/final_norm/weight", 3, np.nan),
+                                    ("inf_embed", "model/embed/weight", (5, 2), np.inf)]:
+    shutil.copy(h.path("olmo2", "ck", "step00000003.h5"), h.path(f"{name}.h5"))
+    with h5py.File(h.path(f"{name}.h5"), "r+") as f:
+        a = f[dataset][()]
+        a[index] = value
+        f[dataset][...] = a
+    row, element = (index, 0) if isinstance(index, int) else index  # a vector: one per row
+    refused(["kmoe-export", f"{name}.h5", f"{name}_hf"],
+            [f"/{dataset} holds {'nan' if np.isnan(value) else 'inf'} at row {row}, "
+             f"element {element}", "refusing to export"], f"export of a {name} checkpoint")
+    h.check(not os.path.exists(h.path(f"{name}_hf")), f"{name}: no export directory left")
 h.run(["kmoe-export", "olmo2/ck/step00000003.h5", "olmo2_hf", "--overwrite"])
 
 
@@ -293,6 +307,23 @@ def extra_tensor(d):  # a bias appended: the data section grows by 4 bytes
 
 imported(variant("st_extra", edit_files=extra_tensor), ["q_proj.bias", "has no place"],
          "import of a directory with an extra tensor")
+
+
+def nan_embedding(d):  # the embedding's element 7 a NaN: the file itself stays well formed
+    path = os.path.join(d, ST)
+    with open(path, "rb") as f:
+        blob = bytearray(f.read())
+    (n,) = struct.unpack("<Q", blob[:8])
+    at = 8 + n + json.loads(blob[8:8 + n])[EMB]["data_offsets"][0] + 7 * 4
+    blob[at:at + 4] = struct.pack("<f", float("nan"))
+    with open(path, "wb") as f:
+        f.write(blob)
+
+
+imported(variant("st_nan", edit_files=nan_embedding), [EMB, "nan at element 7", "refusing"],
+         "import of a NaN weight")
+h.check(not os.path.exists(h.path("st_nan.h5")) and not os.path.exists(h.path(".st_nan.h5.tmp")),
+        "a refused import leaves no checkpoint and no temporary")
 shutil.rmtree(h.path("missing_shard"), ignore_errors=True)
 shutil.copytree(h.path("sharded_hf"), h.path("missing_shard"))
 os.remove(h.path("missing_shard", files[1]))
