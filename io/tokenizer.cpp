@@ -272,6 +272,25 @@ std::unique_ptr<TextTokenizer> deck_tokenizer(const DataCfg& data) {
             "them (give token ids instead of text)");
 }
 
+void check_deck_tokenizer(const DataCfg& data, int vocab_size) {
+  if (data.tokenizer != Tokenizer::SentencePiece) return;
+  const std::string& path = data.tokenizer_model;
+  if (!have_sentencepiece()) {
+    std::ifstream in(path, std::ios::binary);
+    KMOE_REQUIRE(in.good(), "data.tokenizer_model = " << path << ": cannot open");
+    return;
+  }
+  std::unique_ptr<TextTokenizer> t;
+  try {
+    t = load_sentencepiece(path);
+  } catch (const Error& e) {
+    KMOE_FAIL("data.tokenizer_model = " << path << ": " << e.what());
+  }
+  KMOE_REQUIRE(t->pieces() <= vocab_size,
+               "data.tokenizer_model = " << path << ": its " << t->pieces()
+                                         << " pieces exceed model.vocab_size = " << vocab_size);
+}
+
 void check_vocab_fits(std::int64_t pieces, const std::string& dtype, const std::string& what) {
   const std::int64_t limit = dtype == "uint16" ? 65536 : std::int64_t(1) << 32;
   KMOE_REQUIRE(pieces <= limit, what << ": " << pieces << " ids do not fit --dtype " << dtype

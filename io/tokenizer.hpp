@@ -54,6 +54,12 @@ void train_sentencepiece(const std::vector<std::string>& documents, int vocab,
 // (an error naming data.tokenizer).
 std::unique_ptr<TextTokenizer> deck_tokenizer(const DataCfg& data);
 
+// Before a run trains on a deck's ids: with data.tokenizer = sentencepiece, its
+// data.tokenizer_model loads (where this build reads SentencePiece; elsewhere the file must at
+// least open) and its pieces fit model.vocab_size. Errors name the key and the file: the
+// checkpoints will name the model, and kmoe-generate and kmoe-export read it.
+void check_deck_tokenizer(const DataCfg& data, int vocab_size);
+
 // The largest id a token dtype ("uint16" | "uint32") holds; a vocabulary of `pieces` ids that
 // does not fit is an error naming `what` (the model file) and the dtype.
 void check_vocab_fits(std::int64_t pieces, const std::string& dtype, const std::string& what);

@@ -16,6 +16,7 @@
 #include "core/stop_signal.hpp"
 #include "core/timer.hpp"
 #include "io/run_lock.hpp"
+#include "io/tokenizer.hpp"
 #include "parallel/layer_comms.hpp"
 #include "parallel/placement.hpp"
 #include "train/memory_check.hpp"
@@ -53,6 +54,7 @@ Trainer::Trainer(const Config& cfg, ProcessGrid& grid, const RunContext& ctx)
   if (!cfg.data.val_paths.empty())
     val_data_ = std::make_unique<TokenDataset>(cfg.data.val_paths, cfg.data.dtype, t.seq_len,
                                                cfg.model.vocab_size, "data.val_paths");
+  check_deck_tokenizer(cfg.data, cfg.model.vocab_size);  // the checkpoints will name it
   stream_ = std::make_unique<InstanceStream>(train_data_->num_instances(), t.seed);
   if (val_data_) validator_ = std::make_unique<Validator>(cfg, *val_data_);
   checkpointer_ = std::make_unique<Checkpointer>(cfg, grid);

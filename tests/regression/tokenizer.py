@@ -8,7 +8,8 @@
 2. A model trained on the SentencePiece ids (data.tokenizer = sentencepiece): kmoe-generate
    encodes a text prompt with the model and prints decoded text that starts with the prompt.
 3. Bad input: a missing or corrupt model file, both tokenizer options, a deck without
-   data.tokenizer_model or data.eod_id: errors naming the file or key.
+   data.tokenizer_model or data.eod_id, or a data.tokenizer_model that is missing or not a model
+   (kmoe-train refuses it before training): errors naming the file or key.
 Usage: tokenizer.py BIN_DIR WORK_DIR MPIEXEC
 """
 import os
@@ -128,4 +129,12 @@ refused(["kmoe-train", "-i", "sp.deck", "--data.tokenizer_model="], ["data.token
         "sentencepiece without a model")
 refused(["kmoe-train", "-i", "sp.deck", "--data.eod_id=-1"], ["data.eod_id"],
         "sentencepiece without an end-of-document id")
+# The model the checkpoints would name must load before anything trains.
+for bad, words in [("missing.model", ["data.tokenizer_model = missing.model", "cannot open"]),
+                   ("corrupt.model", ["data.tokenizer_model = corrupt.model",
+                                      "not a SentencePiece model"])]:
+    refused(["kmoe-train", "-i", "sp.deck", f"--data.tokenizer_model={bad}",
+             "--checkpoint.dir=sp_bad/ck", "--output.dir=sp_bad", "--checkpoint.overwrite=true"],
+            words, f"training with data.tokenizer_model = {bad}")
+    h.check(not os.path.exists(h.path("sp_bad", "ck", "latest")), f"{bad}: no checkpoint written")
 h.finish()
