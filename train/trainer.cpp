@@ -11,7 +11,6 @@
 
 #include "core/device_sync.hpp"
 #include "core/fault_injection.hpp"
-#include "core/gemm.hpp"
 #include "core/memory.hpp"
 #include "core/stop_signal.hpp"
 #include "core/timer.hpp"
@@ -198,18 +197,21 @@ float Trainer::grad_scale() const {
   return static_cast<float>(1.0 / (micro_batches() * targets_per_micro()));
 }
 
-std::int64_t Trainer::first_token(int micro) const {
+std::int64_t Trainer::first_sequence(int micro) const {
   // The rank's micro-batches i = 0..M-1 are the step's micro-batches j = me + i*R (RUNTIME.md
   // section 2).
   const int j = grid_.replica() + micro * grid_.replicas();
-  return std::int64_t(j) * cfg_.train.micro_batch * cfg_.train.seq_len;
+  return std::int64_t(j) * cfg_.train.micro_batch;
+}
+
+std::int64_t Trainer::first_token(int micro) const {
+  return first_sequence(micro) * cfg_.train.seq_len;
 }
 
 const std::int32_t* Trainer::micro_batch_tokens(int micro) {
   const int b = cfg_.train.micro_batch;
-  const int j = grid_.replica() + micro * grid_.replicas();
   // The micro-batch's own region: an earlier upload may still be reading another.
-  load_positions(state_.next_position + std::int64_t(j) * b, b, micro * b);
+  load_positions(state_.next_position + first_sequence(micro), b, micro * b);
   return host_tokens_.data() + std::size_t(micro) * b * cfg_.train.seq_len;
 }
 

@@ -10,7 +10,7 @@
 
 #include "core/config.hpp"
 #include "core/error.hpp"
-#include "core/gemm.hpp"
+#include "core/run_context.hpp"
 #include "core/step_stats.hpp"
 #include "core/stop_signal.hpp"
 #include "io/checkpoint.hpp"
@@ -58,6 +58,8 @@ class Trainer {
   // its first token's position in the global batch.
   const std::int32_t* micro_batch_tokens(int micro);
   std::int64_t first_token(int micro) const;
+  // Its first sequence's index in the step's global batch.
+  std::int64_t first_sequence(int micro) const;
   // After the last backward: the gradient reduction completed, the loss terms and the layers'
   // statistics summed over the world.
   StepMetrics reduce_step(int step);
