@@ -67,7 +67,8 @@ int main(int argc, char** argv) {
     const auto t0 = std::chrono::steady_clock::now();
 
     // 1. The deck: the model from config.json, training defaults a user edits or overrides.
-    const kmoe::HfImport hf = kmoe::hf_import_config((fs::path(dir) / "config.json").string());
+    const std::string config_json = (fs::path(dir) / "config.json").string();
+    const kmoe::HfImport hf = kmoe::hf_import_config(config_json);
     const bool bytes = kmoe::hf_byte_level_tokenizer((fs::path(dir) / "tokenizer.json").string());
     const int seq_len =
         hf.max_position_embeddings > 0 ? std::min(hf.max_position_embeddings, 4096) : 2048;
@@ -80,9 +81,16 @@ int main(int argc, char** argv) {
       << "[optimizer]\nlr = 1e-4\nwarmup_steps = 100\n\n"
       << "[data]\npaths = data/train.bin\ndtype = " << (hf.vocab_size > 65536 ? "uint32" : "uint16")
       << "\ntokenizer = " << (bytes ? "bytes" : "external") << "\n";
-    if (!bytes && hf.eos_token_id >= 0) d << "eod_id = " << hf.eos_token_id << "\n";
+    if (hf.has_eos) d << "eod_id = " << hf.eos_token_id << "\n";
     d << "\n[checkpoint]\nresume = " << ckpt_out << "\n";
-    const kmoe::Config cfg = kmoe::parse_deck(d.str(), deck_out, overrides);
+    // A deck error in a key config.json gave names config.json's key.
+    const kmoe::Config cfg = kmoe::parse_deck(
+        d.str(), deck_out, overrides, [&](const std::string& key, const std::string& value) {
+          const auto it = hf.source_keys.find(key);
+          return it == hf.source_keys.end()
+                     ? std::string()
+                     : config_json + ": " + it->second + " gives " + key + " = " + value;
+        });
     const kmoe::HfArch arch = kmoe::hf_arch_for(cfg);
     KMOE_REQUIRE(arch == hf.arch, deck_out << ": the overrides make the model a "
                                            << kmoe::hf_model_type(arch) << ", not the "

@@ -74,7 +74,8 @@ std::string join(const std::vector<std::string>& items, const char* sep) {
 
 class DeckParser {
  public:
-  explicit DeckParser(const std::string& origin) : origin_(origin), schema_(cfg_) {}
+  DeckParser(const std::string& origin, DeckSource source)
+      : origin_(origin), source_(std::move(source)), schema_(cfg_) {}
 
   Config parse(const std::string& text, const std::vector<std::string>& overrides);
 
@@ -90,6 +91,7 @@ class DeckParser {
   std::string resolved_text() const;
 
   std::string origin_;
+  DeckSource source_;
   Config cfg_;
   deck::Schema schema_;            // bound to cfg_
   std::vector<Setting> settings_;  // deck order, then keys only the command line sets
@@ -224,6 +226,10 @@ const Setting* DeckParser::given(const std::string& name) const {
 
 std::string DeckParser::locate(const Setting& s) const {
   if (s.line == 0) return "command line: --" + s.name + "=" + s.value;
+  if (source_) {
+    const std::string from = source_(s.name, s.value);
+    if (!from.empty()) return from;
+  }
   const auto dot = s.name.find('.');
   return origin_ + ":" + std::to_string(s.line) + ": [" + s.name.substr(0, dot) + "] " +
          s.name.substr(dot + 1) + " =" + (s.value.empty() ? "" : " ") + s.value;
@@ -264,8 +270,8 @@ Config read_deck(const std::string& path, const std::vector<std::string>& overri
 }
 
 Config parse_deck(const std::string& text, const std::string& origin,
-                  const std::vector<std::string>& overrides) {
-  return DeckParser(origin).parse(text, overrides);
+                  const std::vector<std::string>& overrides, const DeckSource& source) {
+  return DeckParser(origin, source).parse(text, overrides);
 }
 
 std::vector<std::pair<std::string, std::string>> resolved_values(const std::string& text) {

@@ -3,6 +3,7 @@
 // file, the key and its line.
 #pragma once
 
+#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -16,9 +17,13 @@ namespace kmoe {
 // required keys and inconsistent combinations.
 Config read_deck(const std::string& path, const std::vector<std::string>& overrides = {});
 
-// The same from deck text; `origin` names it in error messages.
+// Where a key the text sets came from, for error messages, when that is not the text itself
+// (kmoe-import: "DIR/config.json: num_experts_per_tok = 9"); "" for a key located by its line.
+using DeckSource = std::function<std::string(const std::string& key, const std::string& value)>;
+
+// The same from deck text; `origin` names it in error messages (or `source`, per key).
 Config parse_deck(const std::string& text, const std::string& origin,
-                  const std::vector<std::string>& overrides = {});
+                  const std::vector<std::string>& overrides = {}, const DeckSource& source = {});
 
 // "section.key" -> value text of a resolved deck (Config::resolved_text), in file order.
 // Used to compare a checkpoint's stored deck with the current one.

@@ -349,40 +349,57 @@ HfImport hf_import_config(const std::string& path) {
                                                                             : BlockNorm::Pre;
   m.qk_norm = out.arch != HfArch::Llama;
   out.vocab_size = m.vocab_size;
-  out.max_position_embeddings =
-      has(c, "max_position_embeddings") ? integer("max_position_embeddings") : 0;
+  if (has(c, "max_position_embeddings")) {
+    out.max_position_embeddings = integer("max_position_embeddings");
+    KMOE_REQUIRE(out.max_position_embeddings > 0,
+                 path << ": max_position_embeddings = " << out.max_position_embeddings
+                      << ": must be positive (it gives train.seq_len)");
+  }
   if (has(c, "eos_token_id")) {
     // One id, or a list whose first is the end of a document.
     const Json& e = c["eos_token_id"];
-    if (e.is_number_integer())
-      out.eos_token_id = e.get<int>();
-    else if (e.is_array() && !e.empty() && e[0].is_number_integer())
-      out.eos_token_id = e[0].get<int>();
+    const Json& id = e.is_array() && !e.empty() ? e[0] : e;
+    KMOE_REQUIRE(id.is_number_integer(), path << ": eos_token_id = " << e.dump()
+                                              << ": expected an id or a list of ids");
+    out.has_eos = true;
+    out.eos_token_id = id.get<std::int64_t>();
   }
+  // The deck's model sections, each key with the config.json key it comes from.
   std::ostringstream d;
   d.precision(17);
-  d << "[model]\n"
-    << "vocab_size = " << m.vocab_size << "\n"
-    << "d_model = " << m.d_model << "\n"
-    << "n_layers = " << m.n_layers << "\n"
-    << "n_heads = " << m.n_heads << "\n"
-    << "n_kv_heads = " << m.n_kv_heads << "\n"
-    << "ffn_hidden = " << integer("intermediate_size") << "\n"  // (unused by MoE models)
-    << "norm_eps = " << m.norm_eps << "\n"
-    << "rope_theta = " << m.rope_theta << "\n"
-    << "qk_norm = " << (m.qk_norm ? "true" : "false") << "\n"
-    << "block_norm = " << choice_name(m.block_norm) << "\n"
-    << "tie_embeddings = " << (m.tie_embeddings ? "true" : "false") << "\n"
-    << "init_std = " << m.init_std << "\n";
+  std::string section;
+  auto put = [&](const char* sec, const char* key, const auto& value, const char* json_key) {
+    if (section != sec) d << (section.empty() ? "" : "\n") << "[" << sec << "]\n";
+    section = sec;
+    d << key << " = " << value << "\n";
+    if (json_key) out.source_keys[std::string(sec) + "." + key] = json_key;
+  };
+  const bool kv_given = has(c, "num_key_value_heads");
+  put("model", "vocab_size", m.vocab_size, "vocab_size");
+  put("model", "d_model", m.d_model, "hidden_size");
+  put("model", "n_layers", m.n_layers, "num_hidden_layers");
+  put("model", "n_heads", m.n_heads, "num_attention_heads");
+  put("model", "n_kv_heads", m.n_kv_heads,
+      kv_given ? "num_key_value_heads" : "num_attention_heads");
+  put("model", "ffn_hidden", integer("intermediate_size"), "intermediate_size");  // (unused by MoE)
+  put("model", "norm_eps", m.norm_eps, "rms_norm_eps");
+  put("model", "rope_theta", m.rope_theta, "rope_theta");
+  put("model", "qk_norm", m.qk_norm ? "true" : "false", nullptr);
+  put("model", "block_norm", choice_name(m.block_norm), nullptr);
+  put("model", "tie_embeddings", m.tie_embeddings ? "true" : "false", "tie_word_embeddings");
+  put("model", "init_std", m.init_std, "initializer_range");
   if (moe) {
-    d << "\n[moe]\n"
-      << "experts = " << integer("num_experts") << "\n"
-      << "top_k = " << integer("num_experts_per_tok") << "\n"
-      << "expert_hidden = " << integer("intermediate_size") << "\n"
-      << "score = softmax\n"
-      << "normalize_topk = " << (c.value("norm_topk_prob", false) ? "true" : "false") << "\n"
-      << "lb_coef = " << number("router_aux_loss_coef", 0.01) << "\n";
+    put("moe", "experts", integer("num_experts"), "num_experts");
+    put("moe", "top_k", integer("num_experts_per_tok"), "num_experts_per_tok");
+    put("moe", "expert_hidden", integer("intermediate_size"), "intermediate_size");
+    put("moe", "score", "softmax", nullptr);
+    put("moe", "normalize_topk", c.value("norm_topk_prob", false) ? "true" : "false",
+        "norm_topk_prob");
+    put("moe", "lb_coef", number("router_aux_loss_coef", 0.01), "router_aux_loss_coef");
   }
+  // Keys the importer's deck derives from config.json outside these sections.
+  if (out.max_position_embeddings > 0) out.source_keys["train.seq_len"] = "max_position_embeddings";
+  if (out.has_eos) out.source_keys["data.eod_id"] = "eos_token_id";
   out.model_sections = d.str();
   return out;
 }

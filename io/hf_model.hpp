@@ -53,7 +53,11 @@ struct HfImport {
   std::string model_sections;       // "[model]\n...\n[moe]\n..." as deck text
   int vocab_size = 0;
   int max_position_embeddings = 0;  // 0 when not given
-  int eos_token_id = -1;            // -1 when not given
+  bool has_eos = false;             // eos_token_id given (one id, or a list's first)
+  std::int64_t eos_token_id = -1;
+  // The config.json key each deck key of model_sections comes from ("moe.top_k" ->
+  // "num_experts_per_tok"), so deck errors name the file the user has.
+  std::map<std::string, std::string> source_keys;
 };
 HfImport hf_import_config(const std::string& config_json_path);
 

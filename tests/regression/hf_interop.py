@@ -17,7 +17,9 @@
    experts, sigmoid scores, a router bias, a dense block in an MoE model, pre-norm with QK-norm;
    an existing export without --overwrite; exporting a NaN or Inf weight (no directory left);
    importing a NaN weight (no checkpoint or temporary left); importing rope scaling, a sliding window, biases,
-   another model type, another activation; safetensors files with a header length past the end,
+   another model type, another activation; config.json values kmoe's deck refuses (a negative
+   vocab_size, num_experts_per_tok above num_experts, an eos_token_id outside the vocabulary or
+   not an id, a negative max_position_embeddings), named by their config.json key; safetensors files with a header length past the end,
    overlapping or out-of-range offsets, a shape that does not fit its bytes, a tensor of another
    shape than config.json's, an extra tensor, a missing shard.
 Usage: hf_interop.py BIN_DIR WORK_DIR MPIEXEC SOURCE_DIR
@@ -211,10 +213,10 @@ for name, dataset, index, value in [("nan_norm", "model/final_norm/weight", 3, n
 h.run(["kmoe-export", "olmo2/ck/step00000003.h5", "olmo2_hf", "--overwrite"])
 
 
-def variant(name, edit_config=None, edit_files=None):
-    """A copy of olmo2_hf with its config.json or files changed."""
+def variant(name, edit_config=None, edit_files=None, base="olmo2_hf"):
+    """A copy of olmo2_hf (or base) with its config.json or files changed."""
     shutil.rmtree(h.path(name), ignore_errors=True)
-    shutil.copytree(h.path("olmo2_hf"), h.path(name))
+    shutil.copytree(h.path(base), h.path(name))
     if edit_config:
         with open(h.path(name, "config.json")) as f:
             c = json.load(f)
@@ -238,6 +240,17 @@ for key, value, words in [("rope_scaling", {"type": "linear", "factor": 2.0}, ["
                           ("hidden_act", "gelu", ["hidden_act"])]:
     imported(variant(f"cfg_{key}", lambda c, k=key, v=value: c.__setitem__(k, v)), words,
              f"import with {key} = {value}")
+# Values kmoe's deck checks refuse: the error names config.json's key, not the deck's line.
+for key, value, base, words in [
+        ("vocab_size", -320, "olmo2_hf", ["config.json: vocab_size gives model.vocab_size = -320"]),
+        ("num_experts_per_tok", 9, "olmoe_hf",
+         ["config.json: num_experts_per_tok gives moe.top_k = 9"]),
+        ("eos_token_id", 5000, "olmo2_hf",
+         ["config.json: eos_token_id gives data.eod_id = 5000", "outside the vocabulary"]),
+        ("eos_token_id", "</s>", "olmo2_hf", ['eos_token_id = "</s>"', "expected an id"]),
+        ("max_position_embeddings", -4, "olmo2_hf", ["max_position_embeddings = -4"])]:
+    imported(variant(f"cfg_bad_{key}", lambda c, k=key, v=value: c.__setitem__(k, v), base=base),
+             words, f"import with {key} = {value}")
 
 
 def rewrite(path, header_edit=None, length=None, data=None):
