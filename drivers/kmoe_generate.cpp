@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <fstream>
 #include <numeric>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -32,11 +33,13 @@ namespace {
 
 const char* kUsage =
     "usage: kmoe-generate --checkpoint FILE [--prompt TEXT | --prompt-ids I,J,...]\n"
-    "                     [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P]\n"
-    "                     [--seed S] [--samples N] [--check] [--dump-logits PREFIX]\n"
-    "                     [--parallel.key=value ...]\n"
+    "                     [--max-new-tokens N] [--max-context C] [--temperature T]\n"
+    "                     [--top-k K] [--top-p P] [--seed S] [--samples N] [--check]\n"
+    "                     [--dump-logits PREFIX] [--parallel.key=value ...]\n"
     "  continues the prompt (text through the byte-level ids of data.tokenizer = bytes, or\n"
-    "  token ids) with up to N new tokens (default 64), stopping at the end-of-document id.\n"
+    "  token ids) with up to N new tokens (default 64), stopping at the end-of-document id or\n"
+    "  when the sequence fills C positions (default: the checkpoint's train.seq_len, the length\n"
+    "  the model was trained on; beyond it RoPE extrapolates).\n"
     "  Greedy unless --temperature > 0, then sampled from the top-k (0: all) most likely ids\n"
     "  whose probabilities reach top-p (default 1), seeded by --seed (default 0); --samples\n"
     "  draws that many continuations (seeds S, S+1, ...). --check runs the whole final sequence\n"
@@ -47,6 +50,7 @@ const char* kUsage =
 struct Options {
   std::string checkpoint, prompt, prompt_ids, dump;
   int max_new = 64, top_k = 0, samples = 1;
+  int max_context = 0;  // 0: train.seq_len
   double temperature = 0.0, top_p = 1.0;
   std::uint64_t seed = 0;
   bool check = false;
@@ -76,6 +80,8 @@ Options parse(int argc, char** argv) {
       o.prompt_ids = value();
     } else if (s == "--max-new-tokens" && has_value) {
       o.max_new = number<int>(s, value());
+    } else if (s == "--max-context" && has_value) {
+      o.max_context = number<int>(s, value());
     } else if (s == "--temperature" && has_value) {
       o.temperature = number<double>(s, value());
     } else if (s == "--top-k" && has_value) {
@@ -98,6 +104,8 @@ Options parse(int argc, char** argv) {
   }
   KMOE_REQUIRE(!o.checkpoint.empty(), "need --checkpoint\n" << kUsage);
   KMOE_REQUIRE(o.max_new >= 1, "--max-new-tokens " << o.max_new << ": at least 1");
+  KMOE_REQUIRE(o.max_context >= 0, "--max-context " << o.max_context << ": at least 1 (0: "
+                                                    << "the checkpoint's train.seq_len)");
   KMOE_REQUIRE(o.temperature >= 0, "--temperature " << o.temperature << ": not negative");
   KMOE_REQUIRE(o.top_k >= 0, "--top-k " << o.top_k << ": not negative (0: every id)");
   KMOE_REQUIRE(o.top_p > 0 && o.top_p <= 1, "--top-p " << o.top_p << ": in (0, 1]");
@@ -228,7 +236,22 @@ int main(int argc, char** argv) {
     if (root && !note.empty()) std::printf("note: %s\n", note.c_str());
     const std::vector<std::int32_t> prompt = prompt_ids(o, cfg);
     const int P = static_cast<int>(prompt.size()), D = cfg.model.d_model, V = cfg.model.vocab_size;
-    const int capacity = P + o.max_new;
+    const int context = o.max_context > 0 ? o.max_context : cfg.train.seq_len;
+    const char* context_from = o.max_context > 0 ? "--max-context" : "train.seq_len";
+    KMOE_REQUIRE(P < context, "the prompt has " << P << " ids, which leaves no room in a context of "
+                                                << context << " positions (" << context_from
+                                                << (o.max_context > 0 ? "" : " of the checkpoint; "
+                                                                             "--max-context raises it")
+                                                << ")");
+    const int max_new = static_cast<int>(std::min<std::int64_t>(o.max_new, context - P));
+    if (root && max_new < o.max_new)
+      std::printf("note: --max-new-tokens %d: a sequence stops at %d positions (%s%s), so at most "
+                  "%d new tokens follow the %d of the prompt\n",
+                  o.max_new, context, context_from,
+                  o.max_context > 0 ? "" : ", the length the model was trained on; --max-context "
+                                           "raises it",
+                  max_new, P);
+    const int capacity = P + max_new;
     const int eod = cfg.data.end_of_document(V);
     // The samples' text through the checkpoint's SentencePiece model (loaded once), if it has one.
     const auto sentencepiece = root && cfg.data.tokenizer == kmoe::Tokenizer::SentencePiece
@@ -242,8 +265,19 @@ int main(int argc, char** argv) {
     const kmoe::StagePlan plan = kmoe::StagePlan::of(grid);
     const kmoe::LayerComms comms = kmoe::layer_comms(cfg, grid);
     kmoe::TensorTable table;
-    kmoe::Stage stage(ctx, cfg.model, dropless, 1, capacity, table, cfg.engram, plan, comms);
-    table.allocate();
+    std::optional<kmoe::Stage> built;
+    try {  // the buffers of `capacity` positions (attention's grow with its square)
+      built.emplace(ctx, cfg.model, dropless, 1, capacity, table, cfg.engram, plan, comms);
+      table.allocate();
+    } catch (const kmoe::Error&) {
+      throw;
+    } catch (const std::exception& e) {  // Kokkos' allocation failure (bad_alloc or runtime_error)
+      KMOE_FAIL("a sequence of " << capacity << " positions (the prompt's " << P
+                                 << " and --max-new-tokens " << max_new
+                                 << ") needs more memory than there is: " << e.what()
+                                 << "\nask for fewer positions (--max-new-tokens, --max-context)");
+    }
+    kmoe::Stage& stage = *built;
     const kmoe::TrainState state =
         kmoe::load_checkpoint(o.checkpoint, cfg, grid, table, /*with_optimizer=*/false, nullptr);
     const int sampler = (grid.pp - 1) * grid.dp * grid.ep;  // world rank: last stage, replica 0
@@ -257,7 +291,7 @@ int main(int argc, char** argv) {
       kmoe::DecodeCache cache = stage.new_decode_cache();
       std::vector<float> logits = decode_through(stage, table, grid, ids.data(), 0, P, cache, D, V);
       std::vector<float> all = logits;
-      for (int step = 0; step < o.max_new; ++step) {
+      for (int step = 0; step < max_new; ++step) {
         int next = 0;
         if (grid.world.rank() == sampler) {  // the last position's logits
           const std::vector<float> row(logits.end() - V, logits.end());
@@ -266,7 +300,7 @@ int main(int argc, char** argv) {
         }
         MPI_Bcast(&next, 1, MPI_INT, sampler, grid.world.comm());
         ids.push_back(next);
-        if (next == eod || step + 1 == o.max_new) break;
+        if (next == eod || step + 1 == max_new) break;
         const int pos = static_cast<int>(ids.size()) - 1;
         logits = decode_through(stage, table, grid, ids.data() + pos, pos, 1, cache, D, V);
         all.insert(all.end(), logits.begin(), logits.end());
@@ -289,7 +323,10 @@ int main(int argc, char** argv) {
           }
         }
         std::printf("sample %d (%zu new tokens%s):\n%s\n", s, ids.size() - P,
-                    ids.back() == eod ? ", ended the document" : "", text.c_str());
+                    ids.back() == eod                   ? ", ended the document"
+                    : int(ids.size()) == context        ? ", filled the context"
+                                                        : "",
+                    text.c_str());
         std::fflush(stdout);
       }
     }

@@ -22,4 +22,4 @@ mpiexec --allow-run-as-root -n 2 -x OPENBLAS_NUM_THREADS=1 "$bin/kmoe-train" -i 
 ckpt=runs/tiny_moe_engram/checkpoints/$(cat runs/tiny_moe_engram/checkpoints/latest)
 echo "fortunes from $ckpt:"
 mpiexec --allow-run-as-root -n 2 -x OPENBLAS_NUM_THREADS=1 "$bin/kmoe-generate" --checkpoint "$ckpt" \
-  --prompt-ids 256 --samples 3 --max-new-tokens 300 --temperature 0.8 --top-k 40 --seed 1
+  --prompt-ids 256 --samples 3 --max-new-tokens 255 --temperature 0.8 --top-k 40 --seed 1

@@ -10,9 +10,11 @@
    a model trained with document masking and sliding windows, prompted across a document
    boundary, on (1,1,1) and (2,1,1): the text after the boundary is the one the second
    document alone gives.
-3. --dump-logits writes the first sample's ids and logits as .npy files of the right shapes.
+3. --dump-logits writes the first sample's ids and logits as .npy files of the right shapes;
+   a --max-new-tokens past train.seq_len stops at the context of train.seq_len, with a note.
 4. Bad input: --prompt when the checkpoint's ids are another tool's (data.tokenizer = external),
-   an id outside the vocabulary, both prompt forms, a top-p of 0: errors naming them.
+   an id outside the vocabulary, both prompt forms, a top-p of 0, a context too large for
+   memory, a prompt that fills the context: errors naming them.
 Usage: generation.py BIN_DIR WORK_DIR MPIEXEC
 """
 import os
@@ -149,6 +151,13 @@ h.check(ids.dtype == np.int32 and logits.dtype == np.float32 and logits.shape ==
         and len(ids) == 8 + 10 - 1 and "sample 1" in p.stdout,
         f"--dump-logits: ids {ids.shape}, logits {logits.shape}; two samples printed")
 
+# 3b. The context: a sequence stops at train.seq_len (64) positions, the length the model was
+# trained on, with a note when --max-new-tokens asks for more.
+p = generate(moe, "--prompt", "number 8", "--max-new-tokens", "100000")
+h.check("--max-new-tokens 100000: a sequence stops at 64 positions (train.seq_len" in p.stdout
+        and 0 < new_tokens(p) <= 64 - 8,
+        f"--max-new-tokens past train.seq_len: a note, {new_tokens(p)} new tokens")
+
 # 4. Bad input.
 external = train("external", "--data.tokenizer=external")
 for args, words, what in [
@@ -158,7 +167,12 @@ for args, words, what in [
          "an id outside the vocabulary"),
         (["--checkpoint", moe, "--prompt", "a", "--prompt-ids", "5"], ["one of them"],
          "both prompt forms"),
-        (["--checkpoint", moe, "--prompt", "a", "--top-p", "0"], ["--top-p"], "top-p 0")]:
+        (["--checkpoint", moe, "--prompt", "a", "--top-p", "0"], ["--top-p"], "top-p 0"),
+        (["--checkpoint", moe, "--prompt", "number 8", "--max-new-tokens", "999999",
+          "--max-context", "1000000"], ["--max-new-tokens 999992", "needs more memory than there is"],
+         "a context whose buffers cannot be allocated"),
+        (["--checkpoint", moe, "--prompt", "number 8", "--max-context", "8"],
+         ["the prompt has 8 ids", "--max-context"], "a prompt that fills the context")]:
     p = h.run(["kmoe-generate", *args], expect_rc=1)
     h.check(all(w in p.stderr for w in words), f"{what}: {p.stderr.strip()[-150:]}")
 h.finish()
