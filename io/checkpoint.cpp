@@ -20,6 +20,7 @@
 #include "core/fault_injection.hpp"
 #include "io/collective_write.hpp"
 #include "io/deck.hpp"
+#include "io/durable_file.hpp"
 #include "io/hdf5_file.hpp"
 #include "parallel/io_watchdog.hpp"
 #include "parallel/placement.hpp"
@@ -47,9 +48,7 @@ void write_text_atomically(const fs::path& path, const std::string& text) {
     out.close();  // a full disk shows at the flush
     KMOE_REQUIRE(!out.fail(), tmp.string() << ": cannot write (the file system is full?)");
   }
-  std::error_code ec;
-  fs::rename(tmp, path, ec);
-  KMOE_REQUIRE(!ec, path.string() << ": cannot replace: " << ec.message());
+  rename_durably(tmp, path, "file");
 }
 
 // Keeps `current` (just written) and the newest keep-1 stepNNNNNNNN.h5 files before it; older
@@ -200,10 +199,8 @@ void save_checkpoint(const Config& cfg, const ProcessGrid& grid, const TensorTab
              free_space_note(dir) + "; its partial file is removed, the previous checkpoints and " +
                  (dir / "latest").string() + " are as they were");
   world.on_root([&] {
-    std::error_code ec;
-    fs::rename(tmp_path, final_path, ec);
-    KMOE_REQUIRE(!ec, final_path.string() << ": cannot rename the finished checkpoint into place: "
-                                          << ec.message());
+    // Every rank's data is in the closed file: on the disk before its name (RUNTIME.md 2).
+    rename_durably(tmp_path, final_path, "checkpoint");
     write_text_atomically(dir / "latest", name);
     prune(dir, cfg.checkpoint.keep, name);
   });
@@ -244,10 +241,7 @@ void write_initial_checkpoint(
     f.set_attr("/", "format", std::string(kFormat));
     KMOE_REQUIRE(f.try_close(), tmp.string() << ": cannot finish writing (the disk is full?)");
   }
-  std::error_code ec;
-  fs::rename(tmp, final_path, ec);
-  KMOE_REQUIRE(!ec, final_path.string() << ": cannot move the finished file into place: "
-                                        << ec.message());
+  rename_durably(tmp, final_path, "checkpoint");
 }
 
 std::string resume_file(const CheckpointCfg& c) {

@@ -8,6 +8,7 @@
 
 #include "core/bf16.hpp"
 #include "core/error.hpp"
+#include "io/durable_file.hpp"
 
 namespace kmoe {
 
@@ -224,9 +225,7 @@ void SafetensorsWriter::finish() {
                path_ << ": " << plan_.size() - next_ << " planned tensors were not written");
   out_.close();
   KMOE_REQUIRE(!out_.fail(), tmp_ << ": cannot finish writing (disk full?)");
-  std::error_code ec;
-  fs::rename(tmp_, path_, ec);
-  KMOE_REQUIRE(!ec, path_ << ": cannot move the finished file into place: " << ec.message());
+  rename_durably(tmp_, path_, "file");
   finished_ = true;
 }
 

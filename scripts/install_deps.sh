@@ -8,7 +8,7 @@ packages=(
   libboost-program-options-dev libgtest-dev nlohmann-json3-dev libsentencepiece-dev
   python3 python3-matplotlib python3-torch python3-h5py
   fortunes
-  slurm-wlm munge procps
+  slurm-wlm munge procps strace
 )
 missing=()
 for p in "${packages[@]}"; do

@@ -19,7 +19,9 @@ documented exit code), never a crash, a hang or silently lost output.
  7. the dry run checks token ids and the checkpoint it would resume; an overflowing model size
     and a model larger than the machine are errors naming the keys; `latest` with CR-LF;
     stale temporaries of an interrupted save are removed at the next start;
- 8. a checkpoint directory whose path is longer than 300 characters saves and resumes.
+ 8. a checkpoint directory whose path is longer than 300 characters saves and resumes;
+ 9. a save flushes the checkpoint file and `latest`'s temporary to the disk before renaming
+    each into place, and their directory after (strace).
 Usage: hostile.py BIN_DIR WORK_DIR MPIEXEC SCRIPTS_DIR
 """
 import os
@@ -351,4 +353,49 @@ train("deep", "--train.max_steps=4", ranks=2, ckpt=deep)
 p = train("deep", "--train.max_steps=6", ranks=2, ckpt=deep)
 h.check("resuming from" in p.stdout and latest(deep) == "step00000006.h5",
         "checkpoints under a path of over 300 characters save and resume")
+
+
+# ------------------------------------------- 9. a save reaches the disk before its name does
+def fsync_order(trace):
+    """From `strace -f` output: (path of each fsync'ed file, in order, and each rename's
+    (source, target)) as one list of events."""
+    fds, events = {}, []
+    for line in trace.splitlines():
+        m = re.search(r'openat\(AT_FDCWD, "([^"]+)", [^)]*\)\s+= (\d+)$', line)
+        if m:
+            fds[(line.split()[0], m.group(2))] = m.group(1)
+            continue
+        m = re.search(r"fsync\((\d+)\)\s+= 0", line)
+        if m and (line.split()[0], m.group(1)) in fds:
+            events.append(("fsync", fds[(line.split()[0], m.group(1))]))
+        m = re.search(r'rename(?:at2?)?\((?:AT_FDCWD, )?"([^"]+)", (?:AT_FDCWD, )?"([^"]+)"', line)
+        if m:
+            events.append(("rename", m.group(1), m.group(2)))
+    return events
+
+
+def durable(events, target):
+    """Whether `target` was renamed into place after its source was fsync'ed, and its
+    directory fsync'ed after the rename."""
+    for i, e in enumerate(events):
+        if e[0] == "rename" and e[2].endswith(target):
+            return (("fsync", e[1]) in events[:i] and
+                    ("fsync", os.path.dirname(e[2])) in events[i + 1:])
+    return False
+
+
+if shutil.which("strace") and subprocess.run(["strace", "-o", "/dev/null", "true"],
+                                             capture_output=True).returncode == 0:
+    h.run([shutil.which("strace"), "-f", "-qq", "-o", "save.trace", "-e", "trace=openat,fsync,rename,renameat,"
+           "renameat2", TRAIN, "-i", "h.deck", "--train.max_steps=2", "--output.dir=synced",
+           "--checkpoint.dir=synced/ckpt"])
+    with open(h.path("save.trace")) as f:
+        events = fsync_order(f.read())
+    h.check(durable(events, "ckpt/step00000002.h5") and durable(events, "ckpt/latest"),
+            "a save flushes the checkpoint and latest's temporary before each rename and the "
+            "directory after it: " + str([e for e in events if "synced" in str(e)][-6:]))
+else:
+    h.skip("the order of fsync and rename in a save (strace)",
+           "strace is missing or may not trace here")
 h.finish()
+
