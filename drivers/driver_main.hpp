@@ -16,6 +16,7 @@
 #include <thread>
 
 #include "core/error.hpp"
+#include "core/stop_signal.hpp"
 #include "io/hdf5_file.hpp"
 #include "parallel/communicator.hpp"
 #include "parallel/execution.hpp"
@@ -76,6 +77,16 @@ inline int run_driver(int argc, char** argv, const std::string& name, const std:
     MPI_Abort(MPI_COMM_WORLD, code);
   }
   MPI_Finalize();
+  // A cancel that reached this process after the ranks agreed on a requeue (85) still wins
+  // while the process lives.
+  if (stop && code == 85 && requested_stop() == StopKind::Cancel) {
+    if (rank == 0) {
+      std::cerr << name << ": then " << stop_signal_name()
+                << " arrived: exit code 86 (resumable, do not requeue)" << std::endl;
+      report_exit_code(86);
+    }
+    code = 86;
+  }
   return code;
 }
 

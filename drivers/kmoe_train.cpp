@@ -310,6 +310,9 @@ int main(int argc, char** argv) {
             kmoe::make_run_context(cfg.train.precision, exec.batch_threads, &precision_note);
         if (grid.is_root() && !precision_note.empty())
           std::printf("note: %s\n", precision_note.c_str());
+        const std::string launcher_note = kmoe::launcher_stop_note();
+        if (grid.is_root() && !launcher_note.empty())
+          std::printf("note: %s\n", launcher_note.c_str());
         kmoe::Trainer trainer(cfg, grid, ctx);
         trainer.run();
       });

@@ -4,6 +4,8 @@
 #include <cstdio>
 #include <filesystem>
 
+#include "core/fault_injection.hpp"
+
 namespace kmoe {
 
 bool Checkpointer::should_save(int step, bool stopping) const {
@@ -14,6 +16,7 @@ bool Checkpointer::should_save(int step, bool stopping) const {
 
 void Checkpointer::save(const TensorTable& table, const TrainState& state) const {
   const auto t0 = std::chrono::steady_clock::now();
+  slow_save_if_requested();
   save_checkpoint(cfg_, grid_, table, state);
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (grid_.is_root()) {

@@ -335,6 +335,7 @@ void Trainer::run() {
     if (stopping && step < last) stop_after(step, stop);
   }
   print_phases();
+  if (grid_.is_root()) report_exit_code(0);
 }
 
 // ---- What every rank must agree on after a step -------------------------------------------
@@ -380,6 +381,9 @@ void Trainer::save_after_step(int step, const std::string& output_error) {
 }
 
 void Trainer::stop_after(int step, StopKind stop) {
+  // A cancel that arrived during the save (SIGUSR1, then SIGTERM: a preemption notice followed
+  // by a cancel) wins over the requeue.
+  if (stop != StopKind::Cancel) stop = std::max(stop, agreed_stop());
   print_phases();
   const bool cancel = stop == StopKind::Cancel;
   const std::string by = *stop_signal_name() ? stop_signal_name() : "a signal to another rank";
@@ -387,7 +391,7 @@ void Trainer::stop_after(int step, StopKind stop) {
   os << "stopped by " << by << " after step " << step << " with checkpoint " << cfg_.checkpoint.dir
      << "/" << checkpoint_file_name(step) << "; exit code "
      << (cancel ? "86 (resumable, do not requeue)" : "85 (requeue)");
-  if (grid_.is_root()) report_stop_code(cancel ? 86 : 85);
+  if (grid_.is_root()) report_exit_code(cancel ? 86 : 85);
   throw StopRequest(cancel ? 86 : 85, os.str());
 }
 

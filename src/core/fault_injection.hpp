@@ -16,6 +16,8 @@
 //   KMOE_FAULT=signal_at_start:<signal>  the process sends itself <signal> right after it
 //                                  installs its stop handlers, before MPI and the model start
 //                                  (a signal during start-up, at a known moment).
+//   KMOE_FAULT=slow_save:<ms>       every checkpoint save takes <ms> milliseconds longer
+//                                  (a signal during a save, at a known moment).
 #pragma once
 
 #include <chrono>
@@ -65,6 +67,13 @@ inline void signal_at_start_if_requested() {
   const char* f = std::getenv("KMOE_FAULT");
   int sig = 0;
   if (f && std::sscanf(f, "signal_at_start:%d", &sig) == 1 && sig > 0) std::raise(sig);
+}
+
+inline void slow_save_if_requested() {
+  const char* f = std::getenv("KMOE_FAULT");
+  int ms = 0;
+  if (f && std::sscanf(f, "slow_save:%d", &ms) == 1 && ms > 0)
+    std::this_thread::sleep_for(std::chrono::milliseconds(ms));
 }
 
 }  // namespace kmoe

@@ -4,7 +4,15 @@
 // for a checkpoint and exit 86 (stopped, resumable). A second SIGINT ends the process at once.
 // The handlers only record the request; the training loop reads it at each step boundary,
 // where the ranks agree on it.
+//
+// Under Open MPI's own launcher (ORTE, Open MPI 4.x mpirun), a SIGTERM reaches a rank only when
+// mpirun is tearing the job down (it forwards SIGUSR1/2 alone): mpirun then no longer reads the
+// ranks' output, and a rank blocked writing a log line would sit there until SIGKILL. The
+// handler makes stdout and stderr non-blocking on such a SIGTERM, so the rank loses the lines
+// nobody reads but reaches its checkpoint (RUNTIME.md section 4, slurm/README.md).
 #pragma once
+
+#include <string>
 
 namespace kmoe {
 
@@ -19,9 +27,15 @@ StopKind requested_stop();
 // The signal that asked for it ("SIGTERM", ...), or "" when none reached this process.
 const char* stop_signal_name();
 
-// A checkpointed stop's exit code (85/86) written to the file $KMOE_STOP_FILE names, when set:
-// launchers that report their own status when signalled (Open MPI's mpirun returns 1) can be
-// corrected by the script around them (scripts/kmoe-mpirun, slurm/train.sbatch).
-void report_stop_code(int code);
+// The exit code of a run that ended cleanly (0 finished, 85/86 a checkpointed stop) written to
+// the file $KMOE_STOP_FILE names, when set: launchers that report their own status when
+// signalled (Open MPI's mpirun returns 1) can be corrected by the script around them
+// (scripts/kmoe-mpirun, slurm/train.sbatch).
+void report_exit_code(int code);
+
+// A note for the start of a run launched by Open MPI 4.x's mpirun without scripts/kmoe-mpirun
+// (no KMOE_STOP_FILE): what a SIGTERM to mpirun does to it (odls_base_sigkill_timeout) and the
+// ways to stop it with a checkpoint; "" under any other launcher.
+std::string launcher_stop_note();
 
 }  // namespace kmoe

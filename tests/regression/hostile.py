@@ -12,8 +12,11 @@ documented exit code), never a crash, a hang or silently lost output.
     a non-finite evaluation loss makes kmoe-eval exit 3;
  4. a token file truncated under a running job ends it with an error naming the file;
  5. stop signals: SIGTERM, SIGINT and `timeout --preserve-status` to scripts/kmoe-mpirun give
-    exit 86 after a checkpoint, a second SIGINT aborts, SIGINT to one process gives 86, a
-    SIGUSR1 during start-up gives 85 after the first step;
+    exit 86 after a checkpoint, a second SIGINT aborts, but not a job already exiting after its
+    checkpoint; SIGINT to one process gives 86, a SIGUSR1 during start-up gives 85 after the
+    first step, a SIGTERM during the save a SIGUSR1 asked for gives 86; SIGTERM to a bare
+    mpiexec: a note at the start, and a checkpoint though mpirun no longer reads the output;
+    SIGTERM to the mpirun inside kmoe-mpirun of a run that finishes: exit 0, not mpirun's 1;
  6. the run lock: a second run on a directory is refused naming the first; stale locks (old
     heartbeat, gone process, this Slurm job's own) are taken over;
  7. the dry run checks token ids and the checkpoint it would resume; an overflowing model size
@@ -264,6 +267,79 @@ rc, log, files = launched("timeout", ["timeout", "--preserve-status", "-s", "TER
                           [], wait_rows=0, delay=0)
 h.check(rc == 86 and stopped_with_checkpoint(files),
         f"timeout --preserve-status ... kmoe-mpirun: exit {rc}, checkpoint {files}")
+# A second Ctrl-C while the job is already exiting with its checkpoint must leave it alone:
+# Open MPI's mpirun can crash when signalled then (in PMIx_Finalize, exit 139). A stand-in
+# mpirun makes the moment exact: on SIGUSR2 it reports 86 as kmoe would, then takes 2 s to
+# exit, and dies by SIGSEGV if signalled in that time.
+h.write("fake_mpirun", """#!/bin/bash
+stopping=0
+trap 'echo 86 > "$KMOE_STOP_FILE"; stopping=1' USR2
+trap '[ $stopping = 1 ] && kill -SEGV $$; exit 1' TERM
+while [ $stopping = 0 ]; do sleep 0.05 & wait $!; done
+sleep 2 & wait $!
+exit 86
+""")
+os.chmod(h.path("fake_mpirun"), 0o755)
+p = subprocess.Popen([WRAPPER, "-n", "2", TRAIN], cwd=work, env=dict(h.env, KMOE_MPIRUN=h.path(
+    "fake_mpirun")), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+time.sleep(0.5)
+p.send_signal(signal.SIGINT)
+time.sleep(0.5)
+p.send_signal(signal.SIGINT)
+_, err = p.communicate(timeout=60)
+h.check(p.returncode == 86 and "kmoe has checkpointed and is exiting" in err,
+        f"a second Ctrl-C while the job exits after its checkpoint: exit {p.returncode}, "
+        f"{err.strip()[-120:]}")
+
+# SIGUSR1, then SIGTERM while the save it asked for is being written (a preemption notice
+# followed by a cancel; KMOE_FAULT=slow_save makes each save 2 s longer): the cancel wins.
+rc, log, files = launched("usr1_term", [TRAIN], [signal.SIGUSR1, signal.SIGTERM],
+                          env={"KMOE_FAULT": "slow_save:2000"})
+h.check(rc == 86 and stopped_with_checkpoint(files) and "stopped by SIGTERM" in log,
+        f"SIGUSR1, then SIGTERM during the save: exit {rc} (the cancel wins), checkpoint {files}")
+
+# SIGTERM to a bare mpiexec (Open MPI 4.x): mpirun stops reading the ranks' output at once,
+# sends them SIGTERM odls_base_sigkill_timeout seconds later and SIGKILL as long after that.
+# Rank 0 says so at the start; blocked on its unread output by the time SIGTERM comes, it must
+# still reach its checkpoint. mpirun's own exit code is 1 whatever the ranks did.
+bare = MPI + ["-n", "2", "-x", "OPENBLAS_NUM_THREADS=1", "--mca", "odls_base_sigkill_timeout",
+              "5", TRAIN, "--parallel.dp=2"]
+rc, log, files = launched("bare_term", bare, [signal.SIGTERM])
+h.check("odls_base_sigkill_timeout = 5 s" in log,
+        "a run under a bare mpirun notes at the start what a SIGTERM to mpirun leaves it")
+h.check(stopped_with_checkpoint(files) and "kmoe.lock" not in files and "(hung" not in log,
+        f"SIGTERM to a bare mpiexec (odls_base_sigkill_timeout 5): checkpoint {files}, "
+        f"mpirun's exit {rc}")
+
+
+# SIGTERM straight to the mpirun inside kmoe-mpirun (KMOE_STOP_GRACE = 4) of a run that
+# finishes before mpirun passes the signal on: mpirun returns 1, the wrapper reports the
+# finished run (kmoe's 0 through KMOE_STOP_FILE), not a failure.
+def inner_mpirun(wrapper_pid):
+    pids = subprocess.run(["pgrep", "-P", str(wrapper_pid)], capture_output=True,
+                          text=True).stdout.split()
+    return int(pids[0]) if pids else None
+
+
+p = subprocess.Popen(wrapped + ["-i", "h.deck", "--train.max_steps=12", "--output.log_every=1000",
+                                "--checkpoint.every=0", "--output.dir=grace_done",
+                                "--checkpoint.dir=grace_done/ckpt"],
+                     cwd=work, env=dict(h.env, KMOE_STOP_GRACE="4"), stdout=subprocess.PIPE,
+                     stderr=subprocess.PIPE, text=True)
+deadline = time.time() + 60
+while time.time() < deadline and not os.path.exists(h.path("grace_done", "ckpt", "kmoe.lock")):
+    time.sleep(0.05)
+inner = inner_mpirun(p.pid)
+if inner:
+    os.kill(inner, signal.SIGTERM)
+_, err = p.communicate(timeout=120)
+h.check(inner is not None and p.returncode == 0 and
+        "mpirun returned 1; kmoe finished with exit code 0" in err and
+        latest(h.path("grace_done", "ckpt")) == "step00000012.h5",
+        f"SIGTERM to the mpirun inside kmoe-mpirun, run finished: exit {p.returncode}, "
+        f"{err.strip()[-120:]}")
+
 rc, log, files = launched("int1", [TRAIN], [signal.SIGINT])
 h.check(rc == 86 and stopped_with_checkpoint(files) and "stopped by SIGINT" in log,
         f"SIGINT to kmoe-train: exit {rc}, checkpoint {files}")
@@ -398,4 +474,3 @@ else:
     h.skip("the order of fsync and rename in a save (strace)",
            "strace is missing or may not trace here")
 h.finish()
-
