@@ -60,18 +60,18 @@ namespace detail {
 // dst[i] = src[i] rounded to bf16: as bf16 bits (CUDA) or as the fp32 value (host backends).
 void to_bf16(const float* src, std::int64_t n, std::uint16_t* dst) {
   Kokkos::parallel_for(
-      "gemm::to_bf16", Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(0, n),
+      "gemm::to_bf16", flat_range(0, n),
       KOKKOS_LAMBDA(std::int64_t i) { dst[i] = bf16_bits(src[i]); });
 }
 void to_bf16(const float* src, std::int64_t n, float* dst) {
   Kokkos::parallel_for(
-      "gemm::round_bf16", Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(0, n),
+      "gemm::round_bf16", flat_range(0, n),
       KOKKOS_LAMBDA(std::int64_t i) { dst[i] = round_bf16(src[i]); });
 }
 // dst[i] = the bf16 value src[i] as fp32.
 void widen_bf16(const std::uint16_t* src, std::int64_t n, float* dst) {
   Kokkos::parallel_for(
-      "gemm::widen_bf16", Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>(0, n),
+      "gemm::widen_bf16", flat_range(0, n),
       KOKKOS_LAMBDA(std::int64_t i) { dst[i] = bf16_to_float(src[i]); });
 }
 }  // namespace detail

@@ -5,6 +5,7 @@
 #include <Kokkos_Core.hpp>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace kmoe {
 
@@ -43,6 +44,16 @@ using IVec = Kokkos::View<int*, Layout, MemSpace, Unmanaged>;
 using ConstIVec = Kokkos::View<const int*, Layout, MemSpace, Unmanaged>;
 
 using Range = Kokkos::RangePolicy<ExecSpace>;
+// Loops over flat extents that can pass 2^32 elements (a tensor, or a parameter, gradient or
+// moment buffer: a 7B dense model's gradients on one GPU) take this policy, through
+// flat_range(): CUDA's RangePolicy counts in 32 bits by default (Cuda::size_type), which CPU
+// backends' 64-bit default hides. Their lambdas take std::int64_t.
+using FlatRange = Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>;
+inline FlatRange flat_range(std::int64_t begin, std::int64_t end) {
+  static_assert(sizeof(FlatRange::index_type) == 8 && std::is_signed_v<FlatRange::index_type>,
+                "a flat loop must count in signed 64 bits on every backend");
+  return FlatRange(begin, end);
+}
 // 2-D ranges iterate right-major on every backend (the last index fastest, as the row-major
 // data lies): the default on GPUs is left-major, where a warp would read 32 different rows.
 using Range2 =

@@ -191,7 +191,7 @@ void TensorTable::initialize(std::uint64_t seed) {
     // Element j of the global tensor, whatever part of it this rank holds.
     const std::int64_t first = e.spec.row_begin * e.spec.row_elements();
     Kokkos::parallel_for(
-        "init::tensor", Range(0, e.size), KOKKOS_LAMBDA(std::int64_t j) {
+        "init::tensor", flat_range(0, e.size), KOKKOS_LAMBDA(std::int64_t j) {
           const float v =
               kind == 0 ? 0.0f : kind == 1 ? 1.0f : truncated_normal(key, first + j, std_dev);
           if (j >= m0 && j < m1) p(j - m0) = v;

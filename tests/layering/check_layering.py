@@ -9,6 +9,8 @@ the model assembly (modules/model sits on top of them), and no two module folder
 other, directly or through others. Step code (src/parallel, modules, train) waits for the
 device only through core/device_sync.hpp (host_sync, read_to_host), where each wait is named
 and counted: no Kokkos::fence, execution-space fence or create_mirror_view_and_copy of its own.
+A loop whose body counts in std::int64_t (a flat extent that can pass 2^32 elements) takes
+flat_range() (core/kokkos_types.hpp), not Range, which counts in 32 bits on CUDA.
 
     check_layering.py ROOT            check the tree at ROOT; exit 1 listing every violation
     check_layering.py ROOT --planted  check that planted wrong includes are caught (a copy of
@@ -34,6 +36,10 @@ HOST_WAIT = re.compile(r"Kokkos::fence\s*\(|\.fence\s*\(|create_mirror_view_and_
 # deep_copy without an execution space as its first argument fences before and after the copy.
 FENCING_COPY = re.compile(r"Kokkos::deep_copy\s*\((?!\s*ExecSpace\(\))")
 NAMED = re.compile(r"\bmark_host_sync\s*\(")
+# A Range (32-bit index on CUDA) whose lambda takes a 64-bit index.
+NARROW_FLAT_LOOP = re.compile(
+    r"(?<![\w:])Range\((?:[^()]|\([^()]*\))*\),\s*(?:KOKKOS_LAMBDA|\[[^\]]*\])\s*"
+    r"\(\s*(?:const\s+)?std::int64_t")
 
 
 def layer_of(rel):
@@ -127,7 +133,27 @@ def check(root):
     for cycle in module_cycles(module_edges):
         problems.append("modules include each other: " + " -> ".join(cycle))
     problems += host_waits(root)
+    problems += narrow_flat_loops(root)
     return problems
+
+
+def narrow_flat_loops(root):
+    """Range loops whose lambda counts in std::int64_t: they must be flat_range loops."""
+    out = []
+    for folder, _ in LAYERS:
+        for dirpath, _, files in os.walk(os.path.join(root, folder)):
+            for name in sorted(files):
+                if not name.endswith(SOURCES):
+                    continue
+                path = os.path.join(dirpath, name)
+                with open(path, encoding="utf-8") as f:
+                    text = f.read()
+                for m in NARROW_FLAT_LOOP.finditer(text):
+                    line = text.count("\n", 0, m.start()) + 1
+                    out.append(f"{os.path.relpath(path, root)}:{line}: Range(...) with a "
+                               f"std::int64_t index: use flat_range() (core/kokkos_types.hpp); "
+                               f"Range counts in 32 bits on CUDA")
+    return out
 
 
 def host_waits(root):
@@ -170,6 +196,9 @@ def planted(root):
         ("src/parallel/staged_comm.cpp",
          "static void g(View1F a, View1F b) { Kokkos::deep_copy(a, b); }",
          "without an execution space fences"),
+        ("src/core/tensor_table.cpp",
+         'static void z(float* x, std::int64_t n) { Kokkos::parallel_for("z", Range(0, n), '
+         "KOKKOS_LAMBDA(std::int64_t i) { x[i] = 0; }); }", "use flat_range()"),
     ]
     ok = True
     with tempfile.TemporaryDirectory(prefix="kmoe-layer-") as tmp:
