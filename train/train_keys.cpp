@@ -151,7 +151,8 @@ void declare_parallel(deck::Schema& s, Config& c) {
   s.key(c.parallel.backend, "backend", CommBackend::Mpi, "data plane of the axes: mpi | nccl");
   s.key(c.parallel.cuda_aware_mpi, "cuda_aware_mpi", CudaAwareMpi::Auto,
         "MPI takes device pointers in every operation, nonblocking collectives included: "
-        "true | false or auto (stage through pinned host memory)");
+        "true (refused with Open MPI, whose CUDA support has no nonblocking collectives) | "
+        "false or auto (stage through pinned host memory)");
 }
 
 }  // namespace

@@ -60,13 +60,23 @@ bool mpi_takes_device_pointers(CudaAwareMpi cuda_aware_mpi) {
   // auto stages: kmoe's data plane runs nonblocking collectives (MPI_Iallreduce, the gradient
   // buckets), which Open MPI documents as unsupported on CUDA memory even where it is CUDA-aware
   // (MPIX_Query_cuda_support covers blocking collectives and point-to-point only). true is the
-  // user's word that the MPI takes device pointers in every operation kmoe uses.
+  // user's word that the MPI takes device pointers in every operation kmoe uses; with Open MPI
+  // it is refused (mpi_needs_staging).
   return cuda_aware_mpi == CudaAwareMpi::Yes;
 }
 
 bool mpi_needs_staging(CudaAwareMpi cuda_aware_mpi) {
   constexpr bool host_accessible = Kokkos::SpaceAccessibility<HostSpace, MemSpace>::accessible;
-  return !host_accessible && !mpi_takes_device_pointers(cuda_aware_mpi);
+  if (host_accessible) return false;
+#if defined(OPEN_MPI) && OPEN_MPI
+  KMOE_REQUIRE(cuda_aware_mpi != CudaAwareMpi::Yes,
+               "parallel.cuda_aware_mpi = true: kmoe's data plane runs nonblocking collectives "
+               "(MPI_Iallreduce, MPI_Ireduce, MPI_Ibcast, MPI_Ialltoall) on device memory, which "
+               "Open MPI's CUDA support does not take (it covers point-to-point and blocking "
+               "collectives); use parallel.backend = nccl, or parallel.cuda_aware_mpi = auto "
+               "(through pinned host buffers)");
+#endif
+  return !mpi_takes_device_pointers(cuda_aware_mpi);
 }
 
 // An operation started on the host copy: the MPI request and the buffer it works on.

@@ -2,7 +2,7 @@
 // buffer to a page-locked host buffer, runs the MPI Communicator's operation on it and copies
 // the result back. Slower than a device-aware transport (two extra copies per transfer), but it
 // works with any MPI. ProcessGrid installs it (parallel.backend = mpi) when MemSpace is not
-// host-accessible and parallel.cuda_aware_mpi does not resolve to true.
+// host-accessible and parallel.cuda_aware_mpi is not true (which Open MPI builds refuse).
 #pragma once
 
 #include <cstdint>
@@ -24,7 +24,8 @@ namespace kmoe {
 bool mpi_takes_device_pointers(CudaAwareMpi cuda_aware_mpi);
 
 // Whether the MPI data plane must stage: MemSpace is not host-accessible and MPI cannot take
-// device pointers.
+// device pointers. Throws kmoe::Error for cuda_aware_mpi = true on device memory under Open MPI,
+// whose CUDA support takes no nonblocking collectives.
 bool mpi_needs_staging(CudaAwareMpi cuda_aware_mpi);
 
 class StagedMpiComm : public DataComm {
