@@ -91,7 +91,7 @@ double FlatOptimizer::grad_sq_sum(const TensorTable& table) const {
   auto partial = partial_;
   const int C = chunks_;
   Kokkos::parallel_for(
-      "optim::grad_sq_chunks", TeamPolicy(C, Kokkos::AUTO), KOKKOS_LAMBDA(const TeamMember& tm) {
+      "optim::grad_sq_chunks", team_policy(C), KOKKOS_LAMBDA(const TeamMember& tm) {
         const int c = tm.league_rank();
         double sum = 0.0;
         // Blocks of 8 consecutive elements, each summed as a fixed pairwise tree: the
@@ -134,7 +134,7 @@ void FlatOptimizer::adamw_step(const OptimizerCfg& o, TensorTable& table, int t,
   auto flags = flags_;
   auto lr_mult = lr_mult_;
   Kokkos::parallel_for(
-      "optim::adamw", TeamPolicy(chunks_, Kokkos::AUTO), KOKKOS_LAMBDA(const TeamMember& tm) {
+      "optim::adamw", team_policy(chunks_), KOKKOS_LAMBDA(const TeamMember& tm) {
         const int c = tm.league_rank();
         if (!(flags(c) & kTrainable)) return;
         // The group rate and decay exactly as the per-tensor update formed them.

@@ -547,7 +547,7 @@ void Attention::decode(const TensorTable& table, const RopeTables& rope, ConstMa
   Mat p = frame.mat(n * H, L);
   Mat merged = frame.mat(n, qd);
   Kokkos::parallel_for(
-      "attn::decode_softmax_values", TeamPolicy(n * H, Kokkos::AUTO),
+      "attn::decode_softmax_values", team_policy(n * H),
       KOKKOS_LAMBDA(const TeamMember& tm) {
         const int row = tm.league_rank(), r = row / H, h = row % H, t = pos + r;
         const int lo = first_key(t, docs(t), window);

@@ -106,7 +106,7 @@ Operand EngramLayer::lookup(const TensorTable& table, ConstIVec tokens, bool cou
   // lanes: coalesced on GPUs (lanes read one table row and write consecutive columns), a
   // contiguous row copy on CPUs (one-thread teams, one lane).
   Kokkos::parallel_for(
-      "engram::lookup", TeamPolicy(N, Kokkos::AUTO, vector_lanes(dh)),
+      "engram::lookup", team_policy(N, vector_lanes(dh)),
       KOKKOS_LAMBDA(const TeamMember& team) {
         const int t = team.league_rank();
         Kokkos::parallel_for(Kokkos::TeamThreadRange(team, heads_total), [&](int j) {

@@ -18,11 +18,9 @@ constexpr int kRowBlock = 128;  // rows per first-stage partial sum
 // process; released when Kokkos finalizes).
 float* column_sums_workspace(std::int64_t n);
 
-// f(r, c) -> float, callable on the device; out: cols floats, added to.
-template <class F>
-void column_sums(const char* name, int rows, int cols, const F& f, Vec out) {
-  if (rows == 0 || cols == 0) return;
-  constexpr int chunk = Kokkos::SpaceAccessibility<HostSpace, MemSpace>::accessible ? 16 : 1;
+namespace detail {
+template <int chunk, class F>
+void column_sums_in_chunks(const char* name, int rows, int cols, const F& f, Vec out) {
   const int blocks = (rows + kRowBlock - 1) / kRowBlock, chunks = (cols + chunk - 1) / chunk;
   Kokkos::View<float**, Layout, MemSpace, Unmanaged> part(
       column_sums_workspace(std::int64_t(blocks) * cols), blocks, cols);
@@ -41,6 +39,18 @@ void column_sums(const char* name, int rows, int cols, const F& f, Vec out) {
         for (int b = 0; b < blocks; ++b) acc += part(b, c);
         out(c) += acc;
       });
+}
+}  // namespace detail
+
+// f(r, c) -> float, callable on the device; out: cols floats, added to. Chunks of 16 columns
+// on host backends, one column per work item on GPUs (and with device paths).
+template <class F>
+void column_sums(const char* name, int rows, int cols, const F& f, Vec out) {
+  if (rows == 0 || cols == 0) return;
+  if constexpr (Kokkos::SpaceAccessibility<HostSpace, MemSpace>::accessible) {
+    if (!device_paths()) return detail::column_sums_in_chunks<16>(name, rows, cols, f, out);
+  }
+  detail::column_sums_in_chunks<1>(name, rows, cols, f, out);
 }
 
 }  // namespace kmoe

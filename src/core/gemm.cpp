@@ -347,7 +347,8 @@ RunContext make_run_context(Precision precision, int batch_threads, std::string*
   if (note) *note = line;
   ctx.precision = precision;
 #if defined(KOKKOSKERNELS_ENABLE_TPL_BLAS) && !defined(KMOE_CUBLAS)
-  ctx.batch_threads = kHostBlas && batch_threads > 1 ? batch_threads : 1;
+  // Device paths: one GEMM at a time, as on a GPU (no host threads beside each other).
+  ctx.batch_threads = kHostBlas && !device_paths() && batch_threads > 1 ? batch_threads : 1;
 #else
   ctx.batch_threads = 1;  // no host BLAS on host memory: nothing to run side by side
   (void)batch_threads;

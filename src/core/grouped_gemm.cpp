@@ -22,8 +22,7 @@ TeamPolicy tiled_policy(std::int64_t teams) {
   KMOE_REQUIRE(teams <= std::int64_t(INT32_MAX), "grouped gemm: " << teams << " tiles");
   const std::size_t bytes = 2 * ScratchF::shmem_size(kTile * kDepth) +
                             ScratchF::shmem_size(kTile * kTile);
-  return TeamPolicy(static_cast<int>(teams), Kokkos::AUTO)
-      .set_scratch_size(0, Kokkos::PerTeam(bytes));
+  return team_policy(static_cast<int>(teams)).set_scratch_size(0, Kokkos::PerTeam(bytes));
 }
 
 KOKKOS_INLINE_FUNCTION int lesser(int a, int b) { return a < b ? a : b; }

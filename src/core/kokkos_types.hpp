@@ -4,6 +4,7 @@
 
 #include <Kokkos_Core.hpp>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 
@@ -61,13 +62,41 @@ using Range2 =
 using TeamPolicy = Kokkos::TeamPolicy<ExecSpace>;
 using TeamMember = TeamPolicy::member_type;
 
-// One team per row for row-wise reductions (norms, softmax); the team size is the backend's.
-inline TeamPolicy row_policy(int rows) { return TeamPolicy(rows, Kokkos::AUTO); }
+// Device paths (docs/BUILDING.md, "Device paths on CPUs"): whether the branches that ask "is
+// this a GPU" take their GPU form. Always on device builds; on host backends when the
+// environment sets KMOE_DEVICE_PATHS=1 (read once), so one CPU build runs the GPU forms of
+// vector lanes, team sizes, column chunks, host-thread GEMM batches and staged communication.
+inline bool device_paths() {
+  if constexpr (!Kokkos::SpaceAccessibility<HostSpace, MemSpace>::accessible) {
+    return true;
+  } else {
+    static const bool on = [] {
+      const char* v = std::getenv("KMOE_DEVICE_PATHS");
+      return v && *v && std::strcmp(v, "0") != 0;
+    }();
+    return on;
+  }
+}
 
-// Vector lanes for an inner loop of n contiguous values: on GPUs the largest power of two up to
-// min(n, 32), so a warp's lanes touch consecutive addresses; 1 on host backends.
+// A league of teams whose size the backend chooses (AUTO; one thread on host backends), or
+// with device paths on a host backend of several threads, teams of up to 4, so team barriers
+// and team reductions run with more than one thread as they do on GPUs.
+inline TeamPolicy team_policy(int league, int lanes = 1) {
+  if constexpr (Kokkos::SpaceAccessibility<HostSpace, MemSpace>::accessible) {
+    const int threads = ExecSpace().concurrency();
+    if (device_paths() && threads > 1) return TeamPolicy(league, threads < 4 ? threads : 4, lanes);
+  }
+  return TeamPolicy(league, Kokkos::AUTO, lanes);
+}
+
+// One team per row for row-wise reductions (norms, softmax).
+inline TeamPolicy row_policy(int rows) { return team_policy(rows); }
+
+// Vector lanes for an inner loop of n contiguous values: on GPUs (device paths) the largest
+// power of two up to min(n, 32), so a warp's lanes touch consecutive addresses; 1 on host
+// backends.
 inline int vector_lanes(int n) {
-  if (Kokkos::SpaceAccessibility<HostSpace, ExecSpace::memory_space>::accessible) return 1;
+  if (!device_paths()) return 1;
   int v = 1;
   while (v * 2 <= n && v * 2 <= 32) v *= 2;
   return v;

@@ -66,8 +66,8 @@ bool mpi_takes_device_pointers(CudaAwareMpi cuda_aware_mpi) {
 }
 
 bool mpi_needs_staging(CudaAwareMpi cuda_aware_mpi) {
-  constexpr bool host_accessible = Kokkos::SpaceAccessibility<HostSpace, MemSpace>::accessible;
-  if (host_accessible) return false;
+  // Device paths on a CPU backend stage too: the GPU form, through separate host buffers.
+  if (!device_paths()) return false;
 #if defined(OPEN_MPI) && OPEN_MPI
   KMOE_REQUIRE(cuda_aware_mpi != CudaAwareMpi::Yes,
                "parallel.cuda_aware_mpi = true: kmoe's data plane runs nonblocking collectives "

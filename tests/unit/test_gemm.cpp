@@ -515,6 +515,39 @@ void twice_column_sums(ConstVec xv, int rows, int cols, Vec out) {
       out);
 }
 
+// The same with a fixed chunk width: 16 columns per work item (host backends) or 1 (GPUs and
+// device paths).
+template <int chunk>
+void twice_column_sums_in_chunks(ConstVec xv, int rows, int cols, Vec out) {
+  detail::column_sums_in_chunks<chunk>(
+      "test::column_sums_chunks", rows, cols,
+      KOKKOS_LAMBDA(int r, int c) { return 2.0f * xv(r * cols + c); }, out);
+}
+
+// Both chunk widths, whichever the build and mode use, sum every column in the same order:
+// the same bits.
+TEST(ColumnSums, ChunkWidthsGiveTheSameBits) {
+  const int rows = 2 * kRowBlock + 5, cols = 41;
+  View1F x("x", std::int64_t(rows) * cols), a("a", cols), b("b", cols);
+  auto hx = Kokkos::create_mirror_view(x);
+  std::mt19937 gen(7);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  for (std::size_t i = 0; i < hx.extent(0); ++i) hx(i) = u(gen);
+  Kokkos::deep_copy(x, hx);
+  const ConstVec xv(x.data(), x.extent(0));
+  twice_column_sums_in_chunks<16>(xv, rows, cols, Vec(a.data(), cols));
+  twice_column_sums_in_chunks<1>(xv, rows, cols, Vec(b.data(), cols));
+  auto ha = Kokkos::create_mirror_view_and_copy(HostSpace(), a);
+  auto hb = Kokkos::create_mirror_view_and_copy(HostSpace(), b);
+  for (int c = 0; c < cols; ++c) ASSERT_EQ(ha(c), hb(c)) << c;
+}
+
+// Vector lanes: one on host backends, a warp's worth (up to 32) on GPUs and with device paths.
+TEST(DevicePaths, VectorLanesFollowTheMode) {
+  EXPECT_EQ(vector_lanes(64), device_paths() ? 32 : 1);
+  EXPECT_EQ(vector_lanes(12), device_paths() ? 8 : 1);
+}
+
 // Two-stage column sums against a double-precision loop, rows past one row block and columns
 // past one chunk; the sums add to what out holds.
 TEST(ColumnSums, MatchTheRowLoopAndAddToTheOutput) {

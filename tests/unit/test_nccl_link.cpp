@@ -78,11 +78,26 @@ TEST(NcclLink, CudaAwareMpiSetting) {
   EXPECT_FALSE(mpi_takes_device_pointers(CudaAwareMpi::No));
   // auto stages: nonblocking collectives on device memory are not what CUDA-aware MPIs promise.
   EXPECT_FALSE(mpi_takes_device_pointers(CudaAwareMpi::Auto));
-  constexpr bool host_memory = Kokkos::SpaceAccessibility<HostSpace, MemSpace>::accessible;
-  if (host_memory) {
-    EXPECT_FALSE(mpi_needs_staging(CudaAwareMpi::No));  // host memory never stages
+  if (!device_paths()) {  // host memory never stages
+    for (CudaAwareMpi c : {CudaAwareMpi::No, CudaAwareMpi::Auto, CudaAwareMpi::Yes})
+      EXPECT_FALSE(mpi_needs_staging(c));
+    return;
   }
+  // Device memory (or device paths on a CPU): auto and false stage; true is refused with Open
+  // MPI, whose CUDA support takes no nonblocking collectives, and trusted with other MPIs.
+  EXPECT_TRUE(mpi_needs_staging(CudaAwareMpi::No));
+  EXPECT_TRUE(mpi_needs_staging(CudaAwareMpi::Auto));
+#if defined(OPEN_MPI) && OPEN_MPI
+  try {
+    mpi_needs_staging(CudaAwareMpi::Yes);
+    ADD_FAILURE() << "cuda_aware_mpi = true was accepted under Open MPI";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("parallel.cuda_aware_mpi = true"), std::string::npos);
+    EXPECT_NE(std::string(e.what()).find("parallel.backend = nccl"), std::string::npos);
+  }
+#else
   EXPECT_FALSE(mpi_needs_staging(CudaAwareMpi::Yes));
+#endif
 }
 
 #if !defined(KOKKOS_ENABLE_CUDA)

@@ -99,6 +99,17 @@ TEST(Grid, WorldSizeMismatchIsAClearError) {
   }
 }
 
+// The data plane ProcessGrid builds: staged through host buffers exactly where MemSpace is not
+// host-accessible or device paths are on (KMOE_DEVICE_PATHS=1: the *_device_paths tests).
+TEST(Comm, DataPlaneStagesUnderDevicePaths) {
+  ParallelCfg cfg;
+  cfg.dp = Communicator(MPI_COMM_WORLD, "count").size();
+  const ProcessGrid grid(cfg, 4, MPI_COMM_WORLD);
+  EXPECT_STREQ(grid.data_plane(grid.dp_axis).backend(), device_paths() ? "mpi-staged" : "mpi");
+  const Communicator c(MPI_COMM_WORLD, "test");
+  EXPECT_STREQ(MpiDataPlane(c).get().backend(), device_paths() ? "mpi-staged" : "mpi");
+}
+
 TEST(Comm, AllToAllVWithUnevenCounts) {
   Communicator c(MPI_COMM_WORLD, "test");
   const int P = c.size(), me = c.rank();
