@@ -34,11 +34,14 @@ struct MoeWorkspace {
     auto r = [](std::int64_t bytes) { return Workspace::rounded(bytes); };
     const std::int64_t D = m.d_model, Fe = e.expert_hidden, S = N * e.top_k;
     const int El = e.experts / std::max(ep, 1);
-    // The expert side's rows, and the rows of its largest expert (twice a balanced share).
+    // The expert side's rows (under expert parallelism twice this rank's slots: the routing
+    // decides, and a busier step grows the workspace once), and the most rows one expert can
+    // take: one per token of the micro-batch (of every member's under expert parallelism), so
+    // the per-expert buffers never grow with the routing.
     const std::int64_t rows = ep > 1 ? 2 * S : S;
     const std::int64_t most = use_grouped_expert_gemm(e.expert_gemm)
                                   ? rows
-                                  : std::min(rows, (2 * rows + El - 1) / El);
+                                  : std::min(rows, N * std::max(ep, 1));
     wire = ep > 1 && bf16 && D % 2 == 0;  // rows and their gradients travel as bf16
     staging = bf16 ? 2 * r(4 * most * Fe) : 0;
     hidden = expert_threads(ctx, e, m.d_model, El, bf16) * 3 * r(4 * most * Fe);  // per thread

@@ -1,8 +1,9 @@
 #!/usr/bin/python3
 """The Kokkos Tools counter (kokkos_counter.cpp) on real training steps: it loads into
 kmoe-train, writes one row per optimizer step (the "kmoe::step" region), sees the step's
-kernel launches and deep copies, counts the same work the same way step after step, and grows
-with the micro-batches of a step and the layers of the model. Which fences a build reports
+kernel launches, deep copies and allocations, counts the same work the same way step after
+step, and grows with the micro-batches of a step and the layers of the model; no step after
+the first allocates memory, an MoE with many unevenly loaded experts included. Which fences a build reports
 depends on Kokkos (none on Kokkos 3.4 Serial): where the build reports some, steps 2 and 3 must
 report the same number; where it reports none, the fence check is reported skipped.
 Usage: check_counter.py BIN_DIR WORK_DIR COUNTER_LIB
@@ -27,7 +28,7 @@ callbacks = ["init_library", "finalize_library", "request_tool_settings", "begin
              "end_parallel_for", "begin_parallel_reduce", "end_parallel_reduce",
              "begin_parallel_scan", "end_parallel_scan", "begin_fence", "end_fence",
              "begin_deep_copy", "end_deep_copy", "profile_event", "push_profile_region",
-             "pop_profile_region"]
+             "pop_profile_region", "allocate_data", "deallocate_data"]
 missing = [c for c in callbacks if not hasattr(so, "kokkosp_" + c)]
 h.check(not missing, f"the counter exports its {len(callbacks)} callbacks (missing: {missing})")
 h.prepare_corpus(counting_documents(400))
@@ -57,9 +58,20 @@ if base and micro and layers:
             f"twice the micro-batches: {base[1]['kernels']} -> {micro[1]['kernels']} launches")
     h.check(layers[1]["kernels"] > 1.3 * base[1]["kernels"],
             f"twice the layers: {base[1]['kernels']} -> {layers[1]['kernels']} launches")
+    h.check(all(r["allocations"] > 0 for r in base[:1]) and
+            all(r["allocations"] == 0 for r in base[1:] + micro[1:] + layers[1:]),
+            f"allocations seen in step 1 ({base[0]['allocations']}), none from step 2 on")
     if any(r["fences"] > 0 for r in base + micro + layers):
         h.check(base[1]["fences"] == base[2]["fences"],
                 f"fences alike at steps 2 and 3: {base[1]['fences']} / {base[2]['fences']}")
     else:
         h.skip("fence counts", "this Kokkos reports no fences to Kokkos Tools (Kokkos 3.4)")
+# Many experts and uneven routing (a router that has not learned to balance): the per-expert
+# buffers are sized for the most rows an expert can take, so no step after the first allocates.
+routed = counts("routed", "--moe.experts=32", "--moe.top_k=1", "--moe.expert_hidden=512",
+                "--moe.lb_coef=0", "--train.max_steps=6", "--optimizer.lr=3e-2")
+if routed:
+    h.check(all(r["allocations"] == 0 for r in routed[1:]),
+            "32 experts, top-1, unbalanced: no allocation after step 1: " +
+            str([r["allocations"] for r in routed]))
 h.finish()

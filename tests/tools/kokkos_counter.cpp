@@ -1,8 +1,10 @@
 // A Kokkos Tools library that counts, per kmoe training step, what the step asks of the device
 // and how often the host waits for it: kernel launches, fences (explicit ones and those Kokkos
 // issues inside deep_copy or a reduction to a host value), deep copies by direction, and the
-// host synchronizations kmoe names (core/device_sync.hpp: the event "kmoe::sync <what>"). A
-// step is the profile region "kmoe::step" that the trainer opens around each optimizer step.
+// host synchronizations kmoe names (core/device_sync.hpp: the event "kmoe::sync <what>"), and
+// memory allocations and deallocations with their bytes (every Kokkos memory space: on a CPU
+// build the device's memory is host memory). A step is the profile region "kmoe::step" that the
+// trainer opens around each optimizer step.
 //
 // Loaded with KOKKOS_TOOLS_LIBS=<path> (Kokkos 4) or KOKKOS_PROFILE_LIBRARY=<path> (Kokkos 3).
 // At exit it writes one CSV row per step to $KMOE_KOKKOS_COUNTS (".<rank>" appended on ranks
@@ -36,8 +38,8 @@ namespace {
 
 struct Counts {
   long kernels = 0, fences = 0, copies = 0, to_host = 0, from_host = 0, on_device = 0,
-       kmoe_syncs = 0;
-  std::uint64_t bytes_to_host = 0;
+       kmoe_syncs = 0, allocations = 0, deallocations = 0;
+  std::uint64_t bytes_to_host = 0, bytes_from_host = 0, bytes_allocated = 0;
 };
 
 std::vector<Counts> g_steps;
@@ -46,7 +48,8 @@ int g_step_depth = 0;  // > 0 inside "kmoe::step"
 std::vector<bool> g_regions;
 std::uint64_t g_next_id = 1;
 // KMOE_KOKKOS_COUNTS_NAMES=1: the fences inside steps by name with the kernel launched before
-// each, and kmoe's named waits, most frequent first, on stderr at exit.
+// each, kmoe's named waits and the allocations by label, most frequent first, on stderr at
+// exit.
 bool g_names = false;
 std::map<std::string, long> g_fence_names;
 
@@ -91,12 +94,15 @@ void kokkosp_finalize_library() {
   }
   std::fprintf(out,
                "step,kernels,fences,deep_copies,copies_to_host,copies_from_host,"
-               "copies_on_device,bytes_to_host,kmoe_syncs\n");
+               "copies_on_device,bytes_to_host,kmoe_syncs,bytes_from_host,allocations,"
+               "bytes_allocated,deallocations\n");
   for (std::size_t s = 0; s < g_steps.size(); ++s) {
     const Counts& c = g_steps[s];
-    std::fprintf(out, "%zu,%ld,%ld,%ld,%ld,%ld,%ld,%llu,%ld\n", s + 1, c.kernels, c.fences,
-                 c.copies, c.to_host, c.from_host, c.on_device,
-                 static_cast<unsigned long long>(c.bytes_to_host), c.kmoe_syncs);
+    std::fprintf(out, "%zu,%ld,%ld,%ld,%ld,%ld,%ld,%llu,%ld,%llu,%ld,%llu,%ld\n", s + 1,
+                 c.kernels, c.fences, c.copies, c.to_host, c.from_host, c.on_device,
+                 static_cast<unsigned long long>(c.bytes_to_host), c.kmoe_syncs,
+                 static_cast<unsigned long long>(c.bytes_from_host), c.allocations,
+                 static_cast<unsigned long long>(c.bytes_allocated), c.deallocations);
   }
   if (out != stderr) std::fclose(out);
   if (g_names) {
@@ -138,11 +144,23 @@ void kokkosp_begin_deep_copy(SpaceHandle dst, const char*, const void*, SpaceHan
     g_current.bytes_to_host += size;
   } else if (!dst_host && src_host) {
     ++g_current.from_host;
+    g_current.bytes_from_host += size;
   } else if (!dst_host && !src_host) {
     ++g_current.on_device;
   }
 }
 void kokkosp_end_deep_copy() {}
+
+void kokkosp_allocate_data(SpaceHandle space, const char* label, const void*, std::uint64_t size) {
+  if (g_step_depth == 0) return;
+  ++g_current.allocations;
+  g_current.bytes_allocated += size;
+  if (g_names) ++g_fence_names[std::string("alloc ") + space.name + " " + label];
+}
+
+void kokkosp_deallocate_data(SpaceHandle, const char*, const void*, std::uint64_t) {
+  if (g_step_depth > 0) ++g_current.deallocations;
+}
 
 void kokkosp_profile_event(const char* name) {
   if (g_step_depth == 0 || std::strncmp(name, "kmoe::sync", 10) != 0) return;
