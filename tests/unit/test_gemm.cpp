@@ -376,7 +376,7 @@ TEST(Gemm, StridedBatchWithRowsApart) {
 TEST(Gemm, StridedBatchSideBySideMatchesOneAfterTheOther) {
   if (!Kokkos::SpaceAccessibility<HostSpace, MemSpace>::accessible) GTEST_SKIP();
   if (make_run_context(Precision::Fp32, 4).batch_threads == 1)
-    GTEST_SKIP() << "no host BLAS on host memory";
+    GTEST_SKIP() << "no host-thread GEMM batches (no host BLAS on host memory, or device paths)";
   if (Kokkos::DefaultHostExecutionSpace().concurrency() < 2)
     GTEST_SKIP() << "one host thread: side by side is one after the other here";
   const int batch = 9, m = 17, k = 11;
@@ -443,7 +443,7 @@ TEST(Gemm, StridedBatchSideBySideMatchesOneAfterTheOther) {
 TEST(Gemm, OnHostThreadIsGemmsCall) {
   if (!Kokkos::SpaceAccessibility<HostSpace, MemSpace>::accessible) GTEST_SKIP();
   if (make_run_context(Precision::Fp32, 2).batch_threads == 1)
-    GTEST_SKIP() << "no host BLAS on host memory";
+    GTEST_SKIP() << "no host-thread GEMM batches (no host BLAS on host memory, or device paths)";
   const RunContext ctx;
   const int m = 19, n = 23;
   for (int k : {0, 37})

@@ -329,7 +329,7 @@ LayerRun forward_backward(const RunContext& ctx, const ModelCfg& m, const MoeCfg
 // Which layers take that path (expert_threads): the rule alone, on any build.
 TEST(Moe, ExpertThreadsRule) {
   const RunContext threads = make_run_context(Precision::Fp32, 3);
-  if (threads.batch_threads == 1) GTEST_SKIP() << "no host BLAS on host memory";
+  if (threads.batch_threads == 1) GTEST_SKIP() << "no host-thread GEMM batches (no host BLAS on host memory, or device paths)";
   MoeCfg per = moe(8, 2, 24), grouped = per, one_wide = per;
   per.expert_gemm = ExpertGemm::PerExpert;
   grouped.expert_gemm = ExpertGemm::Grouped;
@@ -350,7 +350,7 @@ TEST(Moe, ExpertThreadsRule) {
 
 TEST(Moe, PerExpertGemmsSideBySideMatchOneAfterTheOther) {
   const RunContext threads = make_run_context(Precision::Fp32, 3);
-  if (threads.batch_threads == 1) GTEST_SKIP() << "no host BLAS on host memory";
+  if (threads.batch_threads == 1) GTEST_SKIP() << "no host-thread GEMM batches (no host BLAS on host memory, or device paths)";
   if (Kokkos::DefaultHostExecutionSpace().concurrency() < 2)
     GTEST_SKIP() << "one host thread: side by side is one after the other here";
   const int N = 40, D = 16, Fe = 24;
