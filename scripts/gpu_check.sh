@@ -166,7 +166,7 @@ if [ "${1:-}" = "--prepare" ]; then
        --output.dir="hf/run_$arch" --checkpoint.dir="hf/run_$arch/ck" $extra > /dev/null 2>&1 &&
      "$cpu/drivers/kmoe-export" "hf/run_$arch/ck/step00000003.h5" "hf/$arch" > /dev/null &&
      "$cpu/drivers/kmoe-generate" --checkpoint "hf/run_$arch/ck/step00000003.h5" \
-       --prompt "Fortune: " --max-new-tokens 24 --dump-logits "hf/$arch/kmoe" > /dev/null) ||
+       --prompt "Fortune: " --max-new-tokens 23 --dump-logits "hf/$arch/kmoe" > /dev/null) ||
       { echo "gpu_check.sh: the $arch export failed" >&2; exit 1; }
     rm -rf "$dir/hf/run_$arch"
   done

@@ -83,8 +83,10 @@ inline bool device_paths() {
 // and team reductions run with more than one thread as they do on GPUs.
 inline TeamPolicy team_policy(int league, int lanes = 1) {
   if constexpr (Kokkos::SpaceAccessibility<HostSpace, MemSpace>::accessible) {
-    const int threads = ExecSpace().concurrency();
-    if (device_paths() && threads > 1) return TeamPolicy(league, threads < 4 ? threads : 4, lanes);
+    if (device_paths()) {  // (the thread count only then: this runs at every launch)
+      const int threads = ExecSpace().concurrency();
+      if (threads > 1) return TeamPolicy(league, threads < 4 ? threads : 4, lanes);
+    }
   }
   return TeamPolicy(league, Kokkos::AUTO, lanes);
 }
