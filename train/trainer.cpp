@@ -11,6 +11,7 @@
 
 #include "core/device_sync.hpp"
 #include "core/fault_injection.hpp"
+#include "core/gemm.hpp"
 #include "core/memory.hpp"
 #include "core/stop_signal.hpp"
 #include "core/timer.hpp"
@@ -304,7 +305,8 @@ void Trainer::run() {
   if (state_.step >= last && grid_.is_root())
     std::printf("nothing to do: the checkpoint is at step %d, train.max_steps = %d\n", state_.step,
                 last);
-  for (int step = state_.step + 1; step <= last; ++step) {
+  const int first = state_.step + 1;
+  for (int step = first; step <= last; ++step) {
     StepMetrics m = train_step(step);
     timer.start();
     const bool eval_now = validator_ && validator_->should_validate(step);
@@ -326,6 +328,11 @@ void Trainer::run() {
     }
     if (grid_.is_root() && log_now) {
       std::printf("%s\n", MetricsWriter::console_line(m).c_str());
+      std::fflush(stdout);
+    }
+    if (grid_.is_root() && step == first && !grouped_batch_note().empty()) {
+      // Decided by the first grouped batch (attention's tiles): how this build ran them.
+      std::printf("note: %s\n", grouped_batch_note().c_str());
       std::fflush(stdout);
     }
     if (!output_error.empty())

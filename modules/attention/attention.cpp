@@ -20,6 +20,7 @@ std::vector<Attention::Tile> Attention::tiles(int T, int window) {
     t.k0 = window > 0 ? std::max(0, r0 - window + 1) / kTile * kTile : 0;
     t.nk = r0 + t.rows - t.k0;
     t.before = before;
+    t.keys_before = v.empty() ? 0 : v.back().keys_before + v.back().nk;
     before += std::int64_t(t.rows) * t.nk;
     v.push_back(t);
   }
@@ -31,6 +32,11 @@ std::int64_t Attention::band_elements(int T, int window) {
   return last.before + std::int64_t(last.rows) * last.nk;
 }
 
+std::int64_t Attention::key_band_elements(int T, int window) {
+  const Tile last = tiles(T, window).back();
+  return last.keys_before + last.nk;
+}
+
 std::int64_t Attention::workspace_bytes(const ModelCfg& m, int max_seqs, int T, bool bf16,
                                         int window) {
   const std::int64_t N = std::int64_t(max_seqs) * T, dh = m.head_dim();
@@ -39,8 +45,10 @@ std::int64_t Attention::workspace_bytes(const ModelCfg& m, int max_seqs, int T, 
       Workspace::rounded(4 * std::int64_t(max_seqs) * m.n_heads * band_elements(T, window));
   const std::int64_t heads = Workspace::rounded(4 * N * qd);
   const std::int64_t forward = heads + (bf16 ? probs : 0);
+  const std::int64_t partials =
+      Workspace::rounded(4 * std::int64_t(max_seqs) * kd * key_band_elements(T, window));
   const std::int64_t backward = heads + probs + 2 * Workspace::rounded(4 * N * kd) +
-                                Workspace::rounded(4 * N * (qd + 2 * kd));
+                                std::max(partials, Workspace::rounded(4 * N * (qd + 2 * kd)));
   return std::max(forward, backward);
 }
 
@@ -77,9 +85,15 @@ Attention::Attention(const RunContext& ctx, const ModelCfg& m, const std::string
   v_ = KeptOperand(ctx, "attn::v", N * kd);
   tiles_ = tiles(T_, window_);
   band_ = band_elements(T_, window_);
-  tile_before_ = Kokkos::View<std::int64_t*, Layout, MemSpace>("attn::tile_before", tiles_.size());
+  key_band_ = key_band_elements(T_, window_);
+  const std::size_t nt = tiles_.size();
+  tile_before_ = Kokkos::View<std::int64_t*, Layout, MemSpace>("attn::tile_before", 3 * nt);
   auto hb = Kokkos::create_mirror_view(tile_before_);
-  for (std::size_t i = 0; i < tiles_.size(); ++i) hb(i) = tiles_[i].before;
+  for (std::size_t i = 0; i < nt; ++i) {
+    hb(i) = tiles_[i].before;
+    hb(nt + i) = tiles_[i].keys_before;
+    hb(2 * nt + i) = tiles_[i].k0;
+  }
   mark_host_sync("attention setup");
   Kokkos::deep_copy(tile_before_, hb);
   probs_ = KeptOperand(ctx, "attn::probs", static_cast<std::int64_t>(max_seqs) * H_ * band_);
@@ -250,21 +264,22 @@ void Attention::forward(const TensorTable& table, const RopeTables& rope, ConstM
   float* scores = probs_.product_target(probs_.is_bf16() ? frame.floats(band) : nullptr);
   const Strided qs = q_.strided(G * T, dh, TGdh), ks = k_.strided(T, dh, Tdh);
   scores_computed_ = 0;
+  std::vector<GemmGroup> groups;
   for (std::size_t i = 0; i < tiles_.size(); ++i) {
     const Tile& tl = tiles_[i];
     const int m = G * tl.rows;
     const std::int64_t mk = std::int64_t(m) * tl.nk;
     for_each_run(docs, tl, int(i), nseq, [&](int s0, int count, int off) {
       const int n = tl.nk - off;
-      gemm_strided_batched(ctx_,
-          Trans::N, Trans::T, scale,
-          shifted({qs.data, m, dh, TGdh, qs.b16}, (std::int64_t(s0) * Hkv * T + tl.r0) * G * dh),
-          shifted({ks.data, n, dh, Tdh, ks.b16}, (std::int64_t(s0) * Hkv * T + tl.k0 + off) * dh),
-          0.0f, scores + std::int64_t(nseq) * H * tl.before + s0 * Hkv * mk + off, m, n, mk,
-          count * Hkv, tl.nk);
+      groups.push_back(
+          {shifted({qs.data, m, dh, TGdh, qs.b16}, (std::int64_t(s0) * Hkv * T + tl.r0) * G * dh),
+           shifted({ks.data, n, dh, Tdh, ks.b16}, (std::int64_t(s0) * Hkv * T + tl.k0 + off) * dh),
+           scores + std::int64_t(nseq) * H * tl.before + s0 * Hkv * mk + off, m, n, mk,
+           count * Hkv, tl.nk});
       scores_computed_ += std::int64_t(count) * Hkv * m * n;
     });
   }
+  gemm_grouped_batched(ctx_, Trans::N, Trans::T, scale, 0.0f, groups, tables_[0]);
 
   // Masked softmax over each band row's keys [lo, t] (causal, document, window), one team per
   // row, its threads over the keys (on CPUs a one-thread team: the exp loop is branch-free,
@@ -296,20 +311,21 @@ void Attention::forward(const TensorTable& table, const RopeTables& rope, ConstM
   // the probabilities and values of its keys only.
   float* heads = frame.floats(std::int64_t(N) * qd);
   const Strided ps = probs_.strided(0, 0, 0), vs = v_.strided(T, dh, Tdh);
+  groups.clear();
   for (std::size_t i = 0; i < tiles_.size(); ++i) {
     const Tile& tl = tiles_[i];
     const int m = G * tl.rows;
     const std::int64_t mk = std::int64_t(m) * tl.nk;
     for_each_run(docs, tl, int(i), nseq, [&](int s0, int count, int off) {
       const int n = tl.nk - off;
-      gemm_strided_batched(ctx_,
-          Trans::N, Trans::N, 1.0f,
-          shifted({ps.data, m, n, mk, ps.b16, tl.nk},
-                  std::int64_t(nseq) * H * tl.before + s0 * Hkv * mk + off),
-          shifted({vs.data, n, dh, Tdh, vs.b16}, (std::int64_t(s0) * Hkv * T + tl.k0 + off) * dh),
-          0.0f, heads + (std::int64_t(s0) * Hkv * T + tl.r0) * G * dh, m, dh, TGdh, count * Hkv);
+      groups.push_back(
+          {shifted({ps.data, m, n, mk, ps.b16, tl.nk},
+                   std::int64_t(nseq) * H * tl.before + s0 * Hkv * mk + off),
+           shifted({vs.data, n, dh, Tdh, vs.b16}, (std::int64_t(s0) * Hkv * T + tl.k0 + off) * dh),
+           heads + (std::int64_t(s0) * Hkv * T + tl.r0) * G * dh, m, dh, TGdh, count * Hkv});
     });
   }
+  gemm_grouped_batched(ctx_, Trans::N, Trans::N, 1.0f, 0.0f, groups, tables_[1]);
   merge_heads(heads, merged_.out(), N, T, Hkv, G, dh);
   gemm(ctx_, Trans::N, Trans::T, 1.0f, merged_.matrix(N, qd), table.weight(wo_, D_, qd), 0.0f, out);
 }
@@ -324,12 +340,14 @@ void Attention::backward(TensorTable& table, const RopeTables& rope, ConstMat a,
   float* d_probs = frame.floats(std::int64_t(N / T_) * H * band_);
   float* d_k = frame.floats(std::int64_t(N) * kd);  // (nseq, Hkv, T, dh), summed over tiles
   float* d_v = frame.floats(std::int64_t(N) * kd);
-  Kokkos::deep_copy(ExecSpace(), Vec(d_k, std::int64_t(N) * kd), 0.0f);
-  Kokkos::deep_copy(ExecSpace(), Vec(d_v, std::int64_t(N) * kd), 0.0f);
   output_projection_backward(table, dout, d_heads, ws);
-  probs_values_backward(d_heads, d_probs, d_v);
-  softmax_backward(d_probs);
-  queries_keys_backward(d_probs, d_heads, d_k);
+  {
+    Workspace::Frame keys(ws);  // the per-tile key gradients, d_qkv's memory below
+    float* partial = keys.floats(std::int64_t(N / T_) * kd * key_band_);
+    probs_values_backward(d_heads, d_probs, partial, d_v);
+    softmax_backward(d_probs);
+    queries_keys_backward(d_probs, d_heads, partial, d_k);
+  }
   Mat d_qkv = frame.mat(N, W);
   unrope_merge(rope, d_heads, d_k, d_v, d_qkv);
   if (qk_norm_) qk_norm_backward(table, d_qkv);
@@ -352,15 +370,18 @@ void Attention::output_projection_backward(TensorTable& table, ConstMat dout, fl
   }
 }
 
-void Attention::probs_values_backward(const float* d_heads, float* d_probs, float* d_v) const {
+void Attention::probs_values_backward(const float* d_heads, float* d_probs, float* partial,
+                                      float* d_v) const {
   const int N = N_, T = T_, nseq = N / T, H = H_, Hkv = Hkv_, dh = dh_;
   const int G = H / Hkv;
   const std::int64_t Tdh = std::int64_t(T) * dh, TGdh = Tdh * G;
-  // Per query tile and run of sequences (as forward()): dP = dO_tile v_range^T; dv_range +=
-  // P_tile^T dO_tile (summed over the group's heads by the GEMM itself, then over the tiles in
-  // order).
+  // Per query tile and run of sequences (as forward()): dP = dO_tile v_range^T, one grouped
+  // batch; the tile's dv_range = P_tile^T dO_tile (summed over the group's heads by the GEMM
+  // itself) into its own key partials, one grouped batch, then summed over the tiles in order.
   const DocStarts docs = docs_;
   const Strided ps = probs_.strided(0, 0, 0), vs = v_.strided(0, 0, 0);
+  std::vector<GemmGroup> scores, values;
+  bool skipped = false;  // keys a run skips: their partial rows are never written
   for (std::size_t i = 0; i < tiles_.size(); ++i) {
     const Tile& tl = tiles_[i];
     const int m = G * tl.rows;
@@ -370,14 +391,44 @@ void Attention::probs_values_backward(const float* d_heads, float* d_probs, floa
       const std::int64_t at = std::int64_t(nseq) * H * tl.before + s0 * Hkv * mk + off;
       const std::int64_t key = (std::int64_t(s0) * Hkv * T + tl.k0 + off) * dh;
       const Strided d_out{d_heads + (std::int64_t(s0) * Hkv * T + tl.r0) * G * dh, m, dh, TGdh};
-      gemm_strided_batched(ctx_, Trans::N, Trans::T, 1.0f, d_out,
-                           shifted({vs.data, n, dh, Tdh, vs.b16}, key), 0.0f, d_probs + at, m, n,
-                           mk, count * Hkv, tl.nk);
-      gemm_strided_batched(ctx_, Trans::T, Trans::N, 1.0f,
-                           shifted({ps.data, m, n, mk, ps.b16, tl.nk}, at), d_out, 1.0f,
-                           d_v + key, n, dh, Tdh, count * Hkv);
+      scores.push_back({d_out, shifted({vs.data, n, dh, Tdh, vs.b16}, key), d_probs + at, m, n,
+                        mk, count * Hkv, tl.nk});
+      values.push_back({shifted({ps.data, m, n, mk, ps.b16, tl.nk}, at), d_out,
+                        partial + key_partial(tl, s0, off), n, dh, std::int64_t(tl.nk) * dh,
+                        count * Hkv});
+      skipped = skipped || off > 0;
     });
   }
+  gemm_grouped_batched(ctx_, Trans::N, Trans::T, 1.0f, 0.0f, scores, tables_[2]);
+  if (skipped)
+    Kokkos::deep_copy(ExecSpace(), Vec(partial, std::int64_t(nseq) * Hkv * dh * key_band_), 0.0f);
+  gemm_grouped_batched(ctx_, Trans::T, Trans::N, 1.0f, 0.0f, values, tables_[3]);
+  sum_key_partials(partial, d_v);
+}
+
+std::int64_t Attention::key_partial(const Tile& tl, int s0, int off) const {
+  return (std::int64_t(N_ / T_) * Hkv_ * tl.keys_before + std::int64_t(s0) * Hkv_ * tl.nk + off) *
+         dh_;
+}
+
+void Attention::sum_key_partials(const float* partial, float* out) const {
+  const int T = T_, nseq = N_ / T, Hkv = Hkv_, dh = dh_, nt = static_cast<int>(tiles_.size());
+  const std::int64_t* keys_before = tile_before_.data() + nt;
+  const std::int64_t* k0 = tile_before_.data() + 2 * nt;
+  // Key t of a (sequence, kv head) block: the tiles from t's own to the last that reads it,
+  // summed in tile order.
+  Kokkos::parallel_for(
+      "attn::sum_key_partials", Range2({0, 0}, {nseq * Hkv * T, dh}),
+      KOKKOS_LAMBDA(int r, int c) {
+        const int block = r / T, t = r % T;
+        float sum = 0.0f;
+        for (int i = t / kTile; i < nt && k0[i] <= t; ++i) {
+          const int nk = (T - i * kTile < kTile ? T : (i + 1) * kTile) - int(k0[i]);
+          sum += partial[(std::int64_t(nseq) * Hkv * keys_before[i] + std::int64_t(block) * nk +
+                          (t - k0[i])) * dh + c];
+        }
+        out[std::int64_t(r) * dh + c] = sum;
+      });
 }
 
 void Attention::softmax_backward(float* d_probs) const {
@@ -399,14 +450,17 @@ void Attention::softmax_backward(float* d_probs) const {
       });
 }
 
-void Attention::queries_keys_backward(const float* d_probs, float* d_heads, float* d_k) const {
+void Attention::queries_keys_backward(const float* d_probs, float* d_heads, float* partial,
+                                      float* d_k) const {
   const int N = N_, T = T_, nseq = N / T, H = H_, Hkv = Hkv_, dh = dh_;
   const int G = H / Hkv;
   const std::int64_t Tdh = std::int64_t(T) * dh, TGdh = Tdh * G;
   const DocStarts docs = docs_;
   const Strided qs = q_.strided(0, 0, 0), ks = k_.strided(0, 0, 0);
-  // Per query tile and run: dq_tile = dS k_range (overwrites dO, no longer needed); dk_range +=
-  // dS^T q_tile.
+  // Per query tile and run, one grouped batch each: dq_tile = dS k_range (overwrites dO, no
+  // longer needed); the tile's dk_range = dS^T q_tile into its key partials (whose skipped rows
+  // probs_values_backward left zero), then summed over the tiles in order.
+  std::vector<GemmGroup> queries, keys;
   for (std::size_t i = 0; i < tiles_.size(); ++i) {
     const Tile& tl = tiles_[i];
     const int m = G * tl.rows;
@@ -417,14 +471,16 @@ void Attention::queries_keys_backward(const float* d_probs, float* d_heads, floa
       const std::int64_t query = (std::int64_t(s0) * Hkv * T + tl.r0) * G * dh;
       const Strided d_s{d_probs + std::int64_t(nseq) * H * tl.before + s0 * Hkv * mk + off,
                         m, n, mk, nullptr, tl.nk};
-      gemm_strided_batched(ctx_, Trans::N, Trans::N, 1.0f, d_s,
-                           shifted({ks.data, n, dh, Tdh, ks.b16}, key), 0.0f, d_heads + query, m,
-                           dh, TGdh, count * Hkv);
-      gemm_strided_batched(ctx_, Trans::T, Trans::N, 1.0f, d_s,
-                           shifted({qs.data, m, dh, TGdh, qs.b16}, query), 1.0f, d_k + key, n, dh,
-                           Tdh, count * Hkv);
+      queries.push_back({d_s, shifted({ks.data, n, dh, Tdh, ks.b16}, key), d_heads + query, m,
+                         dh, TGdh, count * Hkv});
+      keys.push_back({d_s, shifted({qs.data, m, dh, TGdh, qs.b16}, query),
+                      partial + key_partial(tl, s0, off), n, dh, std::int64_t(tl.nk) * dh,
+                      count * Hkv});
     });
   }
+  gemm_grouped_batched(ctx_, Trans::N, Trans::N, 1.0f, 0.0f, queries, tables_[4]);
+  gemm_grouped_batched(ctx_, Trans::T, Trans::N, 1.0f, 0.0f, keys, tables_[5]);
+  sum_key_partials(partial, d_k);
 }
 
 void Attention::unrope_merge(const RopeTables& rope, const float* d_heads, const float* d_k,

@@ -8,6 +8,7 @@
 
 #include "core/config.hpp"
 #include "core/doc_starts.hpp"
+#include "core/gemm.hpp"
 #include "core/kept_operand.hpp"
 #include "core/kokkos_types.hpp"
 #include "core/tensor_table.hpp"
@@ -46,8 +47,9 @@ class Attention {
   void forward(const TensorTable& table, const RopeTables& rope, ConstMat a, Mat out,
                Workspace& ws, DocStarts docs = DocStarts());
   // dout: (N, D) -> da: (N, D) (assigned); parameter gradients accumulate. Temporaries from
-  // `ws`: dO and dQ (nseq, H, T, dh), dP (nseq, H, T, T), dK and dV (nseq, Hkv, T, dh), the
-  // merged dO (N, H*dh) and then d(q|k|v) (N, (H+2Hkv)*dh).
+  // `ws`: dO and dQ (nseq, H, T, dh), dP (the band), dK and dV (nseq, Hkv, T, dh), the merged
+  // dO (N, H*dh), then the tiles' key gradients (nseq, Hkv, key_band_elements, dh), then
+  // d(q|k|v) (N, (H+2Hkv)*dh).
   void backward(TensorTable& table, const RopeTables& rope, ConstMat a, ConstMat dout, Mat da,
                 Workspace& ws);
 
@@ -71,10 +73,14 @@ class Attention {
   static constexpr int kTile = 64;
   struct Tile {
     int r0, rows, k0, nk;
-    std::int64_t before;  // band elements of the tiles before this one (per sequence and head)
+    std::int64_t before;       // band elements of the tiles before this one (per sequence and head)
+    std::int64_t keys_before;  // keys the tiles before this one read (their nk summed)
   };
   static std::vector<Tile> tiles(int T, int window);
   static std::int64_t band_elements(int T, int window);
+  // The keys all tiles read (their nk summed): a backward's per-tile key gradients hold
+  // key_band_elements(T, window) rows of dh per sequence and kv head.
+  static std::int64_t key_band_elements(int T, int window);
   // The score entries the last forward() computed: nseq * H * band_elements(T, window) less
   // the keys before each query tile's document (when `docs` carried the host's tile plan).
   std::int64_t scores_computed() const { return scores_computed_; }
@@ -84,12 +90,23 @@ class Attention {
   // dWo += dout^T merged; dO = dout Wo, split into the query layout (d_heads).
   void output_projection_backward(TensorTable& table, ConstMat dout, float* d_heads,
                                   Workspace& ws) const;
-  // Per query tile and run of sequences: dP = dO v^T; dV += P^T dO.
-  void probs_values_backward(const float* d_heads, float* d_probs, float* d_v) const;
+  // Per query tile and run of sequences, one grouped batch per product kind: dP = dO v^T; the
+  // tile's dV rows P^T dO into `partial` (key_band_ rows of dh per sequence and kv head), then
+  // dV = those summed over the tiles in order (sum_key_partials).
+  void probs_values_backward(const float* d_heads, float* d_probs, float* partial,
+                             float* d_v) const;
   // dS = P * (dP - sum_j P dP) / sqrt(dh) in place (P as kept: R(P) in bf16 runs).
   void softmax_backward(float* d_probs) const;
-  // Per query tile and run: dQ = dS k (over dO in d_heads); dK += dS^T q.
-  void queries_keys_backward(const float* d_probs, float* d_heads, float* d_k) const;
+  // Per query tile and run, as above: dQ = dS k (over dO in d_heads); the tile's dK rows dS^T q
+  // into `partial`, then dK = their sum over the tiles.
+  void queries_keys_backward(const float* d_probs, float* d_heads, float* partial,
+                             float* d_k) const;
+  // out (nseq, Hkv, T, dh) = for each key, the sum over the tiles that read it, in tile order,
+  // of its rows in `partial` (tile i's block of nseq * Hkv * nk * dh at nseq * Hkv *
+  // keys_before * dh).
+  void sum_key_partials(const float* partial, float* out) const;
+  // Where a run's products (sequences from s0, keys from k0 + off) start in the partials.
+  std::int64_t key_partial(const Tile& tl, int s0, int off) const;
   // Back to (N, W) rows: inverse RoPE on dq, dk (gradients w.r.t. the normalized q, k), dv.
   void unrope_merge(const RopeTables& rope, const float* d_heads, const float* d_k,
                     const float* d_v, Mat d_qkv) const;
@@ -104,8 +121,12 @@ class Attention {
   bool qk_norm_;
   DocStarts docs_;  // the last forward's
   std::vector<Tile> tiles_;
-  Kokkos::View<std::int64_t*, Layout, MemSpace> tile_before_;  // tiles_[i].before, on the device
-  std::int64_t band_ = 0;                                       // band_elements(T, window)
+  // The tiles' before, keys_before and k0 (three arrays of tiles_.size()), on the device.
+  Kokkos::View<std::int64_t*, Layout, MemSpace> tile_before_;
+  std::int64_t band_ = 0;      // band_elements(T, window)
+  std::int64_t key_band_ = 0;  // key_band_elements(T, window)
+  // The device pointer tables of the six grouped batches (scores, values; dP, dV; dQ, dK).
+  mutable GemmGroupTables tables_[6];
   std::int64_t scores_computed_ = 0;
   float eps_;
   int wq_, wo_, q_norm_ = -1, k_norm_ = -1;

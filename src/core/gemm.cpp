@@ -11,12 +11,29 @@
 
 #include "core/bf16.hpp"
 #include "core/buffers.hpp"
+#include "core/device_sync.hpp"
 #include "core/error.hpp"
 #include "core/grouped_gemm.hpp"
 
 namespace kmoe {
 
 namespace {
+// Each GEMM entry call reports the Kokkos Tools event "kmoe::gemm <kind>", which
+// tests/tools/kokkos_counter counts per step: on CUDA builds one cuBLAS call each (its kernels
+// are not Kokkos launches), so launches plus these calls are what a step asks of a GPU.
+// A call made inside another one (a strided batch's products through gemm() on CPUs) is not
+// counted again: on CUDA it is part of the outer call.
+thread_local int g_call_depth = 0;
+struct CountedCall {
+  explicit CountedCall(const char* event) {
+    if (g_call_depth++ == 0 && Kokkos::Tools::profileLibraryLoaded())
+      Kokkos::Tools::markEvent(event);
+  }
+  ~CountedCall() { --g_call_depth; }
+  CountedCall(const CountedCall&) = delete;
+  CountedCall& operator=(const CountedCall&) = delete;
+};
+
 #if defined(KOKKOS_ENABLE_CUDA) && defined(KOKKOSKERNELS_ENABLE_TPL_CUBLAS)
 #define KMOE_CUBLAS 1
 using Bf16Input = std::uint16_t;  // bf16 bits, as cuBLAS takes them
@@ -111,6 +128,7 @@ void gemm(const RunContext& ctx, Trans ta, Trans tb, float alpha, const Operand&
                "gemm: a bf16 operand in a product with fp32 inputs (train.precision = "
                    << choice_name(ctx.precision) << ")");
   if (m == 0 || n == 0) return;
+  const CountedCall counted("kmoe::gemm");
   if (ka == 0) {
     // Kokkos Kernels returns early on an empty inner extent and would leave C stale.
     if (beta == 1.0f) return;
@@ -249,6 +267,7 @@ void gemm_strided_batched(const RunContext& ctx, Trans ta, Trans tb, float alpha
   KMOE_REQUIRE(lda >= A.cols && ldb >= B.cols && ldc >= c_cols,
                "gemm_strided_batched: a leading dimension below its matrix's columns");
   if (batch == 0 || m == 0 || n == 0) return;
+  const CountedCall counted("kmoe::gemm strided");
   if (ka == 0) {  // C = beta C: the libraries return early on an empty inner extent
     Kokkos::parallel_for(
         "gemm::scale_c_batch", Range2({0, 0}, {batch * m, n}), KOKKOS_LAMBDA(int r, int j) {
@@ -309,6 +328,192 @@ void gemm_strided_batched(const RunContext& ctx, Trans ta, Trans tb, float alpha
   if constexpr (kHostBlas)
     host_batch(ctx, ta, tb, alpha, A, B, beta, C, m, n, ka, c_stride, ldc, batch, false);
 #endif
+}
+
+const void* const* GemmGroupTables::device(const std::vector<const void*>& ptrs) {
+  std::vector<std::uintptr_t> words(ptrs.size());
+  for (std::size_t i = 0; i < ptrs.size(); ++i) words[i] = reinterpret_cast<std::uintptr_t>(ptrs[i]);
+  if (words != last_ || uploads_ == 0) {
+    if (uploads_ == kUploads) return nullptr;
+    ++uploads_;
+    ensure_size(dev_, std::int64_t(words.size()), "gemm::group_tables");
+    mark_host_sync("gemm group tables");
+    Kokkos::deep_copy(
+        Kokkos::subview(dev_, std::make_pair(std::size_t(0), words.size())),
+        Kokkos::View<const std::uintptr_t*, HostSpace, Unmanaged>(words.data(), words.size()));
+    last_ = std::move(words);
+  }
+  return reinterpret_cast<const void* const*>(dev_.data());
+}
+
+namespace {
+// What grouped batches do on this build, once a call has decided it (CUDA: whether cuBLAS took
+// the fp32 and the bf16 forms).
+std::string g_grouped_note;
+
+// A grouped batch's operand side (0: A, 1: B), each group's first element in the form the
+// library takes: fp32 as given, or in bf16 runs the bf16 inputs (bf16_input) of the span the
+// groups cover together, rounded once, each group's pointer moved onto them.
+std::vector<const void*> group_inputs(const RunContext& ctx, int side,
+                                      const std::vector<GemmGroup>& groups) {
+  auto operand = [side](const GemmGroup& g) -> const Strided& { return side == 0 ? g.A : g.B; };
+  const bool b16 = operand(groups[0]).b16 != nullptr;
+  std::vector<const void*> first;
+  for (const GemmGroup& g : groups) {
+    const Strided& x = operand(g);
+    KMOE_REQUIRE((x.b16 != nullptr) == b16 && (b16 || x.data),
+                 "gemm_grouped_batched: groups whose " << (side == 0 ? "A" : "B")
+                                                       << " operands are not all bf16 or all fp32");
+    first.push_back(b16 ? static_cast<const void*>(x.b16) : static_cast<const void*>(x.data));
+  }
+  if (!ctx.bf16()) return first;
+  const std::size_t size = b16 ? sizeof(std::uint16_t) : sizeof(float);
+  const char* lo = nullptr;
+  const char* hi = nullptr;
+  for (std::size_t i = 0; i < groups.size(); ++i) {
+    const char* p = static_cast<const char*>(first[i]);
+    const char* end = p + span(operand(groups[i]), groups[i].count) * size;
+    lo = lo && lo < p ? lo : p;
+    hi = hi && hi > end ? hi : end;
+  }
+  const std::int64_t n = (hi - lo) / std::int64_t(size);
+  const auto* rounded = b16 ? bf16_input(side, nullptr, reinterpret_cast<const std::uint16_t*>(lo), n)
+                            : bf16_input(side, reinterpret_cast<const float*>(lo), nullptr, n);
+  for (auto& p : first)
+    p = rounded + (static_cast<const char*>(p) - lo) / std::int64_t(size);
+  return first;
+}
+}  // namespace
+
+std::string grouped_batch_note() { return g_grouped_note; }
+
+void gemm_grouped_batched(const RunContext& ctx, Trans ta, Trans tb, float alpha, float beta,
+                          const std::vector<GemmGroup>& groups_in, GemmGroupTables& tables) {
+  // The groups with products; any with an empty inner extent go through the strided batch,
+  // which sets C = beta C for them.
+  std::vector<GemmGroup> groups;
+  bool empty_inner = false;
+  for (const GemmGroup& g : groups_in) {
+    const int ka = ta == Trans::N ? g.A.cols : g.A.rows, kb = tb == Trans::N ? g.B.rows : g.B.cols;
+    const int m = ta == Trans::N ? g.A.rows : g.A.cols, n = tb == Trans::N ? g.B.cols : g.B.rows;
+    KMOE_REQUIRE(ka == kb && m == g.c_rows && n == g.c_cols && g.count >= 0,
+                 "gemm_grouped_batched: group " << groups.size() << ": op(A) " << m << "x" << ka
+                                                << ", op(B) " << kb << "x" << n << ", C "
+                                                << g.c_rows << "x" << g.c_cols << ", "
+                                                << g.count << " products");
+    KMOE_REQUIRE(ld_of(g.A) >= g.A.cols && ld_of(g.B) >= g.B.cols &&
+                     (g.c_ld > 0 ? g.c_ld : g.c_cols) >= g.c_cols,
+                 "gemm_grouped_batched: a leading dimension below its matrix's columns");
+    KMOE_REQUIRE(ctx.bf16() || (!g.A.b16 && !g.B.b16),
+                 "gemm_grouped_batched: a bf16 operand in a product with fp32 inputs");
+    if (g.count == 0 || m == 0 || n == 0) continue;
+    empty_inner = empty_inner || ka == 0;
+    groups.push_back(g);
+  }
+  if (groups.empty()) return;
+  (void)tables;  // device pointer tables: CUDA builds only
+  auto one_batch_each = [&] {
+    for (const GemmGroup& g : groups)
+      gemm_strided_batched(ctx, ta, tb, alpha, g.A, g.B, beta, g.C, g.c_rows, g.c_cols,
+                           g.c_stride, g.count, g.c_ld);
+  };
+  if (empty_inner) return one_batch_each();
+#if defined(KMOE_CUBLAS) && CUBLAS_VERSION >= 120500
+  {
+    // cuBLAS' grouped batch; whether it takes this call's types is known after the first call.
+    static int taken[2] = {-1, -1};  // fp32/tf32, bf16: -1 not yet known, 0 refused, 1 taken
+    const int kind = ctx.bf16() ? 1 : 0;
+    if (taken[kind] != 0) {
+      const std::vector<const void*> a = group_inputs(ctx, 0, groups), b = group_inputs(ctx, 1, groups);
+      const std::size_t size = ctx.bf16() ? sizeof(std::uint16_t) : sizeof(float);
+      const int G = static_cast<int>(groups.size());
+      std::vector<const void*> ptrs;  // every product's A, then B, then C
+      std::vector<int> m(G), n(G), k(G), lda(G), ldb(G), ldc(G), count(G);
+      for (int g = 0; g < G; ++g) {
+        const GemmGroup& x = groups[g];
+        for (int i = 0; i < x.count; ++i)
+          ptrs.push_back(static_cast<const char*>(a[g]) + i * x.A.stride * std::int64_t(size));
+        m[g] = x.c_rows;
+        n[g] = x.c_cols;
+        k[g] = ta == Trans::N ? x.A.cols : x.A.rows;
+        lda[g] = ld_of(x.A);
+        ldb[g] = ld_of(x.B);
+        ldc[g] = x.c_ld > 0 ? x.c_ld : x.c_cols;
+        count[g] = x.count;
+      }
+      for (int g = 0; g < G; ++g)
+        for (int i = 0; i < groups[g].count; ++i)
+          ptrs.push_back(static_cast<const char*>(b[g]) + i * groups[g].B.stride * std::int64_t(size));
+      for (const GemmGroup& x : groups)
+        for (int i = 0; i < x.count; ++i) ptrs.push_back(x.C + i * x.c_stride);
+      const std::int64_t total = std::int64_t(ptrs.size()) / 3;
+      const void* const* d = tables.device(ptrs);
+      if (!d) return one_batch_each();  // tables that change from call to call
+      const CountedCall counted("kmoe::gemm grouped");
+      const std::vector<cublasOperation_t> opb(G, tb == Trans::N ? CUBLAS_OP_N : CUBLAS_OP_T),
+          opa(G, ta == Trans::N ? CUBLAS_OP_N : CUBLAS_OP_T);
+      const std::vector<float> alphas(G, alpha), betas(G, beta);
+      const cudaDataType_t in = ctx.bf16() ? CUDA_R_16BF : CUDA_R_32F;
+      const bool tf32 = ctx.precision == Precision::Tf32;
+      CublasCall call(CUBLAS_DEFAULT_MATH);
+      // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: B's part comes first.
+      const cublasStatus_t st = cublasGemmGroupedBatchedEx(
+          call.h, opb.data(), opa.data(), n.data(), m.data(), k.data(), alphas.data(),
+          d + total, in, ldb.data(), d, in, lda.data(), betas.data(),
+          const_cast<void* const*>(reinterpret_cast<const void* const*>(d + 2 * total)),
+          CUDA_R_32F, ldc.data(), G, count.data(),
+          tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F);
+      const bool refused =
+          st == CUBLAS_STATUS_NOT_SUPPORTED || st == CUBLAS_STATUS_INVALID_VALUE;
+      if (taken[kind] == -1 && refused) {
+        taken[kind] = 0;
+        g_grouped_note += std::string(g_grouped_note.empty() ? "" : "; ") +
+                          "cuBLAS refused a grouped batch with " +
+                          (kind ? "bf16 inputs" : "fp32 inputs") + " (status " +
+                          std::to_string(int(st)) + "): one strided batch per group instead";
+      } else {
+        KMOE_REQUIRE(st == CUBLAS_STATUS_SUCCESS,
+                     "cublasGemmGroupedBatchedEx failed (" << int(st) << ")");
+        if (taken[kind] == -1)
+          g_grouped_note += std::string(g_grouped_note.empty() ? "" : "; ") +
+                            "grouped batches with " + (kind ? "bf16" : "fp32") +
+                            " inputs: one cublasGemmGroupedBatchedEx call each";
+        taken[kind] = 1;
+        return;
+      }
+    }
+    return one_batch_each();
+  }
+#elif defined(KOKKOSKERNELS_ENABLE_TPL_BLAS) && !defined(KMOE_CUBLAS)
+  if constexpr (kHostBlas) {
+    const CountedCall counted("kmoe::gemm grouped");
+    const std::vector<const void*> a = group_inputs(ctx, 0, groups), b = group_inputs(ctx, 1, groups);
+    std::vector<int> start{0};  // the first product of each group, in one numbering
+    for (const GemmGroup& g : groups) start.push_back(start.back() + g.count);
+    const char opa = ta == Trans::N ? 'N' : 'T', opb = tb == Trans::N ? 'N' : 'T';
+    auto product = [&](int item) {
+      const int g = int(std::upper_bound(start.begin(), start.end(), item) - start.begin()) - 1;
+      const GemmGroup& x = groups[g];
+      const std::int64_t i = item - start[g];
+      const int ka = ta == Trans::N ? x.A.cols : x.A.rows;
+      // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: B's part comes first.
+      KokkosBlas::Impl::HostBlas<float>::gemm(
+          opb, opa, x.c_cols, x.c_rows, ka, alpha,
+          static_cast<const float*>(b[g]) + i * x.B.stride, ld_of(x.B),
+          static_cast<const float*>(a[g]) + i * x.A.stride, ld_of(x.A), beta,
+          x.C + i * x.c_stride, x.c_ld > 0 ? x.c_ld : x.c_cols);
+    };
+    if (ctx.batch_threads > 1 && start.back() > 1)
+      host_items_side_by_side("gemm::grouped_batch_host", start.back(), ctx.batch_threads,
+                              [&](int i, int) { product(i); });
+    else
+      for (int i = 0; i < start.back(); ++i) product(i);
+    return;
+  }
+#endif
+  if (g_grouped_note.empty())
+    g_grouped_note = "grouped batches: one strided batch per group (no grouped call on this build)";
+  one_batch_each();
 }
 
 namespace {

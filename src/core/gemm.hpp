@@ -15,6 +15,7 @@
 #include <exception>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "core/config.hpp"
 #include "core/kokkos_types.hpp"
@@ -81,6 +82,54 @@ struct Strided {
 void gemm_strided_batched(const RunContext& ctx, Trans ta, Trans tb, float alpha, Strided A,
                           Strided B, float beta, float* C, int c_rows, int c_cols,
                           std::int64_t c_stride, int batch, int c_ld = 0);
+
+// One group of a grouped batch: `count` products of one shape, laid out as a strided batch's
+// (gemm_strided_batched): product b reads A + b * A.stride and B + b * B.stride and writes the
+// (c_rows, c_cols) matrix at C + b * c_stride, its rows c_ld apart (0: c_cols).
+struct GemmGroup {
+  Strided A, B;
+  float* C;
+  int c_rows, c_cols;
+  std::int64_t c_stride;
+  int count;
+  int c_ld = 0;
+};
+
+// The device-side pointer tables of a caller's grouped batches (CUDA builds: cuBLAS takes a
+// grouped batch's operands as arrays of device pointers), kept between calls: a call whose
+// pointers are the last call's uploads nothing, so a caller that makes the same grouped call
+// each micro-batch (one object per call site) copies its tables once. Empty elsewhere.
+class GemmGroupTables {
+ public:
+  // The tables holding `ptrs` (A's pointers, then B's, then C's), on the device: uploaded when
+  // they differ from the last call's, a named host wait. Pointers that keep changing (document
+  // masking's runs of sequences differ from micro-batch to micro-batch) would make that a wait
+  // per call: after kUploads uploads, a change returns nullptr instead, and the caller runs one
+  // strided batch per group (more launches, no wait).
+  const void* const* device(const std::vector<const void*>& ptrs);
+  static constexpr int kUploads = 3;  // the first, and workspace growth in the first steps
+
+ private:
+  std::vector<std::uintptr_t> last_;                     // the pointers last uploaded
+  int uploads_ = 0;
+  Kokkos::View<std::uintptr_t*, Layout, MemSpace> dev_;  // as words: a View takes no void*
+};
+
+// A grouped batch: for every group g and product b in it, C = alpha op(A) op(B) + beta C, as
+// gemm_strided_batched on each group, in one call where the build allows: one
+// cublasGemmGroupedBatchedEx on CUDA builds with cuBLAS 12.5 or later (where cuBLAS refuses the
+// call's types, as it may for bf16 inputs with fp32 results, one strided batch per group, and
+// grouped_batch_note() says so); on host backends with a host BLAS every product one host BLAS
+// call, side by side on ctx.batch_threads host threads when there are several (bit for bit the
+// products one after the other); one strided batch per group elsewhere. bf16 inputs are rounded
+// once over the span the groups' operands cover together, not once per group. The products of
+// different groups may run at once: their C matrices must not overlap.
+void gemm_grouped_batched(const RunContext& ctx, Trans ta, Trans tb, float alpha, float beta,
+                          const std::vector<GemmGroup>& groups, GemmGroupTables& tables);
+
+// How this device build runs grouped batches, once the first call has decided it (CUDA: whether
+// cuBLAS took them); "" on host backends, whose products are host BLAS calls anyway.
+std::string grouped_batch_note();
 
 // One product on the calling host thread, for products a caller already runs side by side on
 // the host threads (ctx.batch_threads > 1, as the MoE experts' per-expert GEMMs): the

@@ -1,5 +1,6 @@
 #include <gtest/gtest.h>
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -435,6 +436,149 @@ TEST(Gemm, StridedBatchSideBySideMatchesOneAfterTheOther) {
                   ASSERT_NEAR(side[at], want, 1e-5) << i << " " << r << " " << j;
                 }
           }
+}
+
+// A grouped batch (attention's products: groups of different shapes in one call) against one
+// strided batch per group: fp32 and bf16 inputs (fp32 values and a bf16 operand), every
+// transpose, rows apart where the build has them, C's elements between rows untouched; on the
+// host threads side by side, bit for bit the products one after the other.
+TEST(Gemm, GroupedBatchMatchesOneStridedBatchPerGroup) {
+  struct Shape {
+    int m, n, k, count;
+  };
+  const std::vector<Shape> shapes = {{6, 5, 7, 3}, {3, 9, 4, 1}, {1, 2, 5, 2}, {4, 4, 4, 0}};
+  for (Precision p : {Precision::Fp32, Precision::Bf16})
+    for (int pad : {0, 2})
+      for (Trans ta : {Trans::N, Trans::T})
+        for (Trans tb : {Trans::N, Trans::T}) {
+          if (pad > 0 && !gemm_rows_apart()) continue;
+          // Every group's operands and results in one buffer each, groups one after another.
+          std::vector<std::int64_t> a_at, b_at, c_at;
+          std::vector<std::array<int, 3>> ld;  // lda, ldb, ldc
+          std::int64_t na = 0, nb = 0, nc = 0;
+          for (const Shape& x : shapes) {
+            const int ar = ta == Trans::N ? x.m : x.k, ac = ta == Trans::N ? x.k : x.m;
+            const int br = tb == Trans::N ? x.k : x.n, bc = tb == Trans::N ? x.n : x.k;
+            ld.push_back({ac + pad, bc + pad, x.n + pad});
+            a_at.push_back(na);
+            b_at.push_back(nb);
+            c_at.push_back(nc);
+            na += std::int64_t(x.count) * ar * (ac + pad) + 1;
+            nb += std::int64_t(x.count) * br * (bc + pad) + 3;
+            nc += std::int64_t(x.count) * x.m * (x.n + pad) + 2;
+          }
+          std::mt19937 gen(13);
+          std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+          std::vector<float> a(na), b(nb), c(nc);
+          for (auto* v : {&a, &b, &c})
+            for (auto& x : *v) x = u(gen);
+          std::vector<std::uint16_t> a16(na);
+          for (std::int64_t i = 0; i < na; ++i) a16[i] = bf16_bits(a[i]);
+          auto dev = [](const auto& h) {
+            using T = typename std::decay_t<decltype(h)>::value_type;
+            Kokkos::View<T*, Layout, MemSpace> v("v", h.size());
+            Kokkos::deep_copy(v, Kokkos::View<const T*, HostSpace, Unmanaged>(h.data(), h.size()));
+            return v;
+          };
+          const View1F A = dev(a), B = dev(b);
+          const auto A16 = dev(a16);
+          for (bool b16 : {false, true}) {
+            if (b16 && p != Precision::Bf16) continue;
+            auto groups_for = [&](float* C) {
+              std::vector<GemmGroup> groups;
+              for (std::size_t g = 0; g < shapes.size(); ++g) {
+                const Shape& x = shapes[g];
+                const int ar = ta == Trans::N ? x.m : x.k, ac = ta == Trans::N ? x.k : x.m;
+                const int br = tb == Trans::N ? x.k : x.n, bc = tb == Trans::N ? x.n : x.k;
+                const std::int64_t sa = std::int64_t(ar) * ld[g][0], sb = std::int64_t(br) * ld[g][1];
+                Strided sa_op{b16 ? nullptr : A.data() + a_at[g], ar, ac, sa,
+                              b16 ? A16.data() + a_at[g] : nullptr, pad ? ld[g][0] : 0};
+                groups.push_back({sa_op, {B.data() + b_at[g], br, bc, sb, nullptr, pad ? ld[g][1] : 0},
+                                  C + c_at[g], x.m, x.n, std::int64_t(x.m) * ld[g][2], x.count,
+                                  pad ? ld[g][2] : 0});
+              }
+              return groups;
+            };
+            auto run = [&](int threads, bool grouped) {
+              const RunContext ctx = make_run_context(p, threads);
+              View1F C = dev(c);
+              const auto groups = groups_for(C.data());
+              GemmGroupTables tables;
+              if (grouped) {
+                gemm_grouped_batched(ctx, ta, tb, 0.5f, 0.25f, groups, tables);
+              } else {
+                for (const GemmGroup& g : groups)
+                  gemm_strided_batched(ctx, ta, tb, 0.5f, g.A, g.B, 0.25f, g.C, g.c_rows,
+                                       g.c_cols, g.c_stride, g.count, g.c_ld);
+              }
+              Kokkos::fence();
+              auto h = Kokkos::create_mirror_view_and_copy(HostSpace(), C);
+              return std::vector<float>(h.data(), h.data() + h.extent(0));
+            };
+            const std::vector<float> got = run(1, true), want = run(1, false);
+            for (std::size_t g = 0; g < shapes.size(); ++g)
+              for (int i = 0; i < shapes[g].count; ++i)
+                for (int r = 0; r < shapes[g].m; ++r)
+                  for (int j = 0; j < ld[g][2]; ++j) {
+                    const std::int64_t at =
+                        c_at[g] + (std::int64_t(i) * shapes[g].m + r) * ld[g][2] + j;
+                    if (j < shapes[g].n)
+                      ASSERT_NEAR(got[at], want[at], 1e-5) << "group " << g << " product " << i;
+                    else
+                      ASSERT_EQ(got[at], c[at]) << "between rows, group " << g;
+                  }
+            for (std::size_t g = 0; g + 1 < shapes.size(); ++g)  // the gaps between groups
+              for (std::int64_t at = c_at[g + 1] - 2; at < c_at[g + 1]; ++at)
+                ASSERT_EQ(got[at], c[at]) << "after group " << g;
+            if (make_run_context(p, 4).batch_threads > 1) {
+              const std::vector<float> side = run(4, true);
+              for (std::size_t i = 0; i < got.size(); ++i) ASSERT_EQ(side[i], got[i]) << i;
+            }
+          }
+        }
+  // A bf16 operand in a product with fp32 inputs, and groups that mix the two, are refused.
+  View1F X("X", 64), Y("Y", 64);
+  Kokkos::View<std::uint16_t*, Layout, MemSpace> X16("X16", 64);
+  GemmGroupTables tables;
+  const GemmGroup f32{{X.data(), 2, 2, 4}, {Y.data(), 2, 2, 4}, Y.data() + 32, 2, 2, 4, 1};
+  GemmGroup b16 = f32;
+  b16.A = {nullptr, 2, 2, 4, X16.data()};
+  b16.C = Y.data() + 48;
+  EXPECT_THROW(gemm_grouped_batched(make_run_context(Precision::Fp32), Trans::N, Trans::N, 1.0f,
+                                    0.0f, {b16}, tables),
+               Error);
+  EXPECT_THROW(gemm_grouped_batched(make_run_context(Precision::Bf16), Trans::N, Trans::N, 1.0f,
+                                    0.0f, {f32, b16}, tables),
+               Error);
+}
+
+// The grouped batch's device pointer tables: uploaded once for pointers that stay, again when
+// they change, and after GemmGroupTables::kUploads uploads a change gives nullptr (the caller
+// runs one strided batch per group rather than wait for an upload every call).
+TEST(Gemm, GroupTablesUploadOnlyWhatChangesAndGiveUpOnPointersThatKeepChanging) {
+  float x[8];
+  GemmGroupTables tables;
+  auto table = [&](int shift) {
+    return std::vector<const void*>{x + shift, x + shift + 1, x + shift + 2};
+  };
+  auto read = [](const void* const* d, std::size_t i) {
+    auto h = Kokkos::create_mirror_view_and_copy(
+        HostSpace(), Kokkos::View<const std::uintptr_t*, Layout, MemSpace, Unmanaged>(
+                         reinterpret_cast<const std::uintptr_t*>(d), i + 1));
+    return reinterpret_cast<const void*>(h(i));
+  };
+  const void* const* d = tables.device(table(0));
+  ASSERT_NE(d, nullptr);
+  EXPECT_EQ(read(d, 2), x + 2);
+  EXPECT_EQ(tables.device(table(0)), d) << "the same pointers: the tables as they are";
+  for (int change = 1; change < GemmGroupTables::kUploads; ++change) {
+    d = tables.device(table(change));
+    ASSERT_NE(d, nullptr) << "change " << change;
+    EXPECT_EQ(read(d, 0), x + change);
+  }
+  EXPECT_EQ(tables.device(table(5)), nullptr) << "pointers that keep changing";
+  EXPECT_NE(tables.device(table(GemmGroupTables::kUploads - 1)), nullptr)
+      << "the last uploaded pointers still hold";
 }
 
 // One product on the calling host thread (what the MoE experts run side by side) is gemm()'s
