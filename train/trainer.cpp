@@ -226,8 +226,8 @@ StepMetrics Trainer::reduce_step(int step) {
   // Loss terms and the layers' statistics: each rank holds its own micro-batches' share of the
   // layers on its stage; a sum over the world assembles the global batch.
   grid_.world.allreduce_sum(sums, 3);
+  stages_[0]->finish_step(stats_, grid_);  // on the device, before the gather
   stats_.gather_device();
-  stages_[0]->finish_step(stats_, grid_);
   grid_.world.allreduce_sum(stats_.sums(), stats_.num_sums());
 
   StepMetrics m;

@@ -78,6 +78,10 @@ EngramLayer::EngramLayer(const RunContext& ctx, const ModelCfg& m, const EngramC
   for (View1F* v : {&rstd_k_, &rstd_q_, &rstd_c_, &score_, &gate_})
     *v = saved_floats(ctx, "engram::row", N);
   gate_now_ = Kokkos::View<double, MemSpace>("engram::gate_now");
+  if (stats_) {
+    touched_ = View1F("engram::touched", R_);
+    touched_rows_ = Kokkos::View<double, MemSpace>("engram::touched_rows");
+  }
 }
 
 Operand EngramLayer::lookup(const TensorTable& table, ConstIVec tokens, bool count,
@@ -324,14 +328,30 @@ EngramStatColumns EngramLayer::declare_stats(StepStats& stats, int block) {
   return c;
 }
 
-void EngramLayer::finish_step(StepStats& stats, const Communicator& counted_over,
+void EngramLayer::finish_step(StepStats& stats, const DataComm& counted_over,
                               bool write) const {
   if (!stats_) return;
-  auto counts = read_to_host("engram rows touched", stats.counters(cols_.touched, R_));
-  counted_over.allreduce_sum(counts.data(), counts.size());
-  std::int64_t used = 0;
-  for (std::size_t r = 0; r < counts.size(); ++r) used += counts(r) > 0;
-  if (write) stats.host(cols_.touched)[0] = double(used) / counts.size();
+  // Flags, not counts, go over the data plane: a float sum of 0s and 1s is exact, and nonzero
+  // exactly where some replica looked the row up.
+  const IVec counts = stats.counters(cols_.touched, R_);
+  const View1F flags = touched_;
+  Kokkos::parallel_for(
+      "engram::touched_flags", flat_range(0, R_),
+      KOKKOS_LAMBDA(std::int64_t r) { flags(r) = counts(r) > 0 ? 1.0f : 0.0f; });
+  if (counted_over.size() > 1) {
+    Pending p = counted_over.start_allreduce_sum(flags.data(), R_);
+    counted_over.complete(p);
+  }
+  if (!write) return;
+  const auto used = touched_rows_;
+  Kokkos::parallel_reduce(
+      "engram::rows_touched", flat_range(0, R_),
+      KOKKOS_LAMBDA(std::int64_t r, double& s) { s += flags(r) > 0.0f ? 1.0 : 0.0; }, used);
+  const auto acc = stats.device(cols_.touched);
+  const double rows = double(R_);
+  Kokkos::parallel_for(
+      "engram::rows_touched_fraction", Range(0, 1),
+      KOKKOS_LAMBDA(int) { acc(0) += used() / rows; });
 }
 
 double EngramLayer::mean_gate() const {

@@ -41,11 +41,13 @@ class EngramLayer {
 
   // Declares (or finds) the columns of the Engram layer at `block`.
   static EngramStatColumns declare_stats(StepStats& stats, int block);
-  // Before the world's sum of the statistics: the rows touched by the step, from the lookup
-  // counts of every in-flight instance summed over `counted_over` (the stage's replicas, which
-  // together hold the global batch's micro-batches for this layer); `write`: this rank stores
-  // the fraction (one rank per stage, so the world's sum is the value). Collective over it.
-  void finish_step(StepStats& stats, const Communicator& counted_over, bool write) const;
+  // Before the statistics are gathered: the rows touched by the step, from the lookup counts
+  // of every in-flight instance, each row's "touched" flag summed over `counted_over` (the data
+  // plane of the stage's replicas, which together hold the global batch's micro-batches for
+  // this layer) and counted on the device; `write`: this rank adds the fraction to the column's
+  // device accumulator (one rank per stage, so the world's sum is the value). Collective over
+  // it; no host wait.
+  void finish_step(StepStats& stats, const DataComm& counted_over, bool write) const;
 
   // x: (N, D) residual stream, tokens: (N) compressed ids (EngramCompression) -> out: (N, D).
   // count = false: a recompute of a forward already counted (train.recompute), which adds
@@ -93,6 +95,8 @@ class EngramLayer {
   StepStats* stats_ = nullptr;
   EngramStatColumns cols_;
   Kokkos::View<double, MemSpace> gate_now_;  // this forward's gate sum
+  View1F touched_;                           // (R) with stats: rows touched, then summed
+  Kokkos::View<double, MemSpace> touched_rows_;  // their count
   int N_ = 0;
   DocStarts docs_;  // the last forward's
   std::unique_ptr<EngramShard> shard_;  // a row-sharded table (more than one member)

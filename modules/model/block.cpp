@@ -182,7 +182,7 @@ void Block::backward(TensorTable& table, const RopeTables& rope, ConstMat x_bloc
   }
 }
 
-void Block::finish_step(StepStats& stats, const Communicator& stage_replicas, bool write) const {
+void Block::finish_step(StepStats& stats, const DataComm& stage_replicas, bool write) const {
   if (engram_) engram_->finish_step(stats, stage_replicas, write);
 }
 

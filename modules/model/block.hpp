@@ -78,7 +78,7 @@ class Block {
   ConstIVec moe_routes() const { return moe_->selected(); }
 
   // Step hooks (Stage::finish_step, Stage::after_optimizer_step).
-  void finish_step(StepStats& stats, const Communicator& stage_replicas, bool write) const;
+  void finish_step(StepStats& stats, const DataComm& stage_replicas, bool write) const;
   void after_optimizer_step(TensorTable& table, const StepStats& stats) const;
 
  private:

@@ -149,7 +149,8 @@ LossSums Stage::forward(const TensorTable& table, const std::int32_t* tokens, in
 }
 
 void Stage::finish_step(StepStats& stats, const ProcessGrid& grid) const {
-  for (const auto& block : blocks_) block->finish_step(stats, grid.stage, grid.replica() == 0);
+  const DataComm& replicas = grid.data_plane(grid.stage);
+  for (const auto& block : blocks_) block->finish_step(stats, replicas, grid.replica() == 0);
 }
 
 void Stage::after_optimizer_step(TensorTable& table, const StepStats& stats) const {

@@ -105,8 +105,8 @@ class Stage {
 
   // Step hooks, called on one instance per step (the instances share parameters and
   // statistics). The step starts with StepStats::begin_step(). finish_step: the statistics that
-  // need the stage's replicas (Engram rows touched), before the world's sum; collective over
-  // grid.stage. after_optimizer_step: updates that follow AdamW (MoE router biases from the
+  // need the stage's replicas (Engram rows touched), on the device before the statistics are
+  // gathered; collective over grid.stage's data plane. after_optimizer_step: updates that follow AdamW (MoE router biases from the
   // step's global expert counts).
   void finish_step(StepStats& stats, const ProcessGrid& grid) const;
   void after_optimizer_step(TensorTable& table, const StepStats& stats) const;

@@ -187,8 +187,8 @@ TEST(Engram, StatisticsAreTheMeanGateAndTheRowsTouched) {
     note_rows();
   }
   Communicator self(MPI_COMM_SELF, "self", 60.0);
+  f.layer->finish_step(stats, self, /*write=*/true);  // on the device: before the gather
   stats.gather_device();
-  f.layer->finish_step(stats, self, /*write=*/true);
   const auto finished = stats.finish(2);
   const auto& tab = f.table.entry(f.table.find("blocks.0.engram.table"));
   EXPECT_NEAR(finished[0].second, gates / 2, 1e-12);
