@@ -69,7 +69,8 @@ FlatOptimizer::FlatOptimizer(const TensorTable& table, const std::vector<char>* 
   copy_ = Kokkos::View<std::int64_t*, Layout, MemSpace>("optim::chunk_copy", chunks_);
   lr_mult_ = View1D("optim::chunk_lr_mult", chunks_);
   flags_ = View1I("optim::chunk_flags", chunks_);
-  partial_ = View1D("optim::chunk_sums", chunks_ + 1);
+  // The chunks' sums, the total, then the sums of groups of kGroup chunks.
+  partial_ = View1D("optim::chunk_sums", chunks_ + 1 + (chunks_ + kGroup - 1) / kGroup);
   auto up = [](const auto& host, const auto& dev) {
     using T = typename std::decay_t<decltype(dev)>::value_type;
     mark_host_sync("optimizer setup");
@@ -112,10 +113,18 @@ double FlatOptimizer::grad_sq_sum(const TensorTable& table) const {
               sum);
         Kokkos::single(Kokkos::PerTeam(tm), [&]() { partial(c) = sum; });
       });
+  // The total in one fixed order: groups of kGroup chunks in order, then the groups in order.
+  const int groups = (C + kGroup - 1) / kGroup;
+  Kokkos::parallel_for(
+      "optim::grad_sq_groups", Range(0, groups), KOKKOS_LAMBDA(int g) {
+        double sum = 0.0;
+        for (int c = g * kGroup; c < C && c < (g + 1) * kGroup; ++c) sum += partial(c);
+        partial(C + 1 + g) = sum;
+      });
   Kokkos::parallel_for(
       "optim::grad_sq_total", Range(0, 1), KOKKOS_LAMBDA(int) {
         double total = 0.0;
-        for (int c = 0; c < C; ++c) total += partial(c);
+        for (int g = 0; g < groups; ++g) total += partial(C + 1 + g);
         partial(C) = total;
       });
   auto h = read_to_host("gradient norm", Kokkos::subview(partial_, std::make_pair(C, C + 1)));

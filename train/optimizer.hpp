@@ -18,6 +18,7 @@ double learning_rate(const OptimizerCfg& o, int max_steps, int step);
 class FlatOptimizer {
  public:
   static constexpr std::int64_t kChunk = std::int64_t(1) << 16;
+  static constexpr int kGroup = 64;  // chunk sums a thread adds up for the gradient norm
 
   // counted: per tensor, whether its squares join the gradient norm (the tensors this rank
   // owns, so a sum over the grid counts each parameter once); all tensors when null. Only each
@@ -44,7 +45,7 @@ class FlatOptimizer {
   Kokkos::View<std::int64_t*, Layout, MemSpace> copy_;  // (chunks) first bf16 copy element, or -1
   View1D lr_mult_;                                             // (chunks) of the chunk's tensor
   View1I flags_;            // (chunks) bit 0 counted, bit 1 trainable, bit 2 weight decay
-  mutable View1D partial_;  // (chunks + 1) chunk sums, then the total
+  mutable View1D partial_;  // chunk sums, the total, then the sums of kGroup chunks each
   int chunks_ = 0;
 };
 

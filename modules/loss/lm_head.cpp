@@ -79,14 +79,31 @@ LossSums LmHead::forward(const TensorTable& table, ConstMat x, ConstIVec tokens,
         }
       });
 
-  // Per-sequence sums in position order, in double: deterministic whatever the backend.
+  // Per-sequence sums in double, in one fixed order whatever the backend: chunks of kSumChunk
+  // positions in order (one thread each), then each sequence's chunks in order. The chunk sums
+  // follow the sequences' in seq_sums_.
+  const int chunks = (T - 1 + kSumChunk - 1) / kSumChunk;
+  const std::int64_t part = 2 * std::int64_t(nseq);
+  KMOE_REQUIRE(part + 2 * std::int64_t(nseq) * chunks <= std::int64_t(seq_sums_.extent(0)),
+               "head: " << nseq << " sequences of " << T << " positions beyond its sums buffer");
   auto seq_sums = seq_sums_;
+  Kokkos::parallel_for(
+      "head::chunk_sums", Range2({0, 0}, {nseq, chunks}), KOKKOS_LAMBDA(int s, int c) {
+        const int t1 = (c + 1) * kSumChunk < T - 1 ? (c + 1) * kSumChunk : T - 1;
+        double ce = 0.0, z = 0.0;
+        for (int t = c * kSumChunk; t < t1; ++t) {
+          ce += row_ce(s * T + t);
+          z += row_z(s * T + t);
+        }
+        seq_sums(part + 2 * (std::int64_t(s) * chunks + c)) = ce;
+        seq_sums(part + 2 * (std::int64_t(s) * chunks + c) + 1) = z;
+      });
   Kokkos::parallel_for(
       "head::sequence_sums", Range(0, nseq), KOKKOS_LAMBDA(int s) {
         double ce = 0.0, z = 0.0;
-        for (int t = 0; t < T - 1; ++t) {
-          ce += row_ce(s * T + t);
-          z += row_z(s * T + t);
+        for (int c = 0; c < chunks; ++c) {
+          ce += seq_sums(part + 2 * (std::int64_t(s) * chunks + c));
+          z += seq_sums(part + 2 * (std::int64_t(s) * chunks + c) + 1);
         }
         seq_sums(2 * s) = ce;
         seq_sums(2 * s + 1) = z;

@@ -64,7 +64,8 @@ class LmHead {
   View1F rstd_;            // (N)
   View1F logits_;          // (N, V), then its gradient
   View1F row_ce_, row_z_;  // (N)
-  View1D seq_sums_;        // (2 * nseq) CE and z sums per sequence
+  View1D seq_sums_;  // (2 * max_tokens): CE and z sums per sequence, then per chunk of each
+  static constexpr int kSumChunk = 64;  // positions summed by one thread
 };
 
 }  // namespace kmoe

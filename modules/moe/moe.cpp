@@ -301,13 +301,14 @@ void MoeLayer::assign_rows(int cap) {
   auto off = buckets_.offsets;
   auto ord = buckets_.order;
   auto roff = row_offsets_;
-  // Kept-row offsets on the device, from the device counts.
-  Kokkos::parallel_for(
-      "moe::row_offsets", Range(0, 1), KOKKOS_LAMBDA(int) {
-        roff(0) = 0;
-        for (int e = 0; e < E; ++e) {
-          const int c = off(e + 1) - off(e);
-          roff(e + 1) = roff(e) + (c < cap ? c : cap);
+  // Kept-row offsets on the device, from the device counts: a prefix sum over the experts.
+  Kokkos::parallel_scan(
+      "moe::row_offsets", Range(0, E), KOKKOS_LAMBDA(int e, int& before, bool final) {
+        const int c = off(e + 1) - off(e);
+        before += c < cap ? c : cap;
+        if (final) {
+          if (e == 0) roff(0) = 0;
+          roff(e + 1) = before;
         }
       });
   // Per-expert GEMMs and the ep dispatch size their work on the host: they read the offsets

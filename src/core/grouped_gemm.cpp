@@ -328,10 +328,15 @@ void GroupedGemm::plan(ConstIVec off, std::int64_t max_rows) {
   max_rows_ = max_rows;
   const int G = groups_;
   auto toff = tile_off_;
-  Kokkos::parallel_for(
-      "grouped_gemm::plan", Range(0, 1), KOKKOS_LAMBDA(int) {
-        toff(0) = 0;
-        for (int g = 0; g < G; ++g) toff(g + 1) = toff(g) + (off(g + 1) - off(g) + kTile - 1) / kTile;
+  // The groups' first row tiles: a prefix sum over the groups (integers: exact in any order).
+  Kokkos::parallel_scan(
+      "grouped_gemm::plan", Range(0, G), KOKKOS_LAMBDA(int g, int& before, bool final) {
+        const int tiles = (off(g + 1) - off(g) + kTile - 1) / kTile;
+        before += tiles;
+        if (final) {
+          if (g == 0) toff(0) = 0;
+          toff(g + 1) = before;
+        }
       });
 }
 

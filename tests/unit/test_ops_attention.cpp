@@ -298,6 +298,29 @@ TEST(BlockedAttention, BandFollowsTheMask) {
 }
 
 // The tables hold cos/sin of p * theta^(-2i/dh) computed in double, rounded to float once.
+// document_starts (chunks of 64 positions on a team's threads) against a walk over each
+// sequence: ends in the first and the last position, at chunk edges, two ends side by side,
+// and gaps longer than two chunks (a chunk takes its start from several chunks back).
+TEST(DocumentStarts, MatchTheWalkOverLongGaps) {
+  const int T = 300, nseq = 3, N = nseq * T;
+  std::vector<int> ids(N, 7);
+  for (int e : {0, 63, 64, 65, 200}) ids[e] = 2;  // sequence 0
+  for (int e : {T - 1}) ids[T + e] = 2;             // sequence 1: one end, in its last position
+  // sequence 2: none
+  std::vector<int> want(N);
+  for (int s = 0; s < nseq; ++s)
+    for (int t = 0, first = 0; t < T; ++t) {
+      want[s * T + t] = first;
+      if (ids[s * T + t] == 2) first = t + 1;
+    }
+  View1I ids_dev("ids", N), got_dev("starts", N);
+  Kokkos::deep_copy(ids_dev, Kokkos::View<const int*, HostSpace, Unmanaged>(ids.data(), N));
+  document_starts(ConstIVec(ids_dev.data(), N), nseq, T, 2, got_dev);
+  std::vector<int> got(N);
+  Kokkos::deep_copy(Kokkos::View<int*, HostSpace, Unmanaged>(got.data(), N), got_dev);
+  for (int i = 0; i < N; ++i) ASSERT_EQ(got[i], want[i]) << "sequence " << i / T << " position " << i % T;
+}
+
 TEST(RopeTables, DoubleAnglesRoundedOnce) {
   struct Case {
     int dh;
