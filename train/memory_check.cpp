@@ -85,7 +85,8 @@ StepTraffic step_traffic(const Config& cfg, int stage) {
   auto gather_saved = [](double copies, int members) {
     return members > 1 ? 2.0 * copies * (members - 1) / members : 0.0;
   };
-  const bool copies = mem.copy_elements > 0;
+  // (Without optimizer.shard the copies are rounded on each rank: nothing gathered.)
+  const bool copies = cfg.optimizer.shard == OptimizerShard::Replicas && mem.copy_elements > 0;
   StepTraffic out;
   out.stage_grads = ring(4.0 * dense, p.dp * p.ep) -
                     (copies ? gather_saved(double(mem.gemm_elements), p.dp * p.ep) : 0.0);

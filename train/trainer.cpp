@@ -77,11 +77,12 @@ Trainer::Trainer(const Config& cfg, ProcessGrid& grid, const RunContext& ctx)
                                               table_, cfg.engram, plan, comms, &stats_));
     if (i == 0) {  // later instances share the first one's tensors
       // The buckets, and with optimizer.shard the moments this rank keeps, from the tensors.
-      // bf16 runs keep the sharded gemm_only tensors as bf16 copies with sharded fp32 masters.
+      // bf16 runs keep the gemm_only tensors as bf16 compute copies, rounded once per step
+      // (sharded: with sharded fp32 masters, the copies all-gathered).
       const bool shard = cfg.optimizer.shard == OptimizerShard::Replicas;
-      const bool copies = shard && t.precision == Precision::Bf16;
+      const bool copies = t.precision == Precision::Bf16;
       reducer_ = std::make_unique<GradReducer>(table_, grid, cfg.parallel.bucket_mb,
-                                               cfg.model.tie_embeddings, shard, copies);
+                                               cfg.model.tie_embeddings, shard, shard && copies);
       table_.allocate(shard ? &reducer_->moment_slices() : nullptr, copies);
       table_.initialize(t.seed);
     }

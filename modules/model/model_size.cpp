@@ -200,11 +200,11 @@ RankMemory rank_memory(const ModelCfg& m, const MoeCfg& e, const EngramCfg& g, i
     const Size moments = (dense + dr - Size(1)).get() / dr.get() +
                          Size((experts + er - Size(1)).get() / er.get()) + sharded + tied_whole;
     out.moment_elements = moments.get();
-    // bf16 with sharded state: the split tensors only products read as bf16 copies, their
-    // fp32 master rows split like the moments.
+    // bf16: the tensors only products read as bf16 copies, their fp32 master rows split like
+    // the moments (all of them without sharded state).
     const bool bf16 = r.precision == Precision::Bf16;
-    const Size dense_copies = bf16 && dr.get() > 1 ? gemm : Size(0);
-    const Size expert_copies = bf16 && er.get() > 1 ? experts : Size(0);
+    const Size dense_copies = bf16 ? gemm : Size(0);
+    const Size expert_copies = bf16 ? experts : Size(0);
     const Size copies = dense_copies + expert_copies;
     const Size masters = (dense_copies + dr - Size(1)).get() / dr.get() +
                          Size((expert_copies + er - Size(1)).get() / er.get());

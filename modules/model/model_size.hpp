@@ -43,8 +43,8 @@ struct RankShare {
   bool recompute = false;  // train.recompute = block: the blocks share one pool of saved buffers
   // optimizer.shard = replicas: the ranks a dense tensor's and an expert's AdamW moments are
   // split over (the stage's dp*ep replicas, the dp group); 1 unsharded. In bf16 runs the
-  // tensors only products read are then kept as bf16 compute copies with their fp32 master
-  // rows split the same way.
+  // tensors only products read are kept as bf16 compute copies, their fp32 master rows split
+  // the same way.
   int dense_replicas = 1, expert_replicas = 1;
 };
 

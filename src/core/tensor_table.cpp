@@ -134,7 +134,7 @@ void TensorTable::allocate(const std::vector<MomentSlice>* moments, bool bf16_co
   std::int64_t np = 0, nc = 0;
   for (std::size_t i = 0; i < entries_.size(); ++i) {
     const TensorEntry& e = entries_[i];
-    const bool copy = bf16_copies && moments && e.spec.gemm_only && moments_[i].split;
+    const bool copy = bf16_copies && e.spec.gemm_only && e.spec.trainable;
     param_at_.push_back(np);
     copy_at_.push_back(copy ? nc : -1);
     np += copy ? moments_[i].rows * e.spec.row_elements() : e.size;

@@ -47,9 +47,9 @@ struct TensorSpec {
   // The last pipeline stage's replica of a tied embedding: its gradient is summed with stage
   // 0's; it is not saved and not counted in the gradient norm (stage 0's copy is).
   bool tied_copy = false;
-  // Read only as a GEMM's weight operand (TensorTable::weight): a bf16 run whose optimizer
-  // state splits the tensor over its replicas (optimizer.shard) may keep it as a bf16 compute
-  // copy, with fp32 values only for this rank's rows of the split (TensorTable::allocate).
+  // Read only as a GEMM's weight operand (TensorTable::weight): a bf16 run keeps it as a bf16
+  // compute copy, rounded once per optimizer step, with fp32 values for the rows whose AdamW
+  // moments this rank keeps (all of them unless optimizer.shard splits the tensor).
   bool gemm_only = false;
 
   static TensorSpec matrix(std::string name, std::vector<std::int64_t> shape, double init_std);
@@ -96,10 +96,11 @@ class TensorTable {
   int add(TensorSpec spec);
   // Allocates the flat buffers (zeroed). No new tensors after this. With `moments` (one slice
   // per tensor, in table order, offsets packed: optimizer.shard) exp_avg and exp_avg_sq hold
-  // only those slices. With `bf16_copies` as well (train.precision = bf16), every gemm_only
-  // tensor with a split slice is kept as a bf16 compute copy in `weights_b16` and its fp32
-  // values (the master weights AdamW updates) only for its slice's rows in `params`: ZeRO-1's
-  // sharded fp32 master weights.
+  // only those slices. With `bf16_copies` (train.precision = bf16), every trainable gemm_only
+  // tensor is kept as a bf16 compute copy in `weights_b16`, which products read (GEMMs take
+  // it as it is: no rounding per call), and its fp32 values (the master weights AdamW updates
+  // and rounds into the copy) in `params` for its moment slice's rows only: every local row
+  // without a split, this rank's rows with one (ZeRO-1's sharded fp32 master weights).
   void allocate(const std::vector<MomentSlice>* moments = nullptr, bool bf16_copies = false);
 
   int size() const { return static_cast<int>(entries_.size()); }

@@ -171,13 +171,21 @@ TEST(ModelSize, RankShareMatchesTheStagesTable) {
                                      4 * masters);
         sh.precision = Precision::Fp32;  // fp32 runs compute from the fp32 values: no copies
         EXPECT_EQ(rank_memory(m, e, g, 2, 16, sh).param_bytes, 4 * mem.elements);
+        // bf16 without sharded state: the same copies beside every fp32 value.
+        RankShare whole = r;
+        whole.precision = Precision::Bf16;
+        const RankMemory u = rank_memory(m, e, g, 2, 16, whole);
+        EXPECT_EQ(u.copy_elements, mem.gemm_elements + mem.expert_elements);
+        EXPECT_EQ(u.param_bytes, 4 * u.elements + 2 * u.copy_elements);
         r.in_flight = 3;  // more micro-batches in flight keep more activations
         EXPECT_GT(rank_memory(m, e, g, 2, 16, r).activation_bytes, mem.activation_bytes);
         r.precision = Precision::Bf16;  // bf16 keeps some of them at half the bytes
         const RankMemory half = rank_memory(m, e, g, 2, 16, r);
         r.precision = Precision::Fp32;
         const RankMemory full = rank_memory(m, e, g, 2, 16, r);
-        EXPECT_EQ(half.state_bytes, full.state_bytes);
+        // ... and its product weights' compute copies beside the fp32 state.
+        EXPECT_EQ(half.state_bytes, full.state_bytes + 2 * half.copy_elements);
+        EXPECT_GT(half.copy_elements, 0);
         EXPECT_LT(half.activation_bytes, full.activation_bytes);
         EXPECT_GT(2 * half.activation_bytes, full.activation_bytes);
       }

@@ -62,16 +62,17 @@ TEST(TensorTable, OffsetsAreContiguousInDeclarationOrder) {
   EXPECT_EQ(t.grad(3), t.grads.data() + 19);
 }
 
-// optimizer.shard in bf16 runs: a gemm_only tensor with a split moment slice is kept as a bf16
-// compute copy of every local row and fp32 values for its slice's rows only; other tensors keep
-// their fp32 values whole. Initialization gives the master rows the values an ordinary table
-// gets and the copy their bf16 rounding; AdamW updates the master rows exactly as the ordinary
-// table's and writes them, rounded, into the copy, leaving the other replicas' rows alone.
+// bf16 runs: every gemm_only tensor is kept as a bf16 compute copy of every local row, with fp32
+// values for its moment slice's rows: a split slice's rows only (optimizer.shard), every row of
+// a whole one; other tensors keep their fp32 values whole. Initialization gives the master rows
+// the values an ordinary table gets and the copy their bf16 rounding; AdamW updates the master
+// rows exactly as the ordinary table's and writes them, rounded, into the copy, leaving the
+// other replicas' rows alone.
 TEST(TensorTable, Bf16ComputeCopiesKeepShardedMasterRows) {
   auto declare = [](TensorTable& t) {
     t.add(TensorSpec::matrix("a", {6, 4}, 0.5).gemm_weight());  // copied: split, gemm_only
     t.add(TensorSpec::gain("g", 4));                             // split, not gemm_only
-    t.add(TensorSpec::matrix("b", {3, 4}, 0.5).gemm_weight());  // gemm_only, not split
+    t.add(TensorSpec::matrix("b", {3, 4}, 0.5).gemm_weight());  // copied whole: not split
   };
   const std::vector<MomentSlice> slices = {{2, 3, 0, true}, {1, 2, 12, true}, {0, 3, 14, false}};
   TensorTable plain, copied;
@@ -81,17 +82,22 @@ TEST(TensorTable, Bf16ComputeCopiesKeepShardedMasterRows) {
   copied.allocate(&slices, /*bf16_copies=*/true);
   EXPECT_TRUE(copied.has_copy(0));
   EXPECT_FALSE(copied.has_copy(1));
-  EXPECT_FALSE(copied.has_copy(2));
+  EXPECT_TRUE(copied.has_copy(2));
   EXPECT_FALSE(plain.has_copy(0));
   EXPECT_EQ(copied.params.extent(0), std::size_t(3 * 4 + 4 + 12));  // a's slice rows, g, b
-  EXPECT_EQ(copied.weights_b16.extent(0), std::size_t(24));
+  EXPECT_EQ(copied.weights_b16.extent(0), std::size_t(24 + 12));
   EXPECT_EQ(copied.master_first(0), 2);
   EXPECT_EQ(copied.master_rows(0), 3);
+  EXPECT_EQ(copied.master_first(2), 0);
+  EXPECT_EQ(copied.master_rows(2), 3);
   EXPECT_EQ(copied.param_offset(1), 12);
+  EXPECT_EQ(copied.param_offset(2), 16);
   EXPECT_THROW(copied.param(0), Error);
+  EXPECT_THROW(copied.param(2), Error);
   EXPECT_EQ(copied.weight(0, 6, 4).f32, nullptr);
   EXPECT_EQ(copied.weight(0, 6, 4, 8).b16, copied.weights_b16.data() + 8);
-  EXPECT_EQ(copied.weight(2, 3, 4).f32, copied.param(2));
+  EXPECT_EQ(copied.weight(2, 3, 4).f32, nullptr);
+  EXPECT_EQ(copied.weight(2, 3, 4).b16, copied.weights_b16.data() + 24);
 
   auto words = [](const TensorTable& t) {
     auto h = Kokkos::create_mirror_view_and_copy(HostSpace(), t.weights_b16);
@@ -101,6 +107,8 @@ TEST(TensorTable, Bf16ComputeCopiesKeepShardedMasterRows) {
     const auto p = to_host(plain.params), c = to_host(copied.params);
     const auto w = words(copied);
     for (int j = 0; j < 24; ++j) EXPECT_EQ(w[j], bf16_bits(p[j])) << when << " copy of a " << j;
+    for (int j = 0; j < 12; ++j)
+      EXPECT_EQ(w[24 + j], bf16_bits(p[28 + j])) << when << " copy of b " << j;
     for (int j = 0; j < 12; ++j) EXPECT_EQ(c[j], p[8 + j]) << when << " master row of a " << j;
     for (int j = 12; j < 28; ++j) EXPECT_EQ(c[j], p[j + 12]) << when << " g and b " << j;
   };
@@ -128,6 +136,43 @@ TEST(TensorTable, Bf16ComputeCopiesKeepShardedMasterRows) {
   }();
   EXPECT_EQ(w[0], bf16_bits(init[0])) << "rows outside the slice are other replicas' to update";
   EXPECT_NE(w[8], bf16_bits(init[8]));
+}
+
+// bf16 without sharded state: every trainable gemm_only tensor copied, its fp32 values whole;
+// buffers and other tensors keep fp32 values only; AdamW rounds the updated values into the
+// copies.
+TEST(TensorTable, Bf16ComputeCopiesWithoutShardingKeepEveryRow) {
+  TensorTable plain, copied;
+  for (TensorTable* t : {&plain, &copied}) {
+    t->add(TensorSpec::matrix("w", {5, 4}, 0.5).gemm_weight());
+    t->add(TensorSpec::gain("g", 4));
+    t->add(TensorSpec::buffer("bias", {3}));
+  }
+  plain.allocate();
+  copied.allocate(nullptr, /*bf16_copies=*/true);
+  EXPECT_TRUE(copied.has_copy(0));
+  EXPECT_FALSE(copied.has_copy(1));
+  EXPECT_FALSE(copied.has_copy(2));
+  EXPECT_EQ(copied.params.extent(0), plain.params.extent(0));
+  EXPECT_EQ(copied.weights_b16.extent(0), std::size_t(20));
+  EXPECT_EQ(copied.master_rows(0), 5);
+  EXPECT_EQ(copied.weight(0, 5, 4).b16, copied.weights_b16.data());
+  EXPECT_EQ(copied.weight(1, 1, 4).f32, copied.param(1));
+  plain.initialize(3);
+  copied.initialize(3);
+  std::vector<float> g(plain.total_elements());
+  for (std::size_t j = 0; j < g.size(); ++j) g[j] = 0.03f * float(j % 5) - 0.05f;
+  from_host(g, plain.grads);
+  from_host(g, copied.grads);
+  OptimizerCfg o;
+  o.lr = 0.1;
+  adamw_step(o, plain, 1, 0.1, 1.0);
+  adamw_step(o, copied, 1, 0.1, 1.0);
+  const auto p = to_host(plain.params), c = to_host(copied.params);
+  EXPECT_EQ(c, p) << "the fp32 values as an ordinary table's";
+  auto h = Kokkos::create_mirror_view_and_copy(HostSpace(), copied.weights_b16);
+  for (int j = 0; j < 20; ++j) EXPECT_EQ(h(j), bf16_bits(p[j])) << "copy of w " << j;
+  EXPECT_NE(h(0), bf16_bits(0.0f));
 }
 
 TEST(TensorTable, DuplicateNameThrows) {
