@@ -62,6 +62,21 @@ TEST(TensorTable, OffsetsAreContiguousInDeclarationOrder) {
   EXPECT_EQ(t.grad(3), t.grads.data() + 19);
 }
 
+// The same gradients (element j: 0.01 (j % period) - 0.02) in two tables of the same tensors,
+// then `steps` AdamW steps of each at learning rate 0.1.
+void same_adamw_steps(TensorTable& a, TensorTable& b, int period, int steps) {
+  std::vector<float> g(a.total_elements());
+  for (std::size_t j = 0; j < g.size(); ++j) g[j] = 0.01f * float(j % period) - 0.02f;
+  from_host(g, a.grads);
+  from_host(g, b.grads);
+  OptimizerCfg o;
+  o.lr = 0.1;
+  for (int t = 1; t <= steps; ++t) {
+    adamw_step(o, a, t, 0.1, 1.0);
+    adamw_step(o, b, t, 0.1, 1.0);
+  }
+}
+
 // bf16 runs: every gemm_only tensor is kept as a bf16 compute copy of every local row, with fp32
 // values for its moment slice's rows: a split slice's rows only (optimizer.shard), every row of
 // a whole one; other tensors keep their fp32 values whole. Initialization gives the master rows
@@ -115,16 +130,7 @@ TEST(TensorTable, Bf16ComputeCopiesKeepShardedMasterRows) {
   plain.initialize(7);
   copied.initialize(7);
   check("initialized");
-  std::vector<float> g(plain.total_elements());
-  for (std::size_t j = 0; j < g.size(); ++j) g[j] = 0.01f * float(j % 7) - 0.02f;
-  from_host(g, plain.grads);
-  from_host(g, copied.grads);
-  OptimizerCfg o;
-  o.lr = 0.1;
-  for (int t = 1; t <= 2; ++t) {
-    adamw_step(o, plain, t, 0.1, 1.0);
-    adamw_step(o, copied, t, 0.1, 1.0);
-  }
+  same_adamw_steps(plain, copied, 7, 2);
   check("after AdamW");
   const auto w = words(copied);
   const auto init = [&] {
@@ -160,14 +166,7 @@ TEST(TensorTable, Bf16ComputeCopiesWithoutShardingKeepEveryRow) {
   EXPECT_EQ(copied.weight(1, 1, 4).f32, copied.param(1));
   plain.initialize(3);
   copied.initialize(3);
-  std::vector<float> g(plain.total_elements());
-  for (std::size_t j = 0; j < g.size(); ++j) g[j] = 0.03f * float(j % 5) - 0.05f;
-  from_host(g, plain.grads);
-  from_host(g, copied.grads);
-  OptimizerCfg o;
-  o.lr = 0.1;
-  adamw_step(o, plain, 1, 0.1, 1.0);
-  adamw_step(o, copied, 1, 0.1, 1.0);
+  same_adamw_steps(plain, copied, 5, 1);
   const auto p = to_host(plain.params), c = to_host(copied.params);
   EXPECT_EQ(c, p) << "the fp32 values as an ordinary table's";
   auto h = Kokkos::create_mirror_view_and_copy(HostSpace(), copied.weights_b16);
