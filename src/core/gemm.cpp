@@ -334,7 +334,10 @@ const void* const* GemmGroupTables::device(const std::vector<const void*>& ptrs)
   std::vector<std::uintptr_t> words(ptrs.size());
   for (std::size_t i = 0; i < ptrs.size(); ++i) words[i] = reinterpret_cast<std::uintptr_t>(ptrs[i]);
   if (words != last_ || uploads_ == 0) {
-    if (uploads_ == kUploads) return nullptr;
+    if (uploads_ == kUploads) {
+      varying_ = true;
+      return nullptr;
+    }
     ++uploads_;
     ensure_size(dev_, std::int64_t(words.size()), "gemm::group_tables");
     mark_host_sync("gemm group tables");
@@ -423,7 +426,7 @@ void gemm_grouped_batched(const RunContext& ctx, Trans ta, Trans tb, float alpha
     // cuBLAS' grouped batch; whether it takes this call's types is known after the first call.
     static int taken[2] = {-1, -1};  // fp32/tf32, bf16: -1 not yet known, 0 refused, 1 taken
     const int kind = ctx.bf16() ? 1 : 0;
-    if (taken[kind] != 0) {
+    if (taken[kind] != 0 && !tables.varying()) {
       const std::vector<const void*> a = group_inputs(ctx, 0, groups), b = group_inputs(ctx, 1, groups);
       const std::size_t size = ctx.bf16() ? sizeof(std::uint16_t) : sizeof(float);
       const int G = static_cast<int>(groups.size());

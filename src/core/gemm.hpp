@@ -108,10 +108,14 @@ class GemmGroupTables {
   // strided batch per group (more launches, no wait).
   const void* const* device(const std::vector<const void*>& ptrs);
   static constexpr int kUploads = 3;  // the first, and workspace growth in the first steps
+  // Whether device() has refused a change: the caller may go to its strided batches at once,
+  // before forming (and, in bf16 runs, rounding) what the tables would hold.
+  bool varying() const { return varying_; }
 
  private:
   std::vector<std::uintptr_t> last_;                     // the pointers last uploaded
   int uploads_ = 0;
+  bool varying_ = false;
   Kokkos::View<std::uintptr_t*, Layout, MemSpace> dev_;  // as words: a View takes no void*
 };
 

@@ -576,7 +576,9 @@ TEST(Gemm, GroupTablesUploadOnlyWhatChangesAndGiveUpOnPointersThatKeepChanging) 
     ASSERT_NE(d, nullptr) << "change " << change;
     EXPECT_EQ(read(d, 0), x + change);
   }
+  EXPECT_FALSE(tables.varying());
   EXPECT_EQ(tables.device(table(5)), nullptr) << "pointers that keep changing";
+  EXPECT_TRUE(tables.varying());
   EXPECT_NE(tables.device(table(GemmGroupTables::kUploads - 1)), nullptr)
       << "the last uploaded pointers still hold";
 }
