@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "core/bf16.hpp"
+#include "core/device_sync.hpp"
 #include "core/error.hpp"
 #include "core/fault_injection.hpp"
 #include "io/collective_write.hpp"
@@ -151,9 +152,9 @@ void save_checkpoint(const Config& cfg, const ProcessGrid& grid, const TensorTab
     KMOE_REQUIRE(!ec, "checkpoint.dir = " << dir.string() << ": cannot create: " << ec.message());
     require_room(dir, checkpoint_bytes(catalog, cfg), name);
   });
-  auto params = Kokkos::create_mirror_view_and_copy(HostSpace(), table.params);
-  auto m = Kokkos::create_mirror_view_and_copy(HostSpace(), table.exp_avg);
-  auto v = Kokkos::create_mirror_view_and_copy(HostSpace(), table.exp_avg_sq);
+  auto params = host_copy("checkpoint params", table.params);
+  auto m = host_copy("checkpoint exp_avg", table.exp_avg);
+  auto v = host_copy("checkpoint exp_avg_sq", table.exp_avg_sq);
 
   // Every rank makes every step, the ranks agree after each (CollectiveWrite): a write that
   // fails on some ranks (a full disk) ends every rank on the same path.
@@ -357,10 +358,14 @@ TrainState load_checkpoint(const std::string& path, const Config& cfg, const Pro
   H5File f = H5File::open(path, grid.world.comm());
   f.set_progress([&watchdog] { watchdog.progress(); });
   const TrainState s = inspect(f, path, cfg, changes);
-  auto params = Kokkos::create_mirror_view(table.params);
-  auto copies = Kokkos::create_mirror_view(table.weights_b16);
-  auto m = Kokkos::create_mirror_view(table.exp_avg);
-  auto v = Kokkos::create_mirror_view(table.exp_avg_sq);
+  // Host copies of the current values: what the file does not replace stays as it was.
+  auto params = host_copy("checkpoint params", table.params);
+  auto copies = host_copy("checkpoint copies", table.weights_b16);
+  decltype(host_copy("", table.exp_avg)) m, v;
+  if (with_optimizer) {
+    m = host_copy("checkpoint exp_avg", table.exp_avg);
+    v = host_copy("checkpoint exp_avg_sq", table.exp_avg_sq);
+  }
   // Each rank reads exactly its own hyperslabs, whatever layout wrote the file, and refuses
   // non-finite values: trained on, a NaN would spread into every later checkpoint.
   auto read = [&](const std::string& dataset, const TensorEntry& e, std::int64_t r0,

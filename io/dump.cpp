@@ -2,6 +2,7 @@
 
 #include <filesystem>
 
+#include "core/device_sync.hpp"
 #include "io/checkpoint.hpp"
 #include "io/collective_write.hpp"
 #include "parallel/placement.hpp"
@@ -12,7 +13,7 @@ void write_step_dump(const Config& cfg, const ProcessGrid& grid, const TensorTab
                      const StepDump& d) {
   const std::string path = cfg.output.dir + "/dump_step" + std::to_string(d.step) + ".h5";
   const bool writer = grid.is_root();  // tokens and routes are whole-batch arrays
-  auto grads = Kokkos::create_mirror_view_and_copy(HostSpace(), table.grads);
+  auto grads = host_copy("dump gradients", table.grads);
   // A write failing on some ranks (a full output disk) ends every rank with one error.
   CollectiveWrite out(path, grid.world, cfg.parallel.watchdog_seconds);
   out.step([&](H5File& f) { f.set_attr("/", "step", std::int64_t(d.step)); });

@@ -3,9 +3,15 @@
 #include <algorithm>
 #include <filesystem>
 
+#include "core/device_memory.hpp"
 #include "core/error.hpp"
 
 namespace kmoe {
+
+namespace {
+const char* const kHdf5NeedsHost =
+    "HDF5 reads and writes host memory: give it a host copy (core/device_sync.hpp host_copy)";
+}  // namespace
 
 H5Handle& H5Handle::operator=(H5Handle&& o) noexcept {
   if (this != &o) {
@@ -132,6 +138,12 @@ std::vector<std::int64_t> H5File::shape(const std::string& dataset) const {
 void H5File::write_raw(const std::string& dataset, const std::vector<std::int64_t>& shape,
                        hid_t type, const void* data, std::size_t elem_bytes, bool write,
                        std::int64_t row_begin, std::int64_t rows) {
+  if (write && device_memory_check_on()) {
+    std::int64_t row_elems = 1;
+    for (std::size_t i = 1; i < shape.size(); ++i) row_elems *= shape[i];
+    require_host_memory(data, static_cast<std::size_t>(rows * row_elems) * elem_bytes,
+                        path_ + ": writing dataset " + dataset, kHdf5NeedsHost);
+  }
   H5Handle lcpl(H5Pcreate(H5P_LINK_CREATE), H5Pclose);
   H5Pset_create_intermediate_group(lcpl.get(), 1);
   const auto dims = dims_of(shape);
@@ -207,6 +219,8 @@ void H5File::read_rows_f32(const std::string& dataset, const std::vector<std::in
                path_ << ": dataset " << dataset << " is not float32");
   std::int64_t row_elems = 1;
   for (std::size_t i = 1; i < shape.size(); ++i) row_elems *= shape[i];
+  require_host_memory(data, static_cast<std::size_t>(rows * row_elems) * sizeof(float),
+                      path_ + ": reading dataset " + dataset, kHdf5NeedsHost);
   const std::int64_t block =
       std::max<std::int64_t>(1, kMaxTransferBytes / std::max<std::int64_t>(1, row_elems * 4));
   const auto dims = dims_of(shape);

@@ -7,10 +7,16 @@
 #include <nlohmann/json.hpp>
 
 #include "core/bf16.hpp"
+#include "core/device_memory.hpp"
 #include "core/error.hpp"
 #include "io/durable_file.hpp"
 
 namespace kmoe {
+
+namespace {
+const char* const kNeedsHost =
+    "safetensors files are read and written from host memory: give it a host copy";
+}  // namespace
 
 namespace fs = std::filesystem;
 using Json = nlohmann::ordered_json;
@@ -157,6 +163,8 @@ void SafetensorsReader::read_f32(const std::string& name, float* out) const {
   const StTensor* t = find(name);
   KMOE_REQUIRE(t, path_ << ": no tensor " << name);
   const std::int64_t n = t->numel(), bytes = t->end - t->begin;
+  require_host_memory(out, static_cast<std::size_t>(n) * sizeof(float),
+                      path_ + ": reading tensor " + name, kNeedsHost);
   in_.clear();
   in_.seekg(data_start_ + t->begin);
   if (t->dtype == StDtype::F32) {
@@ -209,6 +217,8 @@ void SafetensorsWriter::write_next(const std::string& name, const float* values,
   KMOE_REQUIRE(next_ < plan_.size() && plan_[next_].name == name && plan_[next_].numel() == n,
                path_ << ": tensor " << name << " (" << n << " values) is not the next planned ("
                      << (next_ < plan_.size() ? plan_[next_].name : "none") << ")");
+  require_host_memory(values, static_cast<std::size_t>(n) * sizeof(float),
+                      path_ + ": writing tensor " + name, kNeedsHost);
   const StTensor& t = plan_[next_++];
   if (t.dtype == StDtype::F32) {
     out_.write(reinterpret_cast<const char*>(values), n * 4);

@@ -6,8 +6,10 @@
 // reports no fences of its own, and its mirror views copy nothing).
 #pragma once
 
+#include <cstddef>
 #include <string>
 
+#include "core/device_memory.hpp"
 #include "core/kokkos_types.hpp"
 
 namespace kmoe {
@@ -23,12 +25,70 @@ inline void host_sync(const char* what) {
   Kokkos::fence();
 }
 
-// The device view's contents in host memory, once the work that writes them is done (the view
-// itself on host backends).
+// Host memory that a named read reuses from call to call: `bytes` or more, page-locked where
+// the backend has such memory, labelled kHostLabel + what, grown when a read needs more (the
+// previous contents are then gone). Released when Kokkos finalizes.
+void* host_read_buffer(const char* what, std::size_t bytes);
+
+// A host view of a device view's shape over memory the caller provides.
 template <class View>
-auto read_to_host(const char* what, const View& v) {
+using HostViewOf = Kokkos::View<typename View::non_const_data_type, typename View::array_layout,
+                                HostSpace, Unmanaged>;
+
+// Whether views of MemSpace are read in place on the host: a host backend without device
+// paths. With device paths a host backend copies as a GPU build does (core/device_memory.hpp).
+template <class View>
+bool host_reads_in_place() {
+  if constexpr (Kokkos::SpaceAccessibility<HostSpace, typename View::memory_space>::accessible)
+    return !device_paths();
+  else
+    return false;
+}
+
+// The device view's contents in host memory, once the work that writes them is done: the view
+// itself where host_reads_in_place, else a copy in the host buffer of this name, valid until
+// the next read of the same name (no allocation after a name's first read: the step's named
+// waits allocate nothing). The view must be contiguous.
+template <class View>
+HostViewOf<View> read_to_host(const char* what, const View& v) {
   mark_host_sync(what);
-  return Kokkos::create_mirror_view_and_copy(HostSpace(), v);
+  using Host = HostViewOf<View>;
+  using T = typename View::non_const_value_type;
+  if constexpr (Kokkos::SpaceAccessibility<HostSpace, typename View::memory_space>::accessible) {
+    if (host_reads_in_place<View>()) {
+      Kokkos::fence();
+      return Host(const_cast<T*>(v.data()), v.layout());
+    }
+  }
+  Host h(static_cast<T*>(host_read_buffer(what, v.span() * sizeof(T))), v.layout());
+  Kokkos::deep_copy(h, v);
+  return h;
+}
+
+// A host view of the device view's shape that owns its memory (labelled kHostLabel + label:
+// checkpoint and dump buffers, which the HDF5 layer takes), or the view itself where
+// host_reads_in_place. Uninitialized unless it is the view itself.
+template <class View>
+Kokkos::View<typename View::non_const_data_type, typename View::array_layout, HostSpace>
+host_mirror(const std::string& label, const View& v) {
+  using Host = Kokkos::View<typename View::non_const_data_type, typename View::array_layout,
+                            HostSpace>;
+  if constexpr (Kokkos::SpaceAccessibility<HostSpace, typename View::memory_space>::accessible) {
+    if (host_reads_in_place<View>()) return Host(v);
+  }
+  return Host(Kokkos::view_alloc(Kokkos::WithoutInitializing, kHostLabel + label), v.layout());
+}
+
+// host_mirror with the view's contents, once the work that writes them is done.
+template <class View>
+auto host_copy(const std::string& label, const View& v) {
+  auto h = host_mirror(label, v);
+  mark_host_sync(label.c_str());
+  if (h.data() == v.data())
+    Kokkos::fence();
+  else
+    Kokkos::deep_copy(h, v);
+  return h;
 }
 
 }  // namespace kmoe

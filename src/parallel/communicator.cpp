@@ -12,6 +12,7 @@
 #include <thread>
 #include <utility>
 
+#include "core/device_memory.hpp"
 #include "core/device_sync.hpp"
 #include "core/error.hpp"
 
@@ -58,6 +59,14 @@ double g_comm_wait = 0.0;
 }  // namespace
 
 double comm_wait_seconds() { return g_comm_wait; }
+
+void Communicator::require_host(const void* data, std::int64_t n, int bytes, const char* op) const {
+  if (!device_memory_check_on() || n <= 0 || mpi_device_memory_declared()) return;
+  require_host_memory(data, static_cast<std::size_t>(n) * bytes,
+                      "Communicator " + name_ + " axis, " + op,
+                      "this MPI is not declared to take device memory (parallel.cuda_aware_mpi): "
+                      "device buffers go through the data plane's staging (StagedMpiComm)");
+}
 void add_comm_wait(double seconds) { g_comm_wait += seconds; }
 
 void check_all_to_all_counts(const std::string& axis, int size, int rank,
@@ -239,6 +248,7 @@ void Communicator::complete(Pending& pending) const {
 template <class T>
 Pending Communicator::start_reduce(T* data, std::int64_t n, MPI_Datatype type, MPI_Op mpi_op,
                                    const char* op) const {
+  require_host(data, n, sizeof(T), op);
   if (size_ == 1) return nullptr;
   host_sync("mpi allreduce");
   auto p = begin(op, true, -1, n);
@@ -274,10 +284,11 @@ Pending Communicator::start_rooted(void* data, const std::vector<std::int64_t>& 
                                    bool reduce, MPI_Datatype type, int bytes,
                                    const char* op) const {
   check_block_counts(name_, size_, counts);
-  if (size_ == 1) return nullptr;
-  host_sync(reduce ? "mpi reduce_scatter" : "mpi allgather");
   std::int64_t n = 0;
   for (std::int64_t c : counts) n += c;
+  require_host(data, n, bytes, op);
+  if (size_ == 1) return nullptr;
+  host_sync(reduce ? "mpi reduce_scatter" : "mpi allgather");
   auto p = begin(op, true, -1, n);
   // Member q's block: a reduction to q (MPI_Ireduce_scatter would leave each result at the
   // start of the buffer, not in its block) or a broadcast from q, in place.
@@ -374,6 +385,8 @@ void Communicator::on_root(const std::function<void()>& action) const {
 }
 
 void Communicator::all_to_all(const std::int64_t* send, std::int64_t* recv, int per_peer) const {
+  require_host(send, std::int64_t(size_) * per_peer, sizeof(std::int64_t), "all_to_all(counts)");
+  require_host(recv, std::int64_t(size_) * per_peer, sizeof(std::int64_t), "all_to_all(counts)");
   if (size_ == 1) {
     std::copy(send, send + per_peer, recv);
     return;
@@ -411,6 +424,10 @@ void post(std::vector<MPI_Request>& reqs, bool is_send, const float* data, std::
 void Communicator::all_to_all_v(const float* send, const std::vector<std::int64_t>& send_counts,
                                 float* recv, const std::vector<std::int64_t>& recv_counts) const {
   check_all_to_all_counts(name_, size_, rank_, send_counts, recv_counts);
+  std::int64_t n_send = 0, n_recv = 0;
+  for (int p = 0; p < size_; ++p) n_send += send_counts[p], n_recv += recv_counts[p];
+  require_host(send, n_send, sizeof(float), "all_to_all_v (send)");
+  require_host(recv, n_recv, sizeof(float), "all_to_all_v (receive)");
   host_sync("mpi all_to_all_v");
   auto pend = begin("all_to_all_v", true, -1);
   auto& reqs = pend->reqs;
@@ -432,6 +449,7 @@ Pending Communicator::start_send(const float* data, std::int64_t n, int peer) co
     send_recv(data, n, peer, nullptr, 0, -1);
     return nullptr;
   }
+  require_host(data, n, sizeof(float), "send");
   host_sync("mpi send");
   auto p = begin("send", false, peer);
   post(p->reqs, true, data, n, peer, comm_);
@@ -456,8 +474,10 @@ void Communicator::recv(float* data, std::int64_t n, int peer) const {
 void Communicator::send_recv(const float* send, std::int64_t n_send, int to, float* recv,
                              std::int64_t n_recv, int from) const {
   if (to < 0 && from < 0) return;
-  host_sync("mpi send_recv");
   const char* op = to >= 0 && from >= 0 ? "send_recv" : (to >= 0 ? "send" : "recv");
+  if (to >= 0) require_host(send, n_send, sizeof(float), op);
+  if (from >= 0) require_host(recv, n_recv, sizeof(float), op);
+  host_sync("mpi send_recv");
   auto p = begin(op, false, from >= 0 ? from : to);
   if (from >= 0) post(p->reqs, false, recv, n_recv, from, comm_);
   if (to >= 0) post(p->reqs, true, send, n_send, to, comm_, rendezvous_);

@@ -3,7 +3,9 @@
 // control plane: metrics, counts; on CPU builds, or with a CUDA-aware MPI, the data plane too,
 // as a DataComm). Every collective and point-to-point transfer is nonblocking underneath and
 // waited on by the watchdog: a rank stuck longer than `watchdog_seconds` names the operation,
-// the axis and the ranks that did not arrive, then aborts the job.
+// the axis and the ranks that did not arrive, then aborts the job. Under the device memory
+// check (core/device_memory.hpp) it refuses a buffer in device memory unless MPI was declared
+// to take it.
 #pragma once
 
 #include <mpi.h>
@@ -168,6 +170,9 @@ class Communicator : public DataComm {
   std::unique_ptr<MpiOp> begin(const char* op, bool collective, int peer,
                                std::int64_t count = -1) const;
   void post_notices(MpiOp& p) const;
+  // Under the device memory check (core/device_memory.hpp), refuses n elements of `bytes` at
+  // `data` that lie in device memory, unless MPI was declared to take it.
+  void require_host(const void* data, std::int64_t n, int bytes, const char* op) const;
   // Runs a blocking operation: the requests are already in p.
   void run(std::unique_ptr<MpiOp> p) const;
   // Starts one rooted operation per member block of `counts` elements of `type` (`bytes` each),

@@ -18,6 +18,7 @@
 #include <hip/hip_runtime_api.h>
 #endif
 
+#include "core/device_memory.hpp"
 #include "core/error.hpp"
 #include "core/gemm.hpp"
 #include "parallel/communicator.hpp"
@@ -222,6 +223,13 @@ void apply_execution(ExecutionPlan& plan, const std::string& program) {
 KokkosSession::KokkosSession(int& argc, char** argv, const std::string& program)
     : plan_(plan_execution(argc, argv)) {
   Kokkos::initialize(argc, argv);  // consumes --kokkos-* arguments
+  if (start_device_memory_check_from_env())
+    plan_.notes.push_back(
+        Kokkos::SpaceAccessibility<HostSpace, MemSpace>::accessible && !device_paths()
+            ? "KMOE_CHECK_DEVICE_MEMORY=1 records nothing on a host backend without "
+              "KMOE_DEVICE_PATHS=1"
+            : "device allocations recorded (KMOE_CHECK_DEVICE_MEMORY=1): MPI, HDF5 and "
+              "safetensors refuse device pointers");
   apply_execution(plan_, program);
 }
 

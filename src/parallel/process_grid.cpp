@@ -1,5 +1,6 @@
 #include "parallel/process_grid.hpp"
 
+#include "core/device_memory.hpp"
 #include "core/error.hpp"
 #include "parallel/staged_comm.hpp"
 #ifdef KMOE_HAVE_NCCL
@@ -59,6 +60,7 @@ void ProcessGrid::build_data_plane(const ParallelCfg& cfg) {
   // one axis some ranks lack, comes last.
   std::vector<const Communicator*> axes = {&stage, &dp_axis, &ep_axis, &pipe};
   if (tie.valid()) axes.push_back(&tie);
+  declare_mpi_device_memory(false);
   if (cfg.backend == CommBackend::Nccl) {
 #ifdef KMOE_HAVE_NCCL
     for (const Communicator* axis : axes)
@@ -72,9 +74,12 @@ void ProcessGrid::build_data_plane(const ParallelCfg& cfg) {
   }
   // MPI on device memory it cannot read: through pinned host buffers. On host-accessible
   // memory, or with a CUDA-aware MPI, the axes serve as their own data plane.
-  if (mpi_needs_staging(cfg.cuda_aware_mpi))
+  const bool staging = mpi_needs_staging(cfg.cuda_aware_mpi);
+  if (staging)
     for (const Communicator* axis : axes)
       data_.emplace_back(axis, std::make_unique<StagedMpiComm>(*axis));
+  // The axes then take device memory as the user declared (the device memory check lets them).
+  declare_mpi_device_memory(device_paths() && !staging);
 }
 
 const DataComm& ProcessGrid::data_plane(const Communicator& axis) const {

@@ -6,6 +6,7 @@
 #include <numeric>
 #include <utility>
 
+#include "core/device_memory.hpp"
 #include "core/device_sync.hpp"
 #include "core/error.hpp"
 
@@ -102,8 +103,9 @@ StagedMpiComm::HostBuffer StagedMpiComm::take(std::int64_t n) const {
         (best == pool_.end() || it->extent(0) < best->extent(0)))
       best = it;
   if (best == pool_.end())
-    return HostBuffer(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kmoe::staged_mpi"),
-                      std::max<std::int64_t>(n, 1));
+    return HostBuffer(
+        Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string(kHostLabel) + "staged mpi"),
+        std::max<std::int64_t>(n, 1));
   HostBuffer b = std::move(*best);
   pool_.erase(best);
   return b;
