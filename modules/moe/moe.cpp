@@ -156,10 +156,10 @@ MoeLayer::MoeLayer(const RunContext& ctx, const ModelCfg& m, const MoeCfg& e,
   row_slot_ = saved_ints(ctx, "moe::row_slot", slots);
   row_offsets_ = View1I("moe::row_offsets", E_ + 1);
   if (P_ > 1) {
-    dispatch_ = std::make_unique<ExpertDispatch>(*ep, ep_data ? *ep_data : *ep, E_, D_);
     // The expert side's rows depend on the routing of every ep rank: sized here for twice a
     // balanced share, grown in a step only beyond that.
     const std::int64_t rows = 2 * slots;
+    dispatch_ = std::make_unique<ExpertDispatch>(*ep, ep_data ? *ep_data : *ep, E_, D_, rows);
     ex_in_ = KeptOperand(ctx, "moe::ex_in", rows * D_, /*may_be_bf16=*/D_ % 2 == 0);
     ex_up1_ = KeptOperand(ctx, "moe::ex_up1", rows * Fe_);
     ex_up3_ = KeptOperand(ctx, "moe::ex_up3", rows * Fe_);

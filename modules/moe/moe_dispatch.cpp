@@ -10,14 +10,16 @@
 namespace kmoe {
 
 ExpertDispatch::ExpertDispatch(const Communicator& ep, const DataComm& ep_data, int experts,
-                               int d_model)
+                               int d_model, std::int64_t expected_rows)
     : exchange_(ep, ep_data, "moe::dispatch"),
       P_(ep.size()),
       E_(experts),
       El_(experts / ep.size()),
       D_(d_model),
       local_off_(El_ + 1, 0),
-      blocks_("moe::dispatch_blocks", 2 * P_ * El_ + 1) {
+      blocks_("moe::dispatch_blocks", 2 * P_ * El_ + 1),
+      blocks_host_(host_mirror("moe dispatch blocks", blocks_)),
+      perm_("moe::dispatch_perm", std::max<std::int64_t>(1, expected_rows)) {
   KMOE_REQUIRE(E_ % P_ == 0,
                "moe.experts (" << E_ << ") must be divisible by parallel.ep (" << P_ << ")");
 }
@@ -42,7 +44,7 @@ void ExpertDispatch::plan(const std::vector<int>& offsets) {
   // Block b = p*El + le (source p's rows for local expert le) starts at src(b) in the received
   // rows and at dst(b) expert-major; the host fills these P*El bounds, a kernel the rows.
   const int B = P * El;
-  auto bounds = Kokkos::create_mirror_view(blocks_);  // src(0..B), then dst(0..B-1)
+  auto bounds = blocks_host_;  // src(0..B), then dst(0..B-1)
   std::vector<int> fill(local_off_.begin(), local_off_.end() - 1);
   bounds(0) = 0;
   for (int b = 0; b < B; ++b) {

@@ -18,7 +18,9 @@ namespace kmoe {
 class ExpertDispatch {
  public:
   // ep: the expert-parallel group (counts), ep_data: its data plane (rows); rows are D wide.
-  ExpertDispatch(const Communicator& ep, const DataComm& ep_data, int experts, int d_model);
+  // expected_rows: the local rows its buffers are sized for (grown in a step only beyond).
+  ExpertDispatch(const Communicator& ep, const DataComm& ep_data, int experts, int d_model,
+                 std::int64_t expected_rows);
 
   // offsets: (E+1) row bounds of each global expert's block of this rank's kept rows.
   // Collective over the group: exchanges the per-expert counts, plans the regrouping.
@@ -40,7 +42,8 @@ class ExpertDispatch {
   int P_, E_, El_, D_;
   std::vector<int> local_off_;
   View1I blocks_;  // (2*P*El + 1): received block starts, then their expert-major starts
-  View1I perm_;    // (local rows): expert-major row -> received row
+  Kokkos::View<int*, Layout, HostSpace> blocks_host_;  // filled on the host (host_mirror)
+  View1I perm_;  // (local rows): expert-major row -> received row
 };
 
 }  // namespace kmoe

@@ -96,16 +96,23 @@ MpiDataPlane::MpiDataPlane(const Communicator& axis, CudaAwareMpi cuda_aware_mpi
 }
 
 StagedMpiComm::HostBuffer StagedMpiComm::take(std::int64_t n) const {
-  // The smallest pooled buffer that fits; a new one when none does.
-  auto best = pool_.end();
-  for (auto it = pool_.begin(); it != pool_.end(); ++it)
-    if (static_cast<std::int64_t>(it->extent(0)) >= n &&
-        (best == pool_.end() || it->extent(0) < best->extent(0)))
-      best = it;
-  if (best == pool_.end())
+  // The smallest pooled buffer that fits; a new one when none does, with a quarter of headroom
+  // (the expert rows' transfers vary from step to step), replacing the largest pooled buffer
+  // that is too small, so the pool holds no more buffers than were ever in use at once.
+  auto best = pool_.end(), small = pool_.end();
+  for (auto it = pool_.begin(); it != pool_.end(); ++it) {
+    if (static_cast<std::int64_t>(it->extent(0)) >= n) {
+      if (best == pool_.end() || it->extent(0) < best->extent(0)) best = it;
+    } else if (small == pool_.end() || it->extent(0) > small->extent(0)) {
+      small = it;
+    }
+  }
+  if (best == pool_.end()) {
+    if (small != pool_.end()) pool_.erase(small);
     return HostBuffer(
         Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string(kHostLabel) + "staged mpi"),
-        std::max<std::int64_t>(n, 1));
+        std::max<std::int64_t>(n + n / 4, 1));
+  }
   HostBuffer b = std::move(*best);
   pool_.erase(best);
   return b;
