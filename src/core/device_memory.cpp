@@ -21,25 +21,28 @@ struct Allocation {
 };
 
 // A view's allocation is a header, then its data; Kokkos reports the header's address with the
-// data's size (the header's own size for a view of no elements), so where the data ends needs
-// the view's record. Kokkos' few raw allocations without a header (its scratch memory,
-// labelled "Kokkos::...") end at the reported size.
+// data's size, or the header's own size for a view of no elements. Kokkos' raw allocations
+// carry no header and end at the reported size: its scratch memory, labelled "Kokkos::..." or,
+// where it calls the space's allocate without a label (Kokkos 3.4's OpenMP thread data),
+// "[unlabeled]".
 constexpr std::uint64_t kHeader = sizeof(Kokkos::Impl::SharedAllocationHeader);
 
-// One past the allocation's last byte. On host-accessible memory the header is read: its first
-// member points to the view's record, which knows the data's size (trusted when the header
-// holds the allocation's label). Device memory cannot be read here, so its end is taken as far
-// as it can be (a header past the reported size): only device memory lies there, no host
-// buffer.
+// One past the allocation's last byte. A view that reports kHeader bytes is either empty or
+// holds kHeader bytes of data: on host-accessible memory its header says which (its first
+// member points to the view's record, which knows the data's size; trusted when the header holds
+// the allocation's label). Device memory cannot be read here, so such a view's end is taken as
+// far as it can be: only device memory lies past a device allocation, no host buffer.
 std::uintptr_t allocation_end(std::uintptr_t start, const Allocation& a) {
-  if (a.label.rfind("Kokkos::", 0) == 0) return start + a.bytes;
+  if (a.label.rfind("Kokkos::", 0) == 0 || a.label == "[unlabeled]") return start + a.bytes;
   if constexpr (Kokkos::SpaceAccessibility<HostSpace, MemSpace>::accessible) {
-    using Header = Kokkos::Impl::SharedAllocationHeader;
-    using Record = Kokkos::Impl::SharedAllocationRecord<void, void>;
-    const char* in_header = reinterpret_cast<const Header*>(start)->label();
-    if (*in_header && a.label.rfind(in_header, 0) == 0) {  // (long labels are cut short there)
-      const Record* record = *reinterpret_cast<const Record* const*>(start);
-      return start + kHeader + record->size();
+    if (a.bytes == kHeader) {
+      using Header = Kokkos::Impl::SharedAllocationHeader;
+      using Record = Kokkos::Impl::SharedAllocationRecord<void, void>;
+      const char* in_header = reinterpret_cast<const Header*>(start)->label();
+      if (*in_header && a.label.rfind(in_header, 0) == 0) {  // (long labels are cut short there)
+        const Record* record = *reinterpret_cast<const Record* const*>(start);
+        return start + kHeader + record->size();
+      }
     }
   }
   return start + a.bytes + kHeader;

@@ -47,8 +47,9 @@ bool host_reads_in_place() {
 
 // The device view's contents in host memory, once the work that writes them is done: the view
 // itself where host_reads_in_place, else a copy in the host buffer of this name, valid until
-// the next read of the same name (no allocation after a name's first read: the step's named
-// waits allocate nothing). The view must be contiguous.
+// the next read of the same name (a name allocates at its first read and again only when a
+// read needs more, so the step's named waits allocate nothing in a steady run). The view must
+// be contiguous.
 template <class View>
 HostViewOf<View> read_to_host(const char* what, const View& v) {
   mark_host_sync(what);
