@@ -8,6 +8,15 @@ work directory's path; `stop()` copies their logs to <work>/log and removes it.
     with SlurmCluster(work_dir) as c:
         job = c.sbatch(["slurm/train.sbatch", "deck"], cwd=...)
         c.wait(job)
+
+With nodes=N (N >= 2) the cluster has N nodes n1..nN, each a network namespace
+(kmoe-ns-n<i>, one veth into a bridge that exists only for the test, an address of
+10.211.0.0/24) whose slurmd is started with nsenter (`ip netns exec` remounts /sys and hides the
+cgroup tree slurmd needs); each node has its own TmpFS (Slurm's PMIx directories would collide
+in a shared /tmp). munged and slurmctld run outside, on the bridge's address. Their files live
+under /run/kmoe-ns-*, by which the daemons, namespaces and bridge an earlier run left (a ctest
+timeout kills without cleanup) are found and removed at start; `stop()` removes this run's and
+`leftovers()` says what remains.
 """
 import os
 import shutil
@@ -24,17 +33,115 @@ def _free_port():
         return s.getsockname()[1]
 
 
+NETNS_TAG = "kmoe-ns"  # namespace kmoe-ns-n<i>, bridge kmoe-ns-br, daemon dirs /run/kmoe-ns-*
+NETNS_NET = "10.211.0"
+
+
+def _sh(cmd, check=True):
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if check and p.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)}: {p.stderr.strip()}")
+    return p
+
+
+def netns_available():
+    """'' when this process may create network namespaces and bridges, else why not."""
+    if os.geteuid() != 0:
+        return "not root"
+    probe = f"{NETNS_TAG}-probe"
+    p = _sh(["ip", "netns", "add", probe], check=False)
+    if p.returncode != 0:
+        return "ip netns add: " + p.stderr.strip()
+    _sh(["ip", "netns", "del", probe], check=False)
+    p = _sh(["ip", "link", "add", f"{NETNS_TAG}-pb", "type", "bridge"], check=False)
+    if p.returncode != 0:
+        return "ip link add type bridge: " + p.stderr.strip()
+    _sh(["ip", "link", "del", f"{NETNS_TAG}-pb"], check=False)
+    return ""
+
+
+def _netns_processes():
+    """pids of daemons started from a /run/kmoe-ns-* directory."""
+    pids = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if f"/run/{NETNS_TAG}-" in cmd and os.path.basename(cmd.split(" ")[0]) in (
+                "munged", "slurmctld", "slurmd", "slurmstepd"):
+            pids.append(int(pid))
+    return pids
+
+
+def _netns_names():
+    out = _sh(["ip", "netns", "list"], check=False).stdout
+    return [line.split()[0] for line in out.splitlines() if line.startswith(NETNS_TAG + "-")]
+
+
+def sweep_netns():
+    """Removes what an earlier namespace cluster left: daemons, namespaces, bridge, files."""
+    for pid in _netns_processes():
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for ns in _netns_names():
+        _sh(["ip", "netns", "del", ns], check=False)
+    _sh(["ip", "link", "del", f"{NETNS_TAG}-br"], check=False)
+    for d in os.listdir("/run"):
+        if d.startswith(NETNS_TAG + "-"):
+            shutil.rmtree(os.path.join("/run", d), ignore_errors=True)
+
+
 class SlurmCluster:
-    def __init__(self, work, cpus=None):
+    def __init__(self, work, cpus=None, nodes=None):
         self.work = os.path.abspath(work)
         self.dir = None  # the short directory, made by start()
         self.cpus = cpus or os.cpu_count()
+        self.nodes = nodes  # None: one node on loopback; N: N namespace nodes
         self.procs = {}  # name -> pid file
         self.env = None
 
     # -------------------------------------------------------------------- daemons
+    def _make_network(self):
+        sweep_netns()
+        br = f"{NETNS_TAG}-br"
+        _sh(["ip", "link", "add", br, "type", "bridge"])
+        _sh(["ip", "addr", "add", f"{NETNS_NET}.1/24", "dev", br])
+        _sh(["ip", "link", "set", br, "up"])
+        for i in range(1, self.nodes + 1):
+            ns, veth = f"{NETNS_TAG}-n{i}", f"{NETNS_TAG}-v{i}"
+            _sh(["ip", "netns", "add", ns])
+            _sh(["ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns])
+            _sh(["ip", "link", "set", veth, "master", br])
+            _sh(["ip", "link", "set", veth, "up"])
+            _sh(["ip", "-n", ns, "addr", "add", f"{NETNS_NET}.{10 + i}/24", "dev", "eth0"])
+            _sh(["ip", "-n", ns, "link", "set", "eth0", "up"])
+            _sh(["ip", "-n", ns, "link", "set", "lo", "up"])
+
+    def leftovers(self):
+        """What a stopped namespace cluster left behind, as text ('' when nothing)."""
+        left = []
+        if _netns_names():
+            left.append("namespaces " + " ".join(_netns_names()))
+        if _netns_processes():
+            left.append("daemons " + " ".join(map(str, _netns_processes())))
+        if _sh(["ip", "link", "show", f"{NETNS_TAG}-br"], check=False).returncode == 0:
+            left.append("the bridge")
+        if any(d.startswith(NETNS_TAG + "-") for d in os.listdir("/run")):
+            left.append("a /run directory")
+        return ", ".join(left)
+
     def start(self):
-        d = self.dir = tempfile.mkdtemp(prefix="kmoe-slurm-", dir="/tmp")
+        if self.nodes:
+            self._make_network()
+            d = self.dir = tempfile.mkdtemp(prefix=NETNS_TAG + "-", dir="/run")
+        else:
+            d = self.dir = tempfile.mkdtemp(prefix="kmoe-slurm-", dir="/tmp")
         for sub in ("state", "spool", "log", "munge"):
             os.makedirs(os.path.join(d, sub), exist_ok=True)
         key = os.path.join(d, "munge", "munge.key")
@@ -51,10 +158,29 @@ class SlurmCluster:
         host = socket.gethostname()
         mem = self._memory_mib()
         conf = os.path.join(d, "slurm.conf")
+        if self.nodes:
+            names = [f"n{i}" for i in range(1, self.nodes + 1)]
+            ctld_addr, spool, slurmd_pid, slurmd_log = (f"{NETNS_NET}.1", f"{d}/spool-%n",
+                                                        f"{d}/slurmd-%n.pid",
+                                                        f"{d}/log/slurmd-%n.log")
+            node_lines = "".join(
+                f"NodeName={n} NodeAddr={NETNS_NET}.{10 + i} CPUs={self.cpus} "
+                f"RealMemory={mem} State=UNKNOWN\n" for i, n in enumerate(names, 1))
+            tmpfs = f"{d}/%n/tmp"
+            partition = f"PartitionName=test Nodes={','.join(names)} Default=YES " \
+                        "MaxTime=INFINITE State=UP OverSubscribe=NO"
+        else:
+            ctld_addr, spool, slurmd_pid, slurmd_log = ("127.0.0.1", f"{d}/spool",
+                                                        f"{d}/slurmd.pid", f"{d}/log/slurmd.log")
+            node_lines = (f"NodeName={host} NodeAddr=127.0.0.1 CPUs={self.cpus} "
+                          f"RealMemory={mem} State=UNKNOWN\n")
+            tmpfs = "/tmp"
+            partition = f"PartitionName=test Nodes={host} Default=YES MaxTime=INFINITE " \
+                        "State=UP OverSubscribe=NO"
         with open(conf, "w") as f:
-            f.write(f"""# kmoe test cluster (one node, loopback only)
+            f.write(f"""# kmoe test cluster ({self.nodes or 1} node(s))
 ClusterName=kmoetest
-SlurmctldHost={host}(127.0.0.1)
+SlurmctldHost={host}({ctld_addr})
 SlurmctldPort={_free_port()}
 SlurmdPort={_free_port()}
 SlurmUser=root
@@ -63,11 +189,12 @@ AuthType=auth/munge
 AuthInfo=socket={self.munge_socket}
 CredType=cred/munge
 StateSaveLocation={d}/state
-SlurmdSpoolDir={d}/spool
+SlurmdSpoolDir={spool}
+TmpFS={tmpfs}
 SlurmctldPidFile={d}/slurmctld.pid
-SlurmdPidFile={d}/slurmd.pid
+SlurmdPidFile={slurmd_pid}
 SlurmctldLogFile={d}/log/slurmctld.log
-SlurmdLogFile={d}/log/slurmd.log
+SlurmdLogFile={slurmd_log}
 SlurmctldDebug=info
 SlurmdDebug=info
 ProctrackType=proctrack/linuxproc
@@ -85,16 +212,24 @@ JobCompType=jobcomp/none
 AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
 SlurmctldParameters=enable_configless
-NodeName={host} NodeAddr=127.0.0.1 CPUs={self.cpus} RealMemory={mem} State=UNKNOWN
-PartitionName=test Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
+{node_lines}{partition}
 """)
         self.env = dict(os.environ, SLURM_CONF=conf)
         self._daemon("slurmctld", ["slurmctld", "-f", conf, "-i"], os.path.join(d, "slurmctld.pid"))
-        self._daemon("slurmd", ["slurmd", "-f", conf], os.path.join(d, "slurmd.pid"))
+        if self.nodes:
+            for i, n in enumerate(names, 1):
+                tmp = os.path.join(d, n, "tmp")
+                os.makedirs(tmp, mode=0o1777)
+                os.chmod(tmp, 0o1777)
+                self._daemon(f"slurmd {n}", [
+                    "nsenter", f"--net=/var/run/netns/{NETNS_TAG}-n{i}", "slurmd", "-f", conf,
+                    "-N", n], os.path.join(d, f"slurmd-{n}.pid"))
+        else:
+            self._daemon("slurmd", ["slurmd", "-f", conf], os.path.join(d, "slurmd.pid"))
         deadline = time.time() + 60
         while time.time() < deadline:
-            out = self.run(["sinfo", "-h", "-o", "%t"], check=False).stdout.strip()
-            if out in ("idle", "mix", "alloc"):
+            out = self.run(["sinfo", "-h", "-o", "%t"], check=False).stdout.split()
+            if out and all(t in ("idle", "mix", "alloc") for t in out):
                 return self
             time.sleep(0.5)
         raise RuntimeError(f"the test Slurm did not come up (sinfo: {out!r}); logs in {d}/log")
@@ -116,8 +251,10 @@ PartitionName=test Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubscr
         self.procs[name] = pid_file
 
     def stop(self):
-        """Stops the daemons this cluster started (slurmd, slurmctld, munged), nothing else."""
-        for name in ("slurmd", "slurmctld", "munged"):
+        """Stops the daemons this cluster started (slurmd, slurmctld, munged), nothing else, and
+        removes its namespaces and bridge."""
+        slurmds = [n for n in self.procs if n.startswith("slurmd")]
+        for name in (*slurmds, "slurmctld", "munged"):
             pid_file = self.procs.pop(name, None)
             if not pid_file or not os.path.exists(pid_file):
                 continue
@@ -141,6 +278,8 @@ PartitionName=test Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubscr
                             dirs_exist_ok=True)
             shutil.rmtree(self.dir, ignore_errors=True)
             self.dir = None
+        if self.nodes:
+            sweep_netns()
 
     def __enter__(self):
         return self.start()
