@@ -149,6 +149,29 @@ double rel_diff(const std::vector<float>& a, const std::vector<float>& b) {
   return std::sqrt(num / std::max(den, 1e-300));
 }
 
+// A walk over each sequence of T tokens (MODEL.md section 1: a document starts at 0 or one past
+// an end-of-document id `eod`), which the library's document_starts must reproduce.
+std::vector<int> walked_starts(const std::vector<int>& ids, int nseq, int T, int eod) {
+  std::vector<int> starts(ids.size());
+  for (int q = 0; q < nseq; ++q)
+    for (int t = 0, first = 0; t < T; ++t) {
+      starts[q * T + t] = first;
+      if (ids[q * T + t] == eod) first = t + 1;
+    }
+  return starts;
+}
+
+// The library's document_starts of the same ids, read back.
+std::vector<int> library_starts(const std::vector<int>& ids, int nseq, int T, int eod) {
+  const int N = nseq * T;
+  View1I ids_dev("ids", N), starts_dev("starts", N);
+  Kokkos::deep_copy(ids_dev, Kokkos::View<const int*, HostSpace, Unmanaged>(ids.data(), N));
+  document_starts(ConstIVec(ids_dev.data(), N), nseq, T, eod, starts_dev);
+  std::vector<int> starts(N);
+  Kokkos::deep_copy(Kokkos::View<int*, HostSpace, Unmanaged>(starts.data(), N), starts_dev);
+  return starts;
+}
+
 // bf16 (train.precision = bf16): both kernels round the same inputs and keep bf16 probabilities,
 // so they differ by the order of fp32 sums and the rare probability rounded the other way
 // (measured at most: 1e-7 in the outputs, 8e-6 in a gradient); against the double reference by
@@ -187,19 +210,8 @@ void check_blocked(const ModelCfg& m, int T, int nseq, int window, bool document
     for (int e : {30, 127, 128}) ids[std::min(N - 1, T + e)] = 0;
     if (nseq > 2)  // a third sequence like the second: one run of two in the plan
       for (int e : {30, 127, 128}) ids[std::min(N - 1, 2 * T + e)] = 0;
-    // The test's own walk (MODEL.md section 1: a document starts at 0 or one past an
-    // end-of-document id), which the library's document_starts must reproduce.
-    for (int q = 0; q < nseq; ++q)
-      for (int t = 0, first = 0; t < T; ++t) {
-        doc[q * T + t] = first;
-        if (ids[q * T + t] == 0) first = t + 1;
-      }
-    View1I ids_dev("ids", N), lib_dev("lib_doc", N);
-    Kokkos::deep_copy(ids_dev, Kokkos::View<const int*, HostSpace, Unmanaged>(ids.data(), N));
-    document_starts(ConstIVec(ids_dev.data(), N), nseq, T, 0, lib_dev);
-    std::vector<int> lib(N);
-    Kokkos::deep_copy(Kokkos::View<int*, HostSpace, Unmanaged>(lib.data(), N), lib_dev);
-    ASSERT_EQ(lib, doc) << "document_starts against the test's walk";
+    doc = walked_starts(ids, nseq, T, 0);
+    ASSERT_EQ(library_starts(ids, nseq, T, 0), doc) << "document_starts against the test's walk";
     Kokkos::deep_copy(doc_dev, Kokkos::View<const int*, HostSpace, Unmanaged>(doc.data(), N));
     docs = DocStarts{ConstIVec(doc_dev.data(), N)};
     if (planned) {  // the host's plan: the blocked kernel skips keys before a tile's document
@@ -307,18 +319,10 @@ TEST(DocumentStarts, MatchTheWalkOverLongGaps) {
   for (int e : {0, 63, 64, 65, 200}) ids[e] = 2;  // sequence 0
   for (int e : {T - 1}) ids[T + e] = 2;             // sequence 1: one end, in its last position
   // sequence 2: none
-  std::vector<int> want(N);
-  for (int s = 0; s < nseq; ++s)
-    for (int t = 0, first = 0; t < T; ++t) {
-      want[s * T + t] = first;
-      if (ids[s * T + t] == 2) first = t + 1;
-    }
-  View1I ids_dev("ids", N), got_dev("starts", N);
-  Kokkos::deep_copy(ids_dev, Kokkos::View<const int*, HostSpace, Unmanaged>(ids.data(), N));
-  document_starts(ConstIVec(ids_dev.data(), N), nseq, T, 2, got_dev);
-  std::vector<int> got(N);
-  Kokkos::deep_copy(Kokkos::View<int*, HostSpace, Unmanaged>(got.data(), N), got_dev);
-  for (int i = 0; i < N; ++i) ASSERT_EQ(got[i], want[i]) << "sequence " << i / T << " position " << i % T;
+  const std::vector<int> want = walked_starts(ids, nseq, T, 2);
+  const std::vector<int> got = library_starts(ids, nseq, T, 2);
+  for (int i = 0; i < N; ++i)
+    ASSERT_EQ(got[i], want[i]) << "sequence " << i / T << " position " << i % T;
 }
 
 TEST(RopeTables, DoubleAnglesRoundedOnce) {
