@@ -27,13 +27,14 @@ struct Args {
   bool dry_run = false;
   bool print_grid = false;
   int plan = 0;                // --plan N: list the layouts of N ranks
+  int ranks = 0;               // --ranks N: --print-grid/--dry-run for N ranks (0: the launch's)
   double memory_gib = 0;       // --memory-per-rank GiB (0: no limit)
   std::vector<std::string> overrides;
 };
 
 const char* kUsage =
     "usage: kmoe-train -i DECK [--dry-run | --plan N [--memory-per-rank GiB] | --print-grid]\n"
-    "                  [--section.key=value ...]\n"
+    "                  [--ranks N] [--section.key=value ...]\n"
     "  -i, --input DECK   input deck (INI); keys may be overridden on the command line\n"
     "  --dry-run          resolve the deck, print sizes and each stage's memory per rank,\n"
     "                     check the grid and data, exit (one process plans any grid)\n"
@@ -43,6 +44,8 @@ const char* kUsage =
     "  --print-grid       print the deck's grid as 'pp P dp D ep E ranks N', then\n"
     "                     'max_steps S checkpoint_dir DIR', and exit (any number of ranks;\n"
     "                     batch scripts check their allocation and the finished run with it)\n"
+    "  --ranks N          --print-grid and --dry-run: resolve parallel.dp = auto for a job of\n"
+    "                     N ranks (default: this launch's)\n"
     "  -h, --help         this text and every deck key\n";
 
 // The value of option `name` at argv[i] ("--name V" or "--name=V"), as a number.
@@ -76,6 +79,11 @@ Args parse_args(int argc, char** argv) {
       KMOE_REQUIRE(n <= double(1 << 30) && n == std::floor(n),
                    "--plan " << n << ": expected a rank count");
       a.plan = static_cast<int>(n);
+    } else if (s == "--ranks" || s.rfind("--ranks=", 0) == 0) {
+      const double n = option_number(argc, argv, i, "--ranks");
+      KMOE_REQUIRE(n <= double(1 << 30) && n == std::floor(n),
+                   "--ranks " << n << ": expected a rank count");
+      a.ranks = static_cast<int>(n);
     } else if (s == "--memory-per-rank" || s.rfind("--memory-per-rank=", 0) == 0) {
       a.memory_gib = option_number(argc, argv, i, "--memory-per-rank");
     } else if (s == "-i" || s == "--input") {
@@ -95,6 +103,8 @@ Args parse_args(int argc, char** argv) {
   }
   KMOE_REQUIRE(!a.deck.empty(), "no input deck\n" << kUsage);
   KMOE_REQUIRE(a.memory_gib == 0 || a.plan > 0, "--memory-per-rank is a --plan option");
+  KMOE_REQUIRE(a.ranks == 0 || a.dry_run || a.print_grid,
+               "--ranks is a --print-grid and --dry-run option (a run has its launch's ranks)");
   KMOE_REQUIRE(!(a.plan > 0 && (a.dry_run || a.print_grid)),
                "--plan, --dry-run and --print-grid are separate modes: choose one");
   return a;
@@ -285,10 +295,14 @@ int main(int argc, char** argv) {
       [](int argc, char** argv, const kmoe::ExecutionPlan& exec) {
         kmoe::install_stop_handlers();
         const Args args = parse_args(argc, argv);
-        const kmoe::Config cfg = kmoe::read_deck(args.deck, args.overrides);
+        int rank = 0, launched = 1;
+        MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+        MPI_Comm_size(MPI_COMM_WORLD, &launched);
+        std::string auto_note;
+        const kmoe::Config cfg = kmoe::resolve_auto_dp(
+            [&](const std::vector<std::string>& over) { return kmoe::read_deck(args.deck, over); },
+            args.overrides, args.ranks > 0 ? args.ranks : launched, &auto_note);
         if (args.print_grid) {
-          int rank = 0;
-          MPI_Comm_rank(MPI_COMM_WORLD, &rank);
           const auto& p = cfg.parallel;
           if (rank == 0)
             std::printf("pp %d dp %d ep %d ranks %d\nmax_steps %d checkpoint_dir %s\n", p.pp, p.dp,
@@ -296,6 +310,7 @@ int main(int argc, char** argv) {
           return;
         }
         if (args.dry_run) {
+          if (rank == 0 && !auto_note.empty()) std::printf("note: %s\n", auto_note.c_str());
           print_dry_run(cfg);
           return;
         }
@@ -305,6 +320,7 @@ int main(int argc, char** argv) {
         }
         kmoe::ProcessGrid grid(cfg.parallel, cfg.model.n_layers, MPI_COMM_WORLD);
         if (grid.is_root()) std::cout << cfg.resolved_text << std::endl;
+        if (grid.is_root() && !auto_note.empty()) std::printf("note: %s\n", auto_note.c_str());
         std::string precision_note;
         const kmoe::RunContext ctx =
             kmoe::make_run_context(cfg.train.precision, exec.batch_threads, &precision_note);

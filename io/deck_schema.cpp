@@ -29,6 +29,39 @@ Schema::Schema(Config& c) : options_("kmoe input deck") {
   }
 }
 
+void Schema::count_or_auto(int& member, bool& automatic, const char* key, int def,
+                           const char* help) {
+  auto number = [](const std::string& text) {
+    const std::string t = detail::trim(text);
+    int x = 0;
+    const auto [end, ec] = std::from_chars(t.data(), t.data() + t.size(), x);
+    KMOE_REQUIRE(!t.empty() && ec == std::errc() && end == t.data() + t.size(),
+                 "expected an int or auto");
+    return x;
+  };
+  KeySpec spec;
+  spec.section = sections_.back().name;
+  spec.key = key;
+  spec.type = "int|auto";
+  spec.help = help;
+  spec.default_text = std::to_string(def);
+  auto* semantic = po::value<std::string>();
+  semantic->default_value(spec.default_text, spec.default_text);
+  spec.check_text = [number](const std::string& text) {
+    if (detail::trim(text) != "auto") number(text);
+  };
+  spec.assign = [&member, &automatic, number](const po::variable_value& v) {
+    const std::string& text = v.as<std::string>();
+    automatic = detail::trim(text) == "auto";
+    member = automatic ? 0 : number(text);
+  };
+  spec.show = [&member, &automatic] {
+    return automatic && member == 0 ? std::string("auto") : std::to_string(member);
+  };
+  options_.add_options()(spec.name().c_str(), semantic, help);
+  keys_.push_back(std::move(spec));
+}
+
 const KeySpec* Schema::find(const std::string& name) const {
   for (const KeySpec& spec : keys_) {
     if (spec.name() == name) return &spec;

@@ -93,6 +93,8 @@ class Schema {
   template <class T>
   void derived(T& member, const char* key, const char* from, std::function<T()> value,
                const char* help);
+  // A positive count or `auto` (automatic = true, member = 0 until the program resolves it).
+  void count_or_auto(int& member, bool& automatic, const char* key, int def, const char* help);
 
  private:
   void section(const char* name, const char* help);

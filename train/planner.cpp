@@ -70,10 +70,44 @@ LayoutSearch plan_layouts(const std::function<Config(int pp, int dp, int ep)>& c
   return out;
 }
 
+Config resolve_auto_dp(const std::function<Config(const std::vector<std::string>&)>& read,
+                       const std::vector<std::string>& overrides, int ranks, std::string* note) {
+  Config cfg = read(overrides);
+  if (note) note->clear();
+  if (!cfg.parallel.dp_auto) return cfg;
+  const ParallelCfg& p = cfg.parallel;
+  const std::string origin = cfg.deck_path.empty() ? std::string("the deck") : cfg.deck_path;
+  KMOE_REQUIRE(ranks >= 1 && ranks % (p.pp * p.ep) == 0,
+               origin << ": parallel.dp = auto: this launch's " << ranks
+                      << " rank(s) are not a multiple of parallel.pp * parallel.ep = " << p.pp
+                      << " * " << p.ep << "; launch a multiple of " << p.pp * p.ep
+                      << " ranks or set parallel.dp");
+  const int dp = ranks / (p.pp * p.ep);
+  std::vector<std::string> over = overrides;
+  over.push_back("--parallel.dp=" + std::to_string(dp));
+  Config resolved;
+  try {
+    resolved = read(over);
+  } catch (const Error& e) {
+    KMOE_FAIL("parallel.dp = auto chose dp " << dp << " for " << ranks << " rank(s) (pp " << p.pp
+                                             << ", ep " << p.ep << "), and the deck refuses it: "
+                                             << e.what());
+  }
+  resolved.parallel.dp_auto = true;
+  if (note) {
+    std::ostringstream os;
+    os << "parallel.dp = auto: dp " << dp << " for " << ranks << " rank(s) (pp " << p.pp
+       << " x dp " << dp << " x ep " << p.ep << ")";
+    *note = os.str();
+  }
+  return resolved;
+}
+
 Config launch_layout(const std::function<Config(const std::vector<std::string>&)>& read,
                      const std::vector<std::string>& overrides, int ranks, std::string* note) {
   Config cfg = read(overrides);
   if (note) note->clear();
+  if (cfg.parallel.dp_auto) return resolve_auto_dp(read, overrides, ranks, note);
   for (const std::string& o : overrides)
     for (const char* key :
          {"--parallel.pp=", "--parallel.dp=", "--parallel.ep=", "--parallel.pp_layers="})

@@ -40,6 +40,13 @@ struct LayoutSearch {
 LayoutSearch plan_layouts(const std::function<Config(int pp, int dp, int ep)>& config_for,
                           const PlanOptions& options);
 
+// `parallel.dp = auto` (RUNTIME.md section 5): the deck read again with dp = ranks / (pp * ep),
+// so every check sees the grid this launch runs (a global batch that dp * ep * micro_batch does
+// not divide is refused then, naming dp = auto and the rank count). A deck with a number comes
+// back as read. `note` says what auto chose (empty otherwise). read(overrides) reads the deck.
+Config resolve_auto_dp(const std::function<Config(const std::vector<std::string>&)>& read,
+                       const std::vector<std::string>& overrides, int ranks, std::string* note);
+
 // The deck a tool that only loads a checkpoint (kmoe-eval) runs on `ranks` launched ranks
 // (RUNTIME.md section 5): the deck's own grid when it has that many ranks or the command line
 // sets a parallel.pp, parallel.dp, parallel.ep or parallel.pp_layers key (a mismatch then
@@ -47,7 +54,8 @@ LayoutSearch plan_layouts(const std::function<Config(int pp, int dp, int ep)>& c
 // moe.experts (1 for a dense model), dp the rest, and train.global_batch raised to a multiple of
 // micro_batch * dp * ep (evaluation reads no training batch); when the deck refuses that, the
 // accepted layout with the least memory per rank. `note` says which layout was chosen and why
-// (empty: the deck's). read(overrides) reads the deck with these command-line overrides.
+// (empty: the deck's). read(overrides) reads the deck with these command-line overrides. A deck
+// with parallel.dp = auto takes its pp and ep and resolve_auto_dp's dp.
 Config launch_layout(const std::function<Config(const std::vector<std::string>&)>& read,
                      const std::vector<std::string>& overrides, int ranks, std::string* note);
 

@@ -93,7 +93,8 @@ void declare_optimizer(deck::Schema& s, Config& c) {
 void check_parallel(const Config& c, const deck::Locate& locate) {
   const ParallelCfg& p = c.parallel;
   KMOE_DECK_REQUIRE(p.pp >= 1, "parallel.pp", "parallel.pp must be at least 1");
-  KMOE_DECK_REQUIRE(p.dp >= 1, "parallel.dp", "parallel.dp must be at least 1");
+  KMOE_DECK_REQUIRE(p.dp >= 1 || (p.dp_auto && p.dp == 0), "parallel.dp",
+                    "parallel.dp must be at least 1 (or auto)");
   KMOE_DECK_REQUIRE(p.ep >= 1, "parallel.ep", "parallel.ep must be at least 1");
   KMOE_DECK_REQUIRE(std::int64_t(p.pp) * p.dp * p.ep <= (std::int64_t(1) << 30), "parallel.dp",
                     "parallel.pp * parallel.dp * parallel.ep = " << std::int64_t(p.pp) * p.dp * p.ep
@@ -125,7 +126,9 @@ void check_parallel(const Config& c, const deck::Locate& locate) {
                     "with -DKMOE_ENABLE_NCCL=ON (and a CUDA Kokkos), or use "
                     "parallel.backend = mpi");
 #endif
-  // Every one of the dp*ep ranks of a stage takes whole micro-batches (RUNTIME.md section 2).
+  // Every one of the dp*ep ranks of a stage takes whole micro-batches (RUNTIME.md section 2);
+  // with dp = auto, checked once the launch's rank count has resolved it.
+  if (p.dp == 0) return;
   const std::int64_t b = c.train.micro_batch;
   const std::int64_t unit = b * p.dp * p.ep;
   KMOE_DECK_REQUIRE(c.train.global_batch % unit == 0, "train.global_batch",
@@ -137,7 +140,8 @@ void check_parallel(const Config& c, const deck::Locate& locate) {
 
 void declare_parallel(deck::Schema& s, Config& c) {
   s.key(c.parallel.pp, "pp", 1, "pipeline stages");
-  s.key(c.parallel.dp, "dp", 1, "data-parallel replicas");
+  s.count_or_auto(c.parallel.dp, c.parallel.dp_auto, "dp", 1,
+                  "data-parallel replicas; auto = the launch's ranks / (pp * ep)");
   s.key(c.parallel.ep, "ep", 1, "expert-parallel ranks");
   s.key(c.parallel.schedule, "schedule", PipeSchedule::OneFOneB, "pipeline schedule: 1f1b | gpipe");
   s.key(c.parallel.pp_layers, "pp_layers", std::vector<int>{},

@@ -292,8 +292,9 @@ struct DataCfg {
 
 struct ParallelCfg {
   int pp = 1;
-  int dp = 1;
+  int dp = 1;  // 0 while `dp = auto` waits for the launch's rank count (resolve_auto_dp)
   int ep = 1;
+  bool dp_auto = false;  // the deck says `dp = auto`: dp = ranks / (pp * ep)
   PipeSchedule schedule = PipeSchedule::OneFOneB;
   std::vector<int> pp_layers;  // empty: even split
   EngramShardGroup engram_shard = EngramShardGroup::None;

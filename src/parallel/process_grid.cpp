@@ -34,6 +34,8 @@ std::vector<int> stage_bounds(const ParallelCfg& cfg, int n_layers) {
 
 ProcessGrid::ProcessGrid(const ParallelCfg& cfg, int n_layers, MPI_Comm world_comm)
     : pp(cfg.pp), dp(cfg.dp), ep(cfg.ep), world(world_comm, "world", cfg.watchdog_seconds) {
+  KMOE_REQUIRE(cfg.dp >= 1, "parallel.dp = auto reached the process grid unresolved "
+                            "(resolve_auto_dp sets it from the launch's rank count)");
   KMOE_REQUIRE(world.size() == cfg.world(),
                "parallel grid pp*dp*ep = " << cfg.pp << "*" << cfg.dp << "*" << cfg.ep << " = "
                                            << cfg.world() << " ranks, but the job was launched on "

@@ -16,6 +16,7 @@
 #include "core/error.hpp"
 #include "io/deck.hpp"
 #include "io/deck_schema.hpp"
+#include "train/planner.hpp"
 
 namespace kmoe {
 namespace {
@@ -277,6 +278,49 @@ TEST(Deck, GlobalBatchMustSplitOverReplicas) {
   const std::string e = deck_error(kDeck, {"--parallel.ep=4"});
   expect_contains(e, {"test.deck:12: [train] global_batch = 8:", "train.micro_batch", "parallel.dp",
                       "parallel.ep", "2 * 2 * 4 = 16"});
+}
+
+// parallel.dp = auto: read as unresolved (dp 0), then resolved against a rank count by reading
+// the deck again, so the usual checks see the grid the launch runs.
+TEST(Deck, DataParallelAuto) {
+  const Config a = parse_deck(kDeck, "test.deck", {"--parallel.dp=auto"});
+  EXPECT_TRUE(a.parallel.dp_auto);
+  EXPECT_EQ(a.parallel.dp, 0);
+  EXPECT_NE(a.resolved_text.find("dp = auto"), std::string::npos);
+  expect_contains(deck_error(kDeck, {"--parallel.dp=aut"}),
+                  {"--parallel.dp=aut", "parallel.dp", "expected an int or auto"});
+  expect_contains(deck_error(kDeck, {"--parallel.dp=0"}), {"parallel.dp must be at least 1"});
+
+  auto read = [](const std::vector<std::string>& over) {
+    return parse_deck(kDeck, "test.deck", over);
+  };
+  std::string note;
+  const Config eight = resolve_auto_dp(read, {"--parallel.dp=auto"}, 8, &note);
+  EXPECT_EQ(eight.parallel.dp, 4);  // pp 2
+  EXPECT_EQ(eight.parallel.world(), 8);
+  EXPECT_TRUE(eight.parallel.dp_auto);
+  EXPECT_NE(eight.resolved_text.find("dp = 4"), std::string::npos);
+  expect_contains(note, {"parallel.dp = auto", "dp 4 for 8 rank(s)"});
+  // A global batch of 8 does not split over 2 * 3 replicas' micro-batches.
+  try {
+    resolve_auto_dp(read, {"--parallel.dp=auto"}, 6, &note);
+    ADD_FAILURE() << "6 ranks accepted";
+  } catch (const Error& e) {
+    expect_contains(e.what(), {"parallel.dp = auto chose dp 3 for 6 rank(s)", "train.global_batch",
+                               "2 * 3 * 1 = 6"});
+  }
+  try {
+    resolve_auto_dp(read, {"--parallel.dp=auto"}, 5, &note);
+    ADD_FAILURE() << "5 ranks accepted";
+  } catch (const Error& e) {
+    expect_contains(e.what(),
+                    {"parallel.dp = auto", "5 rank(s)", "parallel.pp * parallel.ep = 2 * 1"});
+  }
+  // A number stays the deck's, whatever the ranks (the grid then refuses a mismatch).
+  const Config fixed = resolve_auto_dp(read, {}, 8, &note);
+  EXPECT_EQ(fixed.parallel.dp, 2);
+  EXPECT_FALSE(fixed.parallel.dp_auto);
+  EXPECT_TRUE(note.empty());
 }
 
 TEST(Deck, BadStageLayout) {
