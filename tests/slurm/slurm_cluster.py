@@ -82,6 +82,14 @@ def _netns_names():
     return [line.split()[0] for line in out.splitlines() if line.startswith(NETNS_TAG + "-")]
 
 
+def _netns_links():
+    """The test's links left in this namespace: the bridge, and node veths whose namespace
+    outlives its name while the kernel still holds it (sockets of a cut connection)."""
+    out = _sh(["ip", "-o", "link", "show"], check=False).stdout
+    return [line.split(":")[1].strip().split("@")[0] for line in out.splitlines()
+            if line.split(":")[1].strip().startswith(NETNS_TAG + "-")]
+
+
 def sweep_netns():
     """Removes what an earlier namespace cluster left: daemons, namespaces, bridge, files."""
     for pid in _netns_processes():
@@ -91,15 +99,22 @@ def sweep_netns():
             pass
     for ns in _netns_names():
         _sh(["ip", "netns", "del", ns], check=False)
-    _sh(["ip", "link", "del", f"{NETNS_TAG}-br"], check=False)
+    for link in _netns_links():
+        _sh(["ip", "link", "del", link], check=False)
     for d in os.listdir("/run"):
         if d.startswith(NETNS_TAG + "-"):
             shutil.rmtree(os.path.join("/run", d), ignore_errors=True)
 
 
 class SlurmCluster:
-    def __init__(self, work, cpus=None, nodes=None):
+    def __init__(self, work, cpus=None, nodes=None, kill_wait=30, failover=None):
         self.work = os.path.abspath(work)
+        self.kill_wait = kill_wait  # seconds between a job's SIGTERM and its SIGKILL
+        # A lost node seen in seconds: {slurmd_timeout (before slurmctld marks a silent node
+        # DOWN; Slurm's default 300), message_timeout (an RPC's; 10), requeue_delay (before a
+        # requeued job may start; AuthInfo's cred_expire, 120), sched_interval (between passes
+        # of the scheduler; 60)}; None: Slurm's defaults.
+        self.failover = failover
         self.dir = None  # the short directory, made by start()
         self.cpus = cpus or os.cpu_count()
         self.nodes = nodes  # None: one node on loopback; N: N namespace nodes
@@ -123,15 +138,27 @@ class SlurmCluster:
             _sh(["ip", "-n", ns, "link", "set", "eth0", "up"])
             _sh(["ip", "-n", ns, "link", "set", "lo", "up"])
 
-    def leftovers(self):
-        """What a stopped namespace cluster left behind, as text ('' when nothing)."""
+    def leftovers(self, work=None):
+        """What a stopped namespace cluster left behind, as text ('' when nothing); with `work`,
+        processes whose working directory is in it count too."""
         left = []
+        if work:
+            stray = []
+            for pid in filter(str.isdigit, os.listdir("/proc")):
+                try:
+                    cwd = os.readlink(f"/proc/{pid}/cwd")
+                except OSError:
+                    continue
+                if cwd == work or cwd.startswith(work.rstrip("/") + "/"):
+                    stray.append(pid)
+            if stray:
+                left.append("processes " + " ".join(stray))
         if _netns_names():
             left.append("namespaces " + " ".join(_netns_names()))
         if _netns_processes():
             left.append("daemons " + " ".join(map(str, _netns_processes())))
-        if _sh(["ip", "link", "show", f"{NETNS_TAG}-br"], check=False).returncode == 0:
-            left.append("the bridge")
+        if _netns_links():
+            left.append("links " + " ".join(_netns_links()))
         if any(d.startswith(NETNS_TAG + "-") for d in os.listdir("/run")):
             left.append("a /run directory")
         return ", ".join(left)
@@ -158,6 +185,7 @@ class SlurmCluster:
         host = socket.gethostname()
         mem = self._memory_mib()
         conf = os.path.join(d, "slurm.conf")
+        fo = self.failover
         if self.nodes:
             names = [f"n{i}" for i in range(1, self.nodes + 1)]
             ctld_addr, spool, slurmd_pid, slurmd_log = (f"{NETNS_NET}.1", f"{d}/spool-%n",
@@ -186,7 +214,7 @@ SlurmdPort={_free_port()}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-AuthInfo=socket={self.munge_socket}
+AuthInfo=socket={self.munge_socket}{f",cred_expire={fo['requeue_delay']}" if fo else ""}
 CredType=cred/munge
 StateSaveLocation={d}/state
 SlurmdSpoolDir={spool}
@@ -206,7 +234,10 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 ReturnToService=2
 JobRequeue=1
-KillWait=30
+KillWait={self.kill_wait}
+{f"SlurmdTimeout={fo['slurmd_timeout']}" if fo else ""}
+{f"MessageTimeout={fo['message_timeout']}" if fo else ""}
+{f"SchedulerParameters=sched_interval={fo['sched_interval']}" if fo else ""}
 MinJobAge=3600
 JobCompType=jobcomp/none
 AccountingStorageType=accounting_storage/none

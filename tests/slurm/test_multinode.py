@@ -6,18 +6,31 @@
      (mpiexec, the same layout), bit for bit: on 2 nodes a dp 2 x ep 2 grid at 2 ranks a node,
      launched with srun --mpi=pmix and again with Open MPI's mpirun inside the allocation
      (KMOE_LAUNCH=mpirun); on 3 nodes dp 3 at one rank a node (global batch 12);
-  3. nothing is left afterwards: no namespace, bridge, daemon or /run directory.
+  3. every rank talked over TCP to a rank on another node (the sockets, as `ss` lists them in
+     each node's namespace while the job runs);
+  4. a node lost mid-run (its link cut, then SIGKILL to every process in it: slurmd, slurmstepd
+     and its ranks; no checkpoint on the way): the job was submitted with a node range, whole
+     nodes, KMOE_RANKS_PER_NODE and parallel.dp = auto. The other ranks' watchdog names the
+     absent ranks, Slurm marks the node DOWN and requeues the job, which resumes from the last
+     complete checkpoint on the nodes that remain, on fewer ranks; its later losses equal a run
+     resumed by hand on that layout from the same checkpoint, bit for bit. The test prints the
+     time to detect, requeue and resume, and the steps lost;
+  5. nothing is left afterwards: no namespace, link, daemon, /run directory or process in the
+     work directory.
 Skipped, by name, where network namespaces cannot be made (not root, a container without the
 capability). Usage: test_multinode.py BIN_DIR WORK_DIR MPIEXEC [NODES (2 or 3)]
 """
 import os
+import re
+import subprocess
 import sys
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
 from kmoe_testlib import Harness, counting_documents, grid_test_deck  # noqa: E402
-from slurm_cluster import NETNS_NET, SlurmCluster, netns_available  # noqa: E402
+from slurm_cluster import NETNS_NET, NETNS_TAG, SlurmCluster, netns_available  # noqa: E402
 
 bin_dir, work, mpiexec = os.path.abspath(sys.argv[1]), os.path.abspath(sys.argv[2]), sys.argv[3]
 nodes = int(sys.argv[4]) if len(sys.argv) > 4 else 2
@@ -30,8 +43,8 @@ if why:
 h.prepare_corpus(counting_documents(4000))
 # 2 nodes: dp 2 x ep 2 at 2 ranks a node; 3 nodes: dp 3 at one rank a node (the global batch
 # a multiple of dp x micro-batch).
-per_node, grid, extra = (2, "dp = 2\nep = 2", []) if nodes == 2 else \
-    (1, f"dp = {nodes}", ["--train.global_batch=12"])
+per_node, ep, extra = (2, 2, []) if nodes == 2 else (1, 1, ["--train.global_batch=12"])
+grid = f"dp = {nodes * per_node // ep}\nep = {ep}"
 h.write("job.deck", grid_test_deck("max_steps = 12", f"""
 [parallel]
 {grid}
@@ -46,8 +59,55 @@ TCP = {"OMPI_MCA_btl": "tcp,self", "OMPI_MCA_btl_tcp_if_include": f"{NETNS_NET}.
        "OMPI_MCA_oob_tcp_if_include": f"{NETNS_NET}.0/24"}
 ENV = dict(TCP, KMOE_BUILD=os.path.dirname(bin_dir))  # bin_dir is <build>/drivers
 SBATCH = os.path.join(ROOT, "slurm", "train.sbatch")
+# The lost-node run: 36 steps, a checkpoint every 6, the last node's first rank held at the
+# start of step 17 (KMOE_FAULT=stall) so that the node is cut at a known step, whatever the
+# machine's speed: steps 13-16 are done and not yet saved when the node goes.
+LOST_STEPS, EVERY, STALL_AT = 36, 6, 17
+absent = list(range((nodes - 1) * per_node, nodes * per_node))  # the last node's ranks
+LOST = ["job.deck", "--parallel.dp=auto", "--parallel.watchdog_seconds=5",
+        f"--train.max_steps={LOST_STEPS}", "--checkpoint.keep=100", *extra]
 
-c = SlurmCluster(os.path.join(work, "cluster"), nodes=nodes)
+
+def rank_of(pid):
+    """The MPI rank of a process, from the launcher's environment."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+    except OSError:
+        return None
+    for key in (b"OMPI_COMM_WORLD_RANK", b"PMIX_RANK", b"SLURM_PROCID"):
+        if key in env:
+            return int(env[key])
+    return None
+
+
+def tcp_pairs():
+    """{(rank, rank)} of the kmoe-train ranks on different nodes joined by an established TCP
+    connection, from `ss` in every node's namespace."""
+    owner, conns = {}, []
+    for i in range(1, nodes + 1):
+        out = subprocess.run(["nsenter", f"--net=/var/run/netns/{NETNS_TAG}-n{i}", "ss", "-tnpH",
+                              "state", "established"], capture_output=True, text=True).stdout
+        for line in out.splitlines():
+            ends = re.findall(r"(\d+\.\d+\.\d+\.\d+:\d+)", line)
+            m = re.search(r'"kmoe-train",pid=(\d+)', line)
+            if len(ends) == 2 and m and rank_of(m.group(1)) is not None:
+                owner[ends[0]] = rank_of(m.group(1))
+                conns.append((ends[0], ends[1]))
+    return {tuple(sorted((owner[a], owner[b]))) for a, b in conns
+            if b in owner and a.split(":")[0] != b.split(":")[0]}
+
+
+def rows(name):
+    path = h.path(name, "metrics.csv")
+    return len(h.metrics(name)) if os.path.exists(path) else 0
+
+
+# Seconds: a silent node DOWN after 6, a requeued job eligible after 5, the scheduler every 2,
+# SIGKILL 5 after SIGTERM (the test's jobs need no checkpoint on a cancel).
+c = SlurmCluster(os.path.join(work, "cluster"), nodes=nodes, kill_wait=5,
+                 failover=dict(slurmd_timeout=6, message_timeout=5, requeue_delay=5,
+                               sched_interval=2))
 try:
     c.start()
     # 1. One task a node: each in its own namespace, with its node's address.
@@ -84,8 +144,87 @@ try:
         h.check(len(got) == 12 and got == one,
                 f"its losses equal the one-node run's, bit for bit ({len(got)} steps, last "
                 f"{got[-1] if got else None} / {one[-1] if one else None})")
+
+    # 3-4. A node lost mid-run: whole nodes, a node range, ranks per node, dp = auto.
+    j = c.sbatch([f"--nodes=1-{nodes}", "--exclusive", "--job-name=lost", "--output=lost.out",
+                  SBATCH, *LOST, "--output.dir=lost", "--checkpoint.dir=lost/ckpt"], cwd=work,
+                 env=dict(ENV, KMOE_RANKS_PER_NODE=str(per_node),
+                          KMOE_FAULT=f"stall:{absent[0]}:{STALL_AT}"))
+    deadline = time.time() + 300
+    while time.time() < deadline and rows("lost") < STALL_AT - 1 and \
+            c.job(j).get("JobState") in ("PENDING", "RUNNING"):
+        time.sleep(0.1)
+    before = rows("lost")
+    h.check(before == STALL_AT - 1 and c.job(j).get("NodeList") == f"n[1-{nodes}]",
+            f"the job trains on {c.job(j).get('NodeList')} and stands at step {before}")
+    pairs = tcp_pairs()
+    talked = {r for pair in pairs for r in pair}
+    h.check(talked == set(range(nodes * per_node)),
+            f"every rank talked over TCP to a rank on another node: pairs {sorted(pairs)}")
+
+    t0 = time.time()
+    last = f"n{nodes}"
+    subprocess.run(["ip", "link", "set", f"{NETNS_TAG}-v{nodes}", "down"], check=True)
+    pids = subprocess.run(["ip", "netns", "pids", f"{NETNS_TAG}-{last}"], capture_output=True,
+                          text=True).stdout.split()
+    for pid in pids:
+        try:
+            os.kill(int(pid), 9)
+        except ProcessLookupError:
+            pass
+    seen = {}  # event -> seconds after the kill
+    deadline = t0 + 300
+    while time.time() < deadline:
+        text = open(h.path("lost.out")).read()
+        info = c.job(j)
+        state = c.run(["sinfo", "-h", "-n", last, "-o", "%t"], check=False).stdout.strip()
+        for event, happened in (("watchdog", "kmoe: watchdog" in text),
+                                ("down", state.startswith("down")),
+                                ("requeued", info.get("Restarts") == "1"),
+                                ("resumed", "resuming from" in text),
+                                ("done", info.get("JobState") in ("COMPLETED", "FAILED",
+                                                                  "CANCELLED"))):
+            if happened and event not in seen:
+                seen[event] = time.time() - t0
+        if "done" in seen:
+            break
+        time.sleep(0.2)
+    text = open(h.path("lost.out")).read()
+    info = c.job(j)
+    print(f"lost node {last} ({len(pids)} processes killed at step {STALL_AT}): " +
+          ", ".join(f"{k} after {v:.1f} s" for k, v in seen.items()), flush=True)
+    named = re.findall(r"world rank\(s\) ([\d, ]+) did not arrive", text)
+    h.check(bool(named) and all(set(map(int, n.split(","))) <= set(absent) for n in named),
+            f"the watchdog names the absent ranks {absent}: {named}")
+    remaining = "n1" if nodes == 2 else f"n[1-{nodes - 1}]"
+    h.check(info.get("JobState") == "COMPLETED" and info.get("Restarts") == "1" and
+            info.get("NodeList") == remaining and "down" in seen,
+            f"{last} DOWN, the job requeued once and finished on {info.get('NodeList')}: "
+            f"{info.get('JobState')}, restarts {info.get('Restarts')}" +
+            ("" if info.get("JobState") == "COMPLETED" else "\n" + text[-3000:]))
+    m = re.search(r"resuming from (\S+) after step (\d+)", text)
+    resumed_at = int(m.group(2)) if m else -1
+    fewer = (nodes - 1) * per_node
+    h.check(f"(restart 1) on {remaining}, {fewer} ranks" in text and
+            f"parallel.dp = auto: dp {fewer // ep} for {fewer} rank(s)" in text and
+            resumed_at == 12,
+            f"the requeued run resumed on {fewer} ranks from step {resumed_at}")
+    lost_steps = before - resumed_at
+    h.check(0 <= lost_steps < EVERY,
+            f"steps lost: {lost_steps} (done after the checkpoint of step {resumed_at}; at most "
+            f"checkpoint.every = {EVERY})")
+
+    # The reference: the same checkpoint resumed by hand on that layout.
+    if m:
+        h.run(["kmoe-train", "-i", *LOST, "--output.dir=ref", "--checkpoint.dir=ref/ckpt",
+               f"--checkpoint.resume={m.group(1)}"], ranks=fewer)
+    got = [r for r in (h.losses("lost") if rows("lost") else []) if int(r[0]) > resumed_at]
+    ref = h.losses("ref") if rows("ref") else []
+    h.check(len(got) == LOST_STEPS - resumed_at and got == ref,
+            f"steps {resumed_at + 1}-{LOST_STEPS} after the requeue equal the resume by hand, "
+            f"bit for bit ({len(got)} / {len(ref)} steps)")
 finally:
     c.stop()
-left = c.leftovers()
+left = c.leftovers(work)
 h.check(left == "", f"nothing left after the cluster stopped ({left or 'clean'})")
 h.finish()
