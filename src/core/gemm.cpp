@@ -357,16 +357,13 @@ std::string g_grouped_note;
 // A grouped batch's operand side (0: A, 1: B), each group's first element in the form the
 // library takes: fp32 as given, or in bf16 runs the bf16 inputs (bf16_input) of the span the
 // groups cover together, rounded once, each group's pointer moved onto them.
-std::vector<const void*> group_inputs(const RunContext& ctx, int side,
-                                      const std::vector<GemmGroup>& groups) {
+[[maybe_unused]] std::vector<const void*> group_inputs(const RunContext& ctx, int side,
+                                                       const std::vector<GemmGroup>& groups) {
   auto operand = [side](const GemmGroup& g) -> const Strided& { return side == 0 ? g.A : g.B; };
-  const bool b16 = operand(groups[0]).b16 != nullptr;
+  const bool b16 = operand(groups[0]).b16 != nullptr;  // one type a side (checked by the caller)
   std::vector<const void*> first;
   for (const GemmGroup& g : groups) {
     const Strided& x = operand(g);
-    KMOE_REQUIRE((x.b16 != nullptr) == b16 && (b16 || x.data),
-                 "gemm_grouped_batched: groups whose " << (side == 0 ? "A" : "B")
-                                                       << " operands are not all bf16 or all fp32");
     first.push_back(b16 ? static_cast<const void*>(x.b16) : static_cast<const void*>(x.data));
   }
   if (!ctx.bf16()) return first;
@@ -414,6 +411,15 @@ void gemm_grouped_batched(const RunContext& ctx, Trans ta, Trans tb, float alpha
     groups.push_back(g);
   }
   if (groups.empty()) return;
+  // One type a side, bf16 or fp32 (a grouped call takes one), refused alike on every build.
+  for (int side = 0; side < 2; ++side)
+    for (const GemmGroup& g : groups) {
+      const Strided& x = side == 0 ? g.A : g.B;
+      const bool b16 = (side == 0 ? groups[0].A : groups[0].B).b16 != nullptr;
+      KMOE_REQUIRE((x.b16 != nullptr) == b16 && (b16 || x.data),
+                   "gemm_grouped_batched: groups whose " << (side == 0 ? "A" : "B")
+                                                         << " operands are not all bf16 or all fp32");
+    }
   (void)tables;  // device pointer tables: CUDA builds only
   auto one_batch_each = [&] {
     for (const GemmGroup& g : groups)
