@@ -6,12 +6,16 @@
 #   Kokkos was built with), or Clang with CUDA; Kokkos 3.x must have Kokkos_ENABLE_CUDA_LAMBDA.
 # - HIP: hipcc or a ROCm Clang as the C++ compiler.
 # - GEMMs: Kokkos Kernels must use cuBLAS (CUDA), rocBLAS (HIP) or a host BLAS (CPU backends) as
-#   a TPL; its native GEMM is far slower, so kmoe stops rather than falls back to it.
+#   a TPL; its native GEMM is far slower, so kmoe stops rather than falls back to it, unless
+#   -DKMOE_ALLOW_NATIVE_GEMM=ON asks for it (compile checks and correctness runs: a toolchain
+#   without rocBLAS, such as Debian's ROCm 5.2).
 # Sets KMOE_KOKKOS_BACKENDS (e.g. "CUDA;SERIAL").
 
+# `header` in the include directories of `targets` first (the package it describes: a Kokkos
+# prefix may hold another Kokkos Kernels), then of the Kokkos variables.
 function(_kmoe_find_config_header out header)
-  set(dirs ${Kokkos_INCLUDE_DIRS} ${KokkosKernels_INCLUDE_DIRS})
-  foreach(target Kokkos::kokkoscore Kokkos::kokkos Kokkos::kokkoskernels)
+  set(dirs "")
+  foreach(target ${ARGN})
     if(TARGET ${target})
       get_target_property(inc ${target} INTERFACE_INCLUDE_DIRECTORIES)
       if(inc)
@@ -19,6 +23,7 @@ function(_kmoe_find_config_header out header)
       endif()
     endif()
   endforeach()
+  list(APPEND dirs ${Kokkos_INCLUDE_DIRS} ${KokkosKernels_INCLUDE_DIRS})
   list(FILTER dirs EXCLUDE REGEX "\\$<")
   unset(_kmoe_header_${header} CACHE)  # looked up afresh: Kokkos_ROOT may have changed
   find_file(_kmoe_header_${header} ${header} HINTS ${dirs} PATH_SUFFIXES trilinos)
@@ -29,10 +34,19 @@ function(_kmoe_find_config_header out header)
   set(${out} "${_kmoe_header_${header}}" PARENT_SCOPE)
 endfunction()
 
-_kmoe_find_config_header(_kmoe_core_h KokkosCore_config.h)
-_kmoe_find_config_header(_kmoe_kk_h KokkosKernels_config.h)
+_kmoe_find_config_header(_kmoe_core_h KokkosCore_config.h Kokkos::kokkoscore Kokkos::kokkos)
+_kmoe_find_config_header(_kmoe_kk_h KokkosKernels_config.h Kokkos::kokkoskernels)
 file(STRINGS "${_kmoe_core_h}" _kmoe_core_defs REGEX "^#define KOKKOS_")
-file(STRINGS "${_kmoe_kk_h}" _kmoe_kk_defs REGEX "^#define KOKKOSKERNELS_ENABLE_TPL_")
+# The TPL macros in effect: the header defines some only under others (MKL or ARMPL imply
+# BLAS), so it goes through the C preprocessor; a bare line scan if that fails.
+execute_process(COMMAND "${CMAKE_C_COMPILER}" -E -dM -x c "${_kmoe_kk_h}"
+                OUTPUT_VARIABLE _kmoe_kk_macros RESULT_VARIABLE _kmoe_rc ERROR_QUIET)
+if(_kmoe_rc EQUAL 0)
+  string(REGEX MATCHALL "#define KOKKOSKERNELS_ENABLE_TPL_[A-Za-z0-9_]+" _kmoe_kk_defs
+         "${_kmoe_kk_macros}")
+else()
+  file(STRINGS "${_kmoe_kk_h}" _kmoe_kk_defs REGEX "^#define KOKKOSKERNELS_ENABLE_TPL_")
+endif()
 
 set(KMOE_KOKKOS_BACKENDS "")
 foreach(backend CUDA HIP SYCL OPENMP THREADS SERIAL)
@@ -50,6 +64,19 @@ get_filename_component(_kmoe_cxx_name "${CMAKE_CXX_COMPILER}" NAME)
 get_property(_kmoe_launch GLOBAL PROPERTY RULE_LAUNCH_COMPILE)
 
 set(_kmoe_docs "see docs/BUILDING.md for the Kokkos and Kokkos Kernels configure options")
+# A backend's GEMM library is missing: an error, or with KMOE_ALLOW_NATIVE_GEMM a warning.
+function(_kmoe_gemm_missing what rebuild)
+  if(KMOE_ALLOW_NATIVE_GEMM)
+    message(WARNING "kmoe: Kokkos Kernels (${_kmoe_kk_h}) was built without ${what}; "
+                    "KMOE_ALLOW_NATIVE_GEMM=ON: its native GEMM is used, for compile checks and "
+                    "correctness runs only (many times slower)")
+  else()
+    message(FATAL_ERROR "kmoe: Kokkos Kernels (${_kmoe_kk_h}) was built without ${what}; its "
+                        "native GEMM is far slower. Rebuild it with ${rebuild}, or configure "
+                        "kmoe with -DKMOE_ALLOW_NATIVE_GEMM=ON for compile checks and "
+                        "correctness runs only; ${_kmoe_docs}")
+  endif()
+endfunction()
 if(CUDA IN_LIST KMOE_KOKKOS_BACKENDS)
   if(Kokkos_COMPILE_LANGUAGE STREQUAL "CUDA")
     message(FATAL_ERROR "kmoe: this Kokkos compiles as the CMake CUDA language "
@@ -75,9 +102,7 @@ if(CUDA IN_LIST KMOE_KOKKOS_BACKENDS)
                         "${_kmoe_docs}")
   endif()
   if(NOT CUBLAS IN_LIST _kmoe_tpls)
-    message(FATAL_ERROR "kmoe: Kokkos Kernels (${_kmoe_kk_h}) was built without cuBLAS; "
-                        "its native GEMM is far slower. Rebuild it with "
-                        "-DKokkosKernels_ENABLE_TPL_CUBLAS=ON; ${_kmoe_docs}")
+    _kmoe_gemm_missing(cuBLAS -DKokkosKernels_ENABLE_TPL_CUBLAS=ON)
   endif()
 elseif(HIP IN_LIST KMOE_KOKKOS_BACKENDS)
   if(NOT (_kmoe_cxx_name MATCHES "hipcc" OR CMAKE_CXX_COMPILER_ID MATCHES "Clang"))
@@ -86,21 +111,21 @@ elseif(HIP IN_LIST KMOE_KOKKOS_BACKENDS)
                         "${_kmoe_docs}")
   endif()
   if(NOT ROCBLAS IN_LIST _kmoe_tpls)
-    message(FATAL_ERROR "kmoe: Kokkos Kernels (${_kmoe_kk_h}) was built without rocBLAS; "
-                        "rebuild it with -DKokkosKernels_ENABLE_TPL_ROCBLAS=ON; ${_kmoe_docs}")
+    _kmoe_gemm_missing(rocBLAS -DKokkosKernels_ENABLE_TPL_ROCBLAS=ON)
   endif()
   set(_kmoe_how "${_kmoe_cxx_name}")
 elseif(SYCL IN_LIST KMOE_KOKKOS_BACKENDS)
   message(FATAL_ERROR "kmoe: the SYCL backend of Kokkos is not supported; ${_kmoe_docs}")
 else()
   if(NOT (BLAS IN_LIST _kmoe_tpls OR MKL IN_LIST _kmoe_tpls))
-    message(FATAL_ERROR "kmoe: Kokkos Kernels (${_kmoe_kk_h}) was built without a host BLAS; "
-                        "rebuild it with -DKokkosKernels_ENABLE_TPL_BLAS=ON (OpenBLAS, BLIS "
-                        "or MKL); ${_kmoe_docs}")
+    _kmoe_gemm_missing("a host BLAS" "-DKokkosKernels_ENABLE_TPL_BLAS=ON (OpenBLAS, BLIS or MKL)")
   endif()
   set(_kmoe_how "${CMAKE_CXX_COMPILER_ID} ${CMAKE_CXX_COMPILER_VERSION}")
 endif()
 string(REPLACE ";" ", " _kmoe_b "${KMOE_KOKKOS_BACKENDS}")
 string(REPLACE ";" ", " _kmoe_t "${_kmoe_tpls}")
+if(NOT _kmoe_t)
+  set(_kmoe_t "none")
+endif()
 message(STATUS "kmoe: Kokkos ${Kokkos_VERSION} backends ${_kmoe_b}; Kokkos Kernels TPLs "
                "${_kmoe_t}; compiled by ${_kmoe_how}")

@@ -546,11 +546,27 @@ std::string precision_note(Precision p) {
                    << (host ? "a GPU feature" : "cuBLAS' TF32 math mode, CUDA builds only")
                    << "); use fp32, or bf16 (emulated: bf16 inputs summed in fp32)");
   if (p != Precision::Bf16) return "";
+  // The vendor GEMM behind Kokkos Kernels for this memory space, if it has one.
+#if defined(KOKKOSKERNELS_ENABLE_TPL_ROCBLAS)
+  constexpr bool device_vendor = true;
+#else
+  constexpr bool device_vendor = false;
+#endif
+#if defined(KOKKOSKERNELS_ENABLE_TPL_BLAS)  // (MKL and ARMPL define it too)
+  constexpr bool host_vendor = true;
+#else
+  constexpr bool host_vendor = false;
+#endif
+  const char* blas = !(host ? host_vendor : device_vendor)
+                         ? "Kokkos Kernels' native fp32 GEMM (KMOE_ALLOW_NATIVE_GEMM: no vendor BLAS)"
+                     : host ? "the fp32 BLAS"
+                            : "rocBLAS' fp32 GEMM";
   return std::string("train.precision = bf16 on the ") + ExecSpace::name() +
-         " backend: GEMM inputs rounded to bf16, summed by the fp32 BLAS" +
+         " backend: GEMM inputs rounded to bf16, summed by " + blas +
          (host ? " (the bf16 numerics of a GPU run, not its speed)"
-               : " (rocBLAS: bf16's numerics and activation memory, not its GEMM speed; kmoe has "
-                 "no hipBLAS bf16 path yet)");
+               : "; the grouped expert GEMMs on kmoe's tiled kernel, bf16 rounded as loaded (no "
+                 "WMMA here). bf16's numerics and activation memory, not its GEMM speed: kmoe has "
+                 "no rocBLAS bf16 path yet");
 #endif
 }
 }  // namespace

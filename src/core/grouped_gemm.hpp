@@ -13,6 +13,8 @@
 // capability 8.0 and later (grouped_gemm_tensor_cores()) the bf16 products run on the tensor
 // cores instead: the same 32 x 32 tiles, staged as bf16 in scratch, each 16 x 16 quarter summed
 // by one warp in an nvcuda::wmma fp32 accumulator (fixed order too: bit-identical run to run).
+// HIP builds have no WMMA here (rocWMMA is not used): their bf16 products take the tiled kernel
+// above, as on CPUs.
 // Vendor BLAS stays the choice on host backends (moe.expert_gemm = auto), where reading the
 // offsets costs nothing.
 #pragma once

@@ -94,13 +94,21 @@ inline TeamPolicy team_policy(int league, int lanes = 1) {
 // One team per row for row-wise reductions (norms, softmax).
 inline TeamPolicy row_policy(int rows) { return team_policy(rows); }
 
+// The widest vector a team's threads form: a warp (32) on CUDA (and device paths on host
+// backends), a wavefront (64) on AMD GPUs.
+#if defined(KOKKOS_ENABLE_HIP)
+constexpr int kMaxVectorLanes = 64;
+#else
+constexpr int kMaxVectorLanes = 32;
+#endif
+
 // Vector lanes for an inner loop of n contiguous values: on GPUs (device paths) the largest
-// power of two up to min(n, 32), so a warp's lanes touch consecutive addresses; 1 on host
-// backends.
+// power of two up to min(n, kMaxVectorLanes), so a warp's or wavefront's lanes touch consecutive
+// addresses; 1 on host backends.
 inline int vector_lanes(int n) {
   if (!device_paths()) return 1;
   int v = 1;
-  while (v * 2 <= n && v * 2 <= 32) v *= 2;
+  while (v * 2 <= n && v * 2 <= kMaxVectorLanes) v *= 2;
   return v;
 }
 
