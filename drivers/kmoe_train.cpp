@@ -298,6 +298,11 @@ int main(int argc, char** argv) {
         int rank = 0, launched = 1;
         MPI_Comm_rank(MPI_COMM_WORLD, &rank);
         MPI_Comm_size(MPI_COMM_WORLD, &launched);
+        if (args.plan > 0) {  // every grid of N ranks: the deck's dp (auto or not) is replaced
+          (void)kmoe::read_deck(args.deck, args.overrides);  // the deck's own errors first
+          print_plan(args);
+          return;
+        }
         std::string auto_note;
         const kmoe::Config cfg = kmoe::resolve_auto_dp(
             [&](const std::vector<std::string>& over) { return kmoe::read_deck(args.deck, over); },
@@ -312,10 +317,6 @@ int main(int argc, char** argv) {
         if (args.dry_run) {
           if (rank == 0 && !auto_note.empty()) std::printf("note: %s\n", auto_note.c_str());
           print_dry_run(cfg);
-          return;
-        }
-        if (args.plan > 0) {
-          print_plan(args);
           return;
         }
         kmoe::ProcessGrid grid(cfg.parallel, cfg.model.n_layers, MPI_COMM_WORLD);

@@ -77,21 +77,22 @@ Config resolve_auto_dp(const std::function<Config(const std::vector<std::string>
   if (!cfg.parallel.dp_auto) return cfg;
   const ParallelCfg& p = cfg.parallel;
   const std::string origin = cfg.deck_path.empty() ? std::string("the deck") : cfg.deck_path;
-  KMOE_REQUIRE(ranks >= 1 && ranks % (p.pp * p.ep) == 0,
+  const std::int64_t unit = std::int64_t(p.pp) * p.ep;  // (each at least 1, checked)
+  KMOE_REQUIRE(ranks >= 1 && ranks % unit == 0,
                origin << ": parallel.dp = auto: this launch's " << ranks
                       << " rank(s) are not a multiple of parallel.pp * parallel.ep = " << p.pp
-                      << " * " << p.ep << "; launch a multiple of " << p.pp * p.ep
-                      << " ranks or set parallel.dp");
-  const int dp = ranks / (p.pp * p.ep);
+                      << " * " << p.ep << "; launch a multiple of " << unit
+                      << " ranks (--print-grid, --dry-run: --ranks N) or set parallel.dp");
+  const int dp = static_cast<int>(ranks / unit);
   std::vector<std::string> over = overrides;
   over.push_back("--parallel.dp=" + std::to_string(dp));
   Config resolved;
   try {
     resolved = read(over);
   } catch (const Error& e) {
-    KMOE_FAIL("parallel.dp = auto chose dp " << dp << " for " << ranks << " rank(s) (pp " << p.pp
-                                             << ", ep " << p.ep << "), and the deck refuses it: "
-                                             << e.what());
+    KMOE_FAIL(origin << ": parallel.dp = auto chose dp " << dp << " for " << ranks
+                     << " rank(s) (pp " << p.pp << ", ep " << p.ep
+                     << "), and the deck refuses it: " << e.what());
   }
   resolved.parallel.dp_auto = true;
   if (note) {
@@ -107,11 +108,23 @@ Config launch_layout(const std::function<Config(const std::vector<std::string>&)
                      const std::vector<std::string>& overrides, int ranks, std::string* note) {
   Config cfg = read(overrides);
   if (note) note->clear();
-  if (cfg.parallel.dp_auto) return resolve_auto_dp(read, overrides, ranks, note);
-  for (const std::string& o : overrides)
-    for (const char* key :
-         {"--parallel.pp=", "--parallel.dp=", "--parallel.ep=", "--parallel.pp_layers="})
-      if (o.rfind(key, 0) == 0) return cfg;
+  auto grid_given = [&] {  // the command line sets a grid key: its grid (or its error) stands
+    for (const std::string& o : overrides)
+      for (const char* key :
+           {"--parallel.pp=", "--parallel.dp=", "--parallel.ep=", "--parallel.pp_layers="})
+        if (o.rfind(key, 0) == 0) return true;
+    return false;
+  };
+  if (cfg.parallel.dp_auto) {
+    // The deck's pp and ep with dp = auto; a launch they do not fit takes a layout below.
+    try {
+      return resolve_auto_dp(read, overrides, ranks, note);
+    } catch (const Error&) {
+      if (grid_given()) throw;
+      if (note) note->clear();
+    }
+  }
+  if (grid_given()) return cfg;
   if (cfg.parallel.world() == ranks) return cfg;
   auto with = [&](int pp, int dp, int ep) {
     const TrainCfg& t = cfg.train;
@@ -130,7 +143,8 @@ Config launch_layout(const std::function<Config(const std::vector<std::string>&)
     for (int d = 1; d <= ranks; ++d)
       if (ranks % d == 0 && cfg.moe.experts % d == 0) ep = d;
   std::ostringstream why;
-  why << "the deck's grid pp " << cfg.parallel.pp << " x dp " << cfg.parallel.dp << " x ep "
+  why << "the deck's grid pp " << cfg.parallel.pp << " x dp "
+      << (cfg.parallel.dp_auto ? std::string("auto") : std::to_string(cfg.parallel.dp)) << " x ep "
       << cfg.parallel.ep << " is not this launch's " << ranks << " rank(s) and no parallel.pp, "
       << "parallel.dp, parallel.ep or parallel.pp_layers was given: running on ";
   Config chosen;

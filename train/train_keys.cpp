@@ -96,8 +96,10 @@ void check_parallel(const Config& c, const deck::Locate& locate) {
   KMOE_DECK_REQUIRE(p.dp >= 1 || (p.dp_auto && p.dp == 0), "parallel.dp",
                     "parallel.dp must be at least 1 (or auto)");
   KMOE_DECK_REQUIRE(p.ep >= 1, "parallel.ep", "parallel.ep must be at least 1");
-  KMOE_DECK_REQUIRE(std::int64_t(p.pp) * p.dp * p.ep <= (std::int64_t(1) << 30), "parallel.dp",
-                    "parallel.pp * parallel.dp * parallel.ep = " << std::int64_t(p.pp) * p.dp * p.ep
+  // (dp = auto counts as 1 until resolved: pp * ep alone must fit then.)
+  const std::int64_t ranks = std::int64_t(p.pp) * (p.dp_auto ? 1 : p.dp) * p.ep;
+  KMOE_DECK_REQUIRE(ranks <= (std::int64_t(1) << 30), "parallel.dp",
+                    "parallel.pp * parallel.dp * parallel.ep = " << ranks
                                                                  << " ranks is beyond any MPI job");
   KMOE_DECK_REQUIRE(p.pp <= c.model.n_layers, "parallel.pp",
                     "parallel.pp (" << p.pp << ") exceeds model.n_layers (" << c.model.n_layers

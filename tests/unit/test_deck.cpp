@@ -321,6 +321,18 @@ TEST(Deck, DataParallelAuto) {
   EXPECT_EQ(fixed.parallel.dp, 2);
   EXPECT_FALSE(fixed.parallel.dp_auto);
   EXPECT_TRUE(note.empty());
+
+  // A tool that only loads a checkpoint (launch_layout): auto where the launch fits the deck's
+  // pp and ep, else a layout of its own; a grid key on its command line stands, error and all.
+  auto read_auto = [](const std::vector<std::string>& over) {
+    return parse_deck(deck_with("dp", "dp = auto"), "test.deck", over);
+  };
+  EXPECT_EQ(launch_layout(read_auto, {}, 8, &note).parallel.dp, 4);
+  expect_contains(note, {"dp 4 for 8 rank(s)"});
+  const Config one = launch_layout(read_auto, {}, 1, &note);
+  EXPECT_EQ(one.parallel.world(), 1);
+  expect_contains(note, {"pp 2 x dp auto x ep 1", "is not this launch's 1 rank(s)"});
+  EXPECT_THROW(launch_layout(read_auto, {"--parallel.pp=2"}, 1, &note), Error);
 }
 
 TEST(Deck, BadStageLayout) {
