@@ -133,6 +133,7 @@ void Trainer::load_positions(std::int64_t first, int count, int at) {
 StepMetrics Trainer::train_step(int step) {
   ProfileRegion region("kmoe::step");
   stall_if_requested(grid_.world.rank(), step);
+  pause_if_requested(grid_.world.rank(), step);
   const auto t_step = std::chrono::steady_clock::now();
   const double comm_at_start = comm_wait_seconds();
   PhaseTimer timer(cfg_.output.phase_timing);

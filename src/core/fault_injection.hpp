@@ -11,6 +11,9 @@
 //   KMOE_FAULT=metrics_fails:<step>  the metrics row of <step> cannot be written (a full disk);
 //   KMOE_FAULT=stall:<rank>:<step> world rank <rank> stops taking part at the start of <step>
 //                                  (it sleeps), so the other ranks' watchdog must fire;
+//   KMOE_FAULT=pause:<rank>:<step>:<ms>  world rank <rank> sleeps <ms> milliseconds at the start
+//                                  of <step>, then goes on (a moment at which a test cuts its
+//                                  node: only the loss, not the pause, can end the run);
 //   KMOE_FAULT=drop_silu_curvature  SwiGLU's backward drops the a s (1 - s) term of silu' (a
 //                                  planted gradient bug the gradient tests must catch);
 //   KMOE_FAULT=signal_at_start:<signal>  the process sends itself <signal> right after it
@@ -61,6 +64,14 @@ inline void stall_if_requested(int world_rank, int step) {
   if (!f || std::sscanf(f, "stall:%d:%d", &rank, &at) != 2) return;
   if (rank == world_rank && at == step)
     for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
+}
+
+inline void pause_if_requested(int world_rank, int step) {
+  const char* f = std::getenv("KMOE_FAULT");
+  int rank = -1, at = -1, ms = 0;
+  if (!f || std::sscanf(f, "pause:%d:%d:%d", &rank, &at, &ms) != 3) return;
+  if (rank == world_rank && at == step && ms > 0)
+    std::this_thread::sleep_for(std::chrono::milliseconds(ms));
 }
 
 inline void signal_at_start_if_requested() {

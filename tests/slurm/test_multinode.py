@@ -59,10 +59,11 @@ TCP = {"OMPI_MCA_btl": "tcp,self", "OMPI_MCA_btl_tcp_if_include": f"{NETNS_NET}.
        "OMPI_MCA_oob_tcp_if_include": f"{NETNS_NET}.0/24"}
 ENV = dict(TCP, KMOE_BUILD=os.path.dirname(bin_dir))  # bin_dir is <build>/drivers
 SBATCH = os.path.join(ROOT, "slurm", "train.sbatch")
-# The lost-node run: 36 steps, a checkpoint every 6, the last node's first rank held at the
-# start of step 17 (KMOE_FAULT=stall) so that the node is cut at a known step, whatever the
-# machine's speed: steps 13-16 are done and not yet saved when the node goes.
-LOST_STEPS, EVERY, STALL_AT = 36, 6, 17
+# The lost-node run: 36 steps, a checkpoint every 6, the last node's first rank paused for
+# PAUSE_MS at the start of step 17 (KMOE_FAULT=pause) so that the node is cut at a known step,
+# whatever the machine's speed: steps 13-16 are done and not yet saved when the node goes. The
+# pause is shorter than the watchdog (5 s): uncut, the run would go on and finish unrequeued.
+LOST_STEPS, EVERY, STALL_AT, PAUSE_MS = 36, 6, 17, 3000
 absent = list(range((nodes - 1) * per_node, nodes * per_node))  # the last node's ranks
 LOST = ["job.deck", "--parallel.dp=auto", "--parallel.watchdog_seconds=5",
         f"--train.max_steps={LOST_STEPS}", "--checkpoint.keep=100", *extra]
@@ -149,20 +150,23 @@ try:
     j = c.sbatch([f"--nodes=1-{nodes}", "--exclusive", "--job-name=lost", "--output=lost.out",
                   SBATCH, *LOST, "--output.dir=lost", "--checkpoint.dir=lost/ckpt"], cwd=work,
                  env=dict(ENV, KMOE_RANKS_PER_NODE=str(per_node),
-                          KMOE_FAULT=f"stall:{absent[0]}:{STALL_AT}"))
-    deadline = time.time() + 300
-    while time.time() < deadline and rows("lost") < STALL_AT - 1 and \
-            c.job(j).get("JobState") in ("PENDING", "RUNNING"):
-        time.sleep(0.1)
-    before = rows("lost")
-    h.check(before == STALL_AT - 1 and c.job(j).get("NodeList") == f"n[1-{nodes}]",
-            f"the job trains on {c.job(j).get('NodeList')} and stands at step {before}")
+                          KMOE_FAULT=f"pause:{absent[0]}:{STALL_AT}:{PAUSE_MS}"))
+
+    def wait_rows(n):
+        deadline = time.time() + 300
+        while time.time() < deadline and rows("lost") < n and \
+                c.job(j).get("JobState") in ("PENDING", "RUNNING"):
+            time.sleep(0.05)
+        return rows("lost")
+
+    # The ranks' connections, once they have trained a few steps across the nodes.
+    wait_rows(4)
     pairs = tcp_pairs()
     talked = {r for pair in pairs for r in pair}
     h.check(talked == set(range(nodes * per_node)),
             f"every rank talked over TCP to a rank on another node: pairs {sorted(pairs)}")
-
-    t0 = time.time()
+    before = wait_rows(STALL_AT - 1)
+    t_seen = time.time()
     last = f"n{nodes}"
     subprocess.run(["ip", "link", "set", f"{NETNS_TAG}-v{nodes}", "down"], check=True)
     pids = subprocess.run(["ip", "netns", "pids", f"{NETNS_TAG}-{last}"], capture_output=True,
@@ -172,7 +176,12 @@ try:
             os.kill(int(pid), 9)
         except ProcessLookupError:
             pass
-    seen = {}  # event -> seconds after the kill
+    t0 = time.time()
+    h.check(before == STALL_AT - 1 and c.job(j).get("NodeList") == f"n[1-{nodes}]" and
+            t0 - t_seen < PAUSE_MS / 1000,
+            f"{last} was cut in the pause of step {STALL_AT} ({t0 - t_seen:.2f} s after step "
+            f"{before} was seen; the job on {c.job(j).get('NodeList')})")
+    seen = {}  # event -> seconds after the cut
     deadline = t0 + 300
     while time.time() < deadline:
         text = open(h.path("lost.out")).read()
@@ -191,7 +200,7 @@ try:
         time.sleep(0.2)
     text = open(h.path("lost.out")).read()
     info = c.job(j)
-    print(f"lost node {last} ({len(pids)} processes killed at step {STALL_AT}): " +
+    print(f"lost node {last} ({len(pids)} processes killed in step {STALL_AT}): " +
           ", ".join(f"{k} after {v:.1f} s" for k, v in seen.items()), flush=True)
     named = re.findall(r"world rank\(s\) ([\d, ]+) did not arrive", text)
     h.check(bool(named) and all(set(map(int, n.split(","))) <= set(absent) for n in named),
