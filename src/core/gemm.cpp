@@ -411,6 +411,13 @@ void gemm_grouped_batched(const RunContext& ctx, Trans ta, Trans tb, float alpha
     groups.push_back(g);
   }
   if (groups.empty()) return;
+  (void)tables;  // device pointer tables: CUDA builds only
+  auto one_batch_each = [&] {
+    for (const GemmGroup& g : groups)
+      gemm_strided_batched(ctx, ta, tb, alpha, g.A, g.B, beta, g.C, g.c_rows, g.c_cols,
+                           g.c_stride, g.count, g.c_ld);
+  };
+  if (empty_inner) return one_batch_each();
   // One type a side, bf16 or fp32 (a grouped call takes one), refused alike on every build.
   for (int side = 0; side < 2; ++side)
     for (const GemmGroup& g : groups) {
@@ -420,13 +427,6 @@ void gemm_grouped_batched(const RunContext& ctx, Trans ta, Trans tb, float alpha
                    "gemm_grouped_batched: groups whose " << (side == 0 ? "A" : "B")
                                                          << " operands are not all bf16 or all fp32");
     }
-  (void)tables;  // device pointer tables: CUDA builds only
-  auto one_batch_each = [&] {
-    for (const GemmGroup& g : groups)
-      gemm_strided_batched(ctx, ta, tb, alpha, g.A, g.B, beta, g.C, g.c_rows, g.c_cols,
-                           g.c_stride, g.count, g.c_ld);
-  };
-  if (empty_inner) return one_batch_each();
 #if defined(KMOE_CUBLAS) && CUBLAS_VERSION >= 120500
   {
     // cuBLAS' grouped batch; whether it takes this call's types is known after the first call.

@@ -22,14 +22,17 @@ if [ -z "$arch" ]; then
   exit 1
 fi
 mkdir -p "$build"
-cmake -S "$src" -B "$build" -DCMAKE_CXX_COMPILER="$hipcc" -DKokkos_ROOT="$kokkos" \
+# (-U: a build directory reused with another prefix forgets the packages it found before)
+cmake -S "$src" -B "$build" -UKokkos_DIR -UKokkosKernels_DIR \
+      -DCMAKE_CXX_COMPILER="$hipcc" -DKokkos_ROOT="$kokkos" \
       -DKokkosKernels_ROOT="$kokkos" -DCMAKE_BUILD_TYPE=Release -DKMOE_ALLOW_NATIVE_GEMM=ON \
       -DKMOE_ENABLE_TESTS=OFF > "$build/configure.log" 2>&1 ||
   { cat "$build/configure.log"; exit 1; }
 grep "kmoe: Kokkos .* backends" "$build/configure.log" || true
 start=$(date +%s)
 cmake --build "$build" --target "${targets[@]}" -j "${KMOE_HIP_JOBS:-2}" > "$build/compile.log" 2>&1 ||
-  { grep -B2 -A8 "error" "$build/compile.log" | head -n 200; echo "hip_compile: build failed"; exit 1; }
+  { (grep -B2 -A8 "error" "$build/compile.log" | head -n 200) || true
+    echo "hip_compile: build failed (log: $build/compile.log)"; exit 1; }
 seconds=$(( $(date +%s) - start ))
 warnings=$(grep -c "warning:" "$build/compile.log" || true)
 echo "hip_compile: ${targets[*]} built for $arch in $seconds s, $warnings compiler warnings" \

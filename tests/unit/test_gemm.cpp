@@ -688,9 +688,10 @@ TEST(ColumnSums, ChunkWidthsGiveTheSameBits) {
   for (int c = 0; c < cols; ++c) ASSERT_EQ(ha(c), hb(c)) << c;
 }
 
-// Vector lanes: one on host backends, a warp's worth (up to 32) on GPUs and with device paths.
+// Vector lanes: one on host backends; up to a warp (32) with device paths and on CUDA, a
+// wavefront (64) on HIP.
 TEST(DevicePaths, VectorLanesFollowTheMode) {
-  EXPECT_EQ(vector_lanes(64), device_paths() ? 32 : 1);
+  EXPECT_EQ(vector_lanes(64), device_paths() ? kMaxVectorLanes : 1);
   EXPECT_EQ(vector_lanes(12), device_paths() ? 8 : 1);
 }
 
