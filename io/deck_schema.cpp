@@ -32,11 +32,8 @@ Schema::Schema(Config& c) : options_("kmoe input deck") {
 void Schema::count_or_auto(int& member, bool& automatic, const char* key, int def,
                            const char* help) {
   auto number = [](const std::string& text) {
-    const std::string t = detail::trim(text);
     int x = 0;
-    const auto [end, ec] = std::from_chars(t.data(), t.data() + t.size(), x);
-    KMOE_REQUIRE(!t.empty() && ec == std::errc() && end == t.data() + t.size(),
-                 "expected an int or auto");
+    KMOE_REQUIRE(detail::parse_int(detail::trim(text), &x), "expected an int or auto");
     return x;
   };
   KeySpec spec;

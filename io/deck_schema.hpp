@@ -145,6 +145,12 @@ inline void require_nonempty(const std::string& text) {
   KMOE_REQUIRE(!text.empty(), "empty value");
 }
 
+// Whole text an int (no sign other than '-', no spaces, no trailing characters).
+inline bool parse_int(const std::string& text, int* x) {
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), *x);
+  return !text.empty() && ec == std::errc() && end == text.data() + text.size();
+}
+
 // An empty string is the empty list, so an optional list can be written out and read back.
 inline std::vector<std::string> split_list(const std::string& text) {
   std::vector<std::string> items;
@@ -275,9 +281,7 @@ struct Traits<std::vector<int>> {
     std::vector<int> out;
     for (const std::string& item : split_list(v)) {
       int x = 0;
-      const auto [end, ec] = std::from_chars(item.data(), item.data() + item.size(), x);
-      KMOE_REQUIRE(ec == std::errc() && end == item.data() + item.size(),
-                   "list entry '" << item << "' is not an int");
+      KMOE_REQUIRE(parse_int(item, &x), "list entry '" << item << "' is not an int");
       out.push_back(x);
     }
     return out;
