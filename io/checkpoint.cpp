@@ -176,21 +176,26 @@ void save_checkpoint(const Config& cfg, const ProcessGrid& grid, const TensorTab
     const std::int64_t r0 = copy ? mr.first : e ? e->spec.row_begin : 0;
     const std::int64_t nr = copy ? mr.rows : e ? e->spec.local_rows() : 0;
     const std::int64_t off = e ? table.param_offset(local) : 0;
+    // A tensor in host memory is written from the table's host buffers.
+    const bool host = e && table.host(local);
+    const float* values = host ? table.host_params.data() : params.data();
+    const float* m_src = host ? table.host_exp_avg.data() : m.data();
+    const float* v_src = host ? table.host_exp_avg_sq.data() : v.data();
     const std::string p = tensor_path(g.name);
     const bool middle = i == catalog.size() / 2;
     if (middle && fault_requested("kill_during_save")) std::raise(SIGKILL);
     out.step([&](H5File& f) {
       if (middle && save_fault_here(world.rank(), state.step)) f.fail_next_write();
-      f.write_rows_f32("/model/" + p, g.shape, r0, nr, params.data() + off, writer);
+      f.write_rows_f32("/model/" + p, g.shape, r0, nr, values + off, writer);
     });
     if (!g.trainable) continue;  // buffers have no moments
     const std::int64_t at = e ? table.moments(local).offset : 0;
     out.step([&](H5File& f) {
-      f.write_rows_f32("/optimizer/exp_avg/" + p, g.shape, mr.first, mr.rows, m.data() + at,
+      f.write_rows_f32("/optimizer/exp_avg/" + p, g.shape, mr.first, mr.rows, m_src + at,
                        mr.write);
     });
     out.step([&](H5File& f) {
-      f.write_rows_f32("/optimizer/exp_avg_sq/" + p, g.shape, mr.first, mr.rows, v.data() + at,
+      f.write_rows_f32("/optimizer/exp_avg_sq/" + p, g.shape, mr.first, mr.rows, v_src + at,
                        mr.write);
     });
   }
@@ -377,6 +382,16 @@ TrainState load_checkpoint(const std::string& path, const Config& cfg, const Pro
   for (int t = 0; t < table.size(); ++t) {
     const TensorEntry& e = table.entry(t);
     const std::string p = tensor_path(e.spec.name);
+    if (table.host(t)) {  // straight into the table's host buffers
+      read("/model/" + p, e, e.spec.row_begin, e.spec.local_rows(), table.host_param(t));
+      if (with_optimizer) {
+        read("/optimizer/exp_avg/" + p, e, e.spec.row_begin, e.spec.local_rows(),
+             table.host_m(t));
+        read("/optimizer/exp_avg_sq/" + p, e, e.spec.row_begin, e.spec.local_rows(),
+             table.host_v(t));
+      }
+      continue;
+    }
     if (!table.has_copy(t)) {
       read("/model/" + p, e, e.spec.row_begin, e.spec.local_rows(),
            params.data() + table.param_offset(t));

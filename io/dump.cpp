@@ -40,7 +40,8 @@ void write_step_dump(const Config& cfg, const ProcessGrid& grid, const TensorTab
     const MomentRows r = e ? moment_rows(table, i, grid) : MomentRows();
     const std::int64_t at = e ? e->offset + r.local_first * e->spec.row_elements() : 0;
     out.step([&](H5File& f) {
-      f.write_rows_f32("/grad/" + tensor_path(g.name), g.shape, r.first, r.rows, grads.data() + at,
+      const float* src = e && table.host(i) ? table.host_grads.data() : grads.data();
+      f.write_rows_f32("/grad/" + tensor_path(g.name), g.shape, r.first, r.rows, src + at,
                        r.write);
     });
   }

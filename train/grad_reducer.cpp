@@ -24,6 +24,10 @@ GradReducer::GradReducer(TensorTable& table, const ProcessGrid& grid, double buc
     if (!e.spec.trainable) continue;
     const Communicator* axis = gradient_comm(e.spec, grid);
     if (!axis || axis->size() == 1) continue;
+    if (e.spec.host_resident) {  // summed in host memory over the group's MPI communicator
+      host_.push_back({i, axis});
+      continue;
+    }
     const DataComm* c = &grid.data_plane(*axis);
     // Declared back to back, so adjacent in the flat buffer: extend the open bucket downwards.
     Bucket* b = buckets_.empty() ? nullptr : &buckets_.back();
@@ -64,10 +68,11 @@ GradReducer::GradReducer(TensorTable& table, const ProcessGrid& grid, double buc
         split_here[i] = 1;
       }
     }
-  std::int64_t at = 0;
+  std::int64_t at = 0, at_host = 0;  // host tensors' moments are packed apart
   for (int i = 0; i < table.size(); ++i) {
-    slices_.push_back({first[i], rows[i], at, split_here[i] != 0});
-    at += rows[i] * table.entry(i).spec.row_elements();
+    std::int64_t& o = table.entry(i).spec.host_resident ? at_host : at;
+    slices_.push_back({first[i], rows[i], o, split_here[i] != 0});
+    o += rows[i] * table.entry(i).spec.row_elements();
   }
 }
 
@@ -104,6 +109,10 @@ void GradReducer::ready_from(int first_final) {
 
 void GradReducer::finish() {
   ready_from(0);
+  // The host tensors while the device buckets travel (their gradients are final: the layers
+  // added them on the host before their backward returned).
+  for (const HostSum& h : host_)
+    h.comm->allreduce_sum(table_.host_grad(h.tensor), table_.entry(h.tensor).size);
   for (std::size_t i = 0; i < pending_.size(); ++i) buckets_[i].comm->complete(pending_[i]);
   pending_.clear();
   next_ = 0;

@@ -14,7 +14,8 @@
 // runs (`bf16_copies`) a bucket holds either gemm_only tensors, which the table keeps as bf16
 // compute copies with fp32 master rows for the member's block only (TensorTable::allocate), or
 // other tensors, never both: the gather sends a copy bucket's blocks as bf16 (half the bytes)
-// and the others' as fp32.
+// and the others' as fp32. Tensors kept in host memory are summed in place there over the
+// group's MPI communicator, once, in finish().
 #pragma once
 
 #include <vector>
@@ -56,6 +57,13 @@ class GradReducer {
   const ProcessGrid& grid_;
   int tied_ = -1;  // embed.weight (or its tied copy) when summed across stages
   std::vector<Bucket> buckets_;
+  // Tensors in host memory (TensorSpec::host_resident): each summed whole, over MPI, at
+  // finish(); never split by optimizer.shard (their moments stay whole, in host memory).
+  struct HostSum {
+    int tensor;
+    const Communicator* comm;
+  };
+  std::vector<HostSum> host_;
   std::vector<Pending> pending_;
   std::vector<MomentSlice> slices_;
   std::size_t next_ = 0;

@@ -24,7 +24,37 @@ double learning_rate(const OptimizerCfg& o, int max_steps, int s) {
 }
 
 namespace {
-enum ChunkFlag { kCounted = 1, kTrainable = 2, kDecay = 4 };
+enum ChunkFlag { kCounted = 1, kTrainable = 2, kDecay = 4, kHost = 8 };
+
+using HostPolicy =
+    Kokkos::RangePolicy<Kokkos::DefaultHostExecutionSpace, Kokkos::IndexType<std::int64_t>>;
+
+// Squares of g[b0, b1) in double: blocks of 8 consecutive elements, each summed as a fixed
+// pairwise tree (the dependent chain of additions is one per block, not one per element).
+template <class Grad>
+KOKKOS_INLINE_FUNCTION double block_squares(const Grad& g, std::int64_t b0, std::int64_t b1,
+                                            std::int64_t j) {
+  double q[8];
+  const std::int64_t i0 = b0 + 8 * j;
+  for (int l = 0; l < 8; ++l) {
+    const double x = i0 + l < b1 ? double(g[i0 + l]) : 0.0;
+    q[l] = x * x;
+  }
+  return ((q[0] + q[1]) + (q[2] + q[3])) + ((q[4] + q[5]) + (q[6] + q[7]));
+}
+
+// One element's AdamW update, the same on the device and on the host.
+struct AdamwCoeffs {
+  float b1, b2, eps, bc1, bc2, gs;
+};
+KOKKOS_INLINE_FUNCTION void adamw_element(const AdamwCoeffs& a, float lr_g, float wd, float g,
+                                          float& m, float& v, float& p) {
+  const float gi = a.gs * g;
+  m = a.b1 * m + (1.0f - a.b1) * gi;
+  v = a.b2 * v + (1.0f - a.b2) * gi * gi;
+  const float mh = m / a.bc1, vh = v / a.bc2;
+  p -= lr_g * (wd * p + mh / (math::sqrt(vh) + a.eps));
+}
 
 #if defined(KOKKOS_ENABLE_SERIAL)
 constexpr bool kSerialDefault = std::is_same<ExecSpace, Kokkos::Serial>::value;
@@ -42,7 +72,8 @@ FlatOptimizer::FlatOptimizer(const TensorTable& table, const std::vector<char>* 
     const MomentSlice& s = table.moments(t);
     // A split slice is this rank's alone: it counts here; a whole tensor where `counted` says.
     const int f = ((s.split || !counted || (*counted)[t]) ? kCounted : 0) |
-                  (e.spec.trainable ? kTrainable : 0) | (e.spec.weight_decay ? kDecay : 0);
+                  (e.spec.trainable ? kTrainable : 0) | (e.spec.weight_decay ? kDecay : 0) |
+                  (e.spec.host_resident ? kHost : 0);
     const std::int64_t first = table.moment_begin(t), n = s.rows * e.spec.row_elements();
     // The slice's first fp32 value (its master rows start at master_first) and bf16 copy.
     const std::int64_t p0 =
@@ -52,6 +83,9 @@ FlatOptimizer::FlatOptimizer(const TensorTable& table, const std::vector<char>* 
                                 : std::int64_t(-1);
     const std::int64_t step = kSerialDefault ? std::max<std::int64_t>(n, 1) : kChunk;
     for (std::int64_t a = 0; a < n; a += step) {
+      if (e.spec.host_resident)  // the host's chunks: same cut, same place in the sum order
+        host_.push_back({static_cast<int>(begin.size()), first + a, first + std::min(n, a + step),
+                         s.offset + a, p0 + a, e.spec.lr_mult, f});
       begin.push_back(first + a);
       end.push_back(first + std::min(n, a + step));
       moment.push_back(s.offset + a);
@@ -71,6 +105,11 @@ FlatOptimizer::FlatOptimizer(const TensorTable& table, const std::vector<char>* 
   flags_ = View1I("optim::chunk_flags", chunks_);
   // The chunks' sums, the total, then the sums of groups of kGroup chunks.
   partial_ = View1D("optim::chunk_sums", chunks_ + 1 + (chunks_ + kGroup - 1) / kGroup);
+  if (!host_.empty()) {
+    host_sums_ = View1D("optim::host_chunk_sums", chunks_);
+    host_sums_h_ = Kokkos::View<double*, Layout, PinnedSpace>("optim::host_chunk_sums (host)",
+                                                              chunks_);
+  }
   auto up = [](const auto& host, const auto& dev) {
     using T = typename std::decay_t<decltype(dev)>::value_type;
     mark_host_sync("optimizer setup");
@@ -91,26 +130,37 @@ double FlatOptimizer::grad_sq_sum(const TensorTable& table) const {
   auto flags = flags_;
   auto partial = partial_;
   const int C = chunks_;
+  // The host tensors' chunk sums, by host threads in the device's order (blocks of 8, in
+  // order), to the device where their chunks' sums go.
+  if (!host_.empty()) {
+    const float* hg = table.host_grads.data();
+    const HostChunk* hc = host_.data();
+    double* out = host_sums_h_.data();
+    Kokkos::parallel_for(
+        "optim::grad_sq_host", Kokkos::RangePolicy<Kokkos::DefaultHostExecutionSpace>(
+                                   0, static_cast<int>(host_.size())),
+        [=](int k) {
+          const HostChunk& h = hc[k];
+          double sum = 0.0;
+          if (h.flags & kCounted)
+            for (std::int64_t j = 0, nb = (h.end - h.begin + 7) / 8; j < nb; ++j)
+              sum += block_squares(hg, h.begin, h.end, j);
+          out[h.chunk] = sum;
+        });
+    Kokkos::deep_copy(ExecSpace(), host_sums_, host_sums_h_);
+  }
+  auto host_sums = host_sums_;
   Kokkos::parallel_for(
       "optim::grad_sq_chunks", team_policy(C), KOKKOS_LAMBDA(const TeamMember& tm) {
         const int c = tm.league_rank();
         double sum = 0.0;
-        // Blocks of 8 consecutive elements, each summed as a fixed pairwise tree: the
-        // dependent chain of additions is one per block, not one per element.
         const std::int64_t b0 = begin(c), b1 = end(c), nb = (b1 - b0 + 7) / 8;
-        if (flags(c) & kCounted)
+        if (flags(c) & kHost)
+          sum = host_sums(c);
+        else if (flags(c) & kCounted)
           Kokkos::parallel_reduce(
               Kokkos::TeamThreadRange(tm, std::int64_t(0), nb),
-              [&](std::int64_t j, double& acc) {
-                double q[8];
-                const std::int64_t i0 = b0 + 8 * j;
-                for (int l = 0; l < 8; ++l) {
-                  const double x = i0 + l < b1 ? double(g(i0 + l)) : 0.0;
-                  q[l] = x * x;
-                }
-                acc += ((q[0] + q[1]) + (q[2] + q[3])) + ((q[4] + q[5]) + (q[6] + q[7]));
-              },
-              sum);
+              [&](std::int64_t j, double& acc) { acc += block_squares(g, b0, b1, j); }, sum);
         Kokkos::single(Kokkos::PerTeam(tm), [&]() { partial(c) = sum; });
       });
   // The total in one fixed order: groups of kGroup chunks in order, then the groups in order.
@@ -133,9 +183,13 @@ double FlatOptimizer::grad_sq_sum(const TensorTable& table) const {
 
 void FlatOptimizer::adamw_step(const OptimizerCfg& o, TensorTable& table, int t, double lr,
                                double clip_scale) const {
-  const float b1 = o.beta1, b2 = o.beta2, eps = o.eps;
-  const float bc1 = 1.0 - std::pow(o.beta1, t), bc2 = 1.0 - std::pow(o.beta2, t);
-  const float gs = clip_scale, wd_all = o.weight_decay;
+  const AdamwCoeffs a{static_cast<float>(o.beta1),
+                      static_cast<float>(o.beta2),
+                      static_cast<float>(o.eps),
+                      static_cast<float>(1.0 - std::pow(o.beta1, t)),
+                      static_cast<float>(1.0 - std::pow(o.beta2, t)),
+                      static_cast<float>(clip_scale)};
+  const float wd_all = o.weight_decay;
   const double lr_d = lr;
   auto p = table.params, g = table.grads, m = table.exp_avg, v = table.exp_avg_sq;
   auto w = table.weights_b16;
@@ -145,7 +199,7 @@ void FlatOptimizer::adamw_step(const OptimizerCfg& o, TensorTable& table, int t,
   Kokkos::parallel_for(
       "optim::adamw", team_policy(chunks_), KOKKOS_LAMBDA(const TeamMember& tm) {
         const int c = tm.league_rank();
-        if (!(flags(c) & kTrainable)) return;
+        if (!(flags(c) & kTrainable) || (flags(c) & kHost)) return;
         // The group rate and decay exactly as the per-tensor update formed them.
         const float lr_g = lr_d * lr_mult(c);
         const float wd = (flags(c) & kDecay) ? wd_all : 0.0f;
@@ -154,15 +208,23 @@ void FlatOptimizer::adamw_step(const OptimizerCfg& o, TensorTable& table, int t,
         const std::int64_t to_copy = copy(c) - begin(c);
         const bool has_copy = copy(c) >= 0;
         Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, begin(c), end(c)), [&](std::int64_t i) {
-          const float gi = gs * g(i);
           const std::int64_t j = i + shift, k = i + to_param;
-          m(j) = b1 * m(j) + (1.0f - b1) * gi;
-          v(j) = b2 * v(j) + (1.0f - b2) * gi * gi;
-          const float mh = m(j) / bc1, vh = v(j) / bc2;
-          p(k) -= lr_g * (wd * p(k) + mh / (math::sqrt(vh) + eps));
+          adamw_element(a, lr_g, wd, g(i), m(j), v(j), p(k));
           if (has_copy) w(i + to_copy) = bf16_bits(p(k));
         });
       });
+  // The host tensors' chunks: the same update by host threads, while the device runs the rest.
+  for (const HostChunk& h : host_) {
+    if (!(h.flags & kTrainable)) continue;
+    const float lr_g = lr_d * h.lr_mult;
+    const float wd = (h.flags & kDecay) ? wd_all : 0.0f;
+    float *hp = table.host_params.data(), *hg = table.host_grads.data();
+    float *hm = table.host_exp_avg.data(), *hv = table.host_exp_avg_sq.data();
+    const std::int64_t shift = h.moment - h.begin, to_param = h.param - h.begin;
+    Kokkos::parallel_for("optim::adamw_host", HostPolicy(h.begin, h.end), [=](std::int64_t i) {
+      adamw_element(a, lr_g, wd, hg[i], hm[i + shift], hv[i + shift], hp[i + to_param]);
+    });
+  }
 }
 
 double grad_sq_sum(const TensorTable& table, const std::vector<char>* counted) {

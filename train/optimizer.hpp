@@ -14,7 +14,9 @@ double learning_rate(const OptimizerCfg& o, int max_steps, int step);
 
 // The gradient norm and the AdamW update over the table's flat buffers: one launch each per
 // step, whatever the number of tensors. The buffers are cut into chunks of one tensor each
-// (at most kChunk elements on parallel backends; whole tensors on Serial), built once.
+// (at most kChunk elements on parallel backends; whole tensors on Serial), built once. Tensors
+// in host memory (TensorSpec::host_resident) are cut the same way and handled by host threads
+// with the same arithmetic; their chunk sums take their place in the one summation order.
 class FlatOptimizer {
  public:
   static constexpr std::int64_t kChunk = std::int64_t(1) << 16;
@@ -47,6 +49,17 @@ class FlatOptimizer {
   View1I flags_;            // (chunks) bit 0 counted, bit 1 trainable, bit 2 weight decay
   mutable View1D partial_;  // chunk sums, the total, then the sums of kGroup chunks each
   int chunks_ = 0;
+  // The chunks of host_resident tensors (offsets into the table's host buffers), which the
+  // host sums and updates; their sums reach partial_ through host_sums_.
+  struct HostChunk {
+    int chunk;
+    std::int64_t begin, end, moment, param;
+    double lr_mult;
+    int flags;
+  };
+  std::vector<HostChunk> host_;
+  View1D host_sums_;                                         // (chunks)
+  Kokkos::View<double*, Layout, PinnedSpace> host_sums_h_;  // (chunks)
 };
 
 // One-off forms of the above (tests): a FlatOptimizer built for the call.

@@ -185,7 +185,7 @@ StepMetrics Trainer::train_step(int step) {
 }
 
 void Trainer::begin_step() {
-  Kokkos::deep_copy(ExecSpace(), table_.grads, 0.0f);
+  table_.zero_grads();
   Kokkos::deep_copy(ExecSpace(), loss_sums_, 0.0);
   stats_.begin_step();
 }

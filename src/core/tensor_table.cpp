@@ -1,5 +1,7 @@
 #include "core/tensor_table.hpp"
 
+#include <algorithm>
+
 #include "core/bf16.hpp"
 #include "core/error.hpp"
 #include "core/rng.hpp"
@@ -84,6 +86,12 @@ TensorSpec TensorSpec::gemm_weight() const {
   return s;
 }
 
+TensorSpec TensorSpec::in_host_memory() const {
+  TensorSpec s = *this;
+  s.host_resident = true;
+  return s;
+}
+
 int TensorTable::add(TensorSpec spec) {
   if (allocated_) {  // a further instance of a module: share the declared tensor
     const int i = find(spec.name);
@@ -98,11 +106,15 @@ int TensorTable::add(TensorSpec spec) {
                "TensorTable: " << spec.name << " rows [" << spec.row_begin << ", "
                                << spec.row_begin + spec.local_rows() << ") outside "
                                << spec.global_rows());
+  KMOE_REQUIRE(!(spec.host_resident && (spec.gemm_only || !spec.trainable || spec.tied_copy)),
+               "TensorTable: " << spec.name
+                               << " in host memory must be a trainable table read by its layer");
   TensorEntry e;
   e.size = spec.local_rows() * spec.row_elements();
-  e.offset = total_;
+  std::int64_t& end = spec.host_resident ? host_total_ : total_;
+  e.offset = end;
   e.spec = std::move(spec);
-  total_ += e.size;
+  end += e.size;
   entries_.push_back(std::move(e));
   return size() - 1;
 }
@@ -116,12 +128,16 @@ void TensorTable::allocate(const std::vector<MomentSlice>* moments, bool bf16_co
                  "TensorTable: " << moments->size() << " moment slices for " << entries_.size()
                                  << " tensors");
     n = 0;
+    std::int64_t nh = 0;  // host tensors: whole, packed in the host moments
     for (std::size_t i = 0; i < moments->size(); ++i) {
       const MomentSlice& s = (*moments)[i];
-      KMOE_REQUIRE(s.first >= 0 && s.rows >= 0 &&
-                       s.first + s.rows <= entries_[i].spec.local_rows() && s.offset == n,
-                   "TensorTable: moment slice of " << entries_[i].spec.name << " out of range");
-      n += s.rows * entries_[i].spec.row_elements();
+      const TensorSpec& spec = entries_[i].spec;
+      std::int64_t& at = spec.host_resident ? nh : n;
+      KMOE_REQUIRE(s.first >= 0 && s.rows >= 0 && s.first + s.rows <= spec.local_rows() &&
+                       s.offset == at &&
+                       (!spec.host_resident || (s.rows == spec.local_rows() && !s.split)),
+                   "TensorTable: moment slice of " << spec.name << " out of range");
+      at += s.rows * spec.row_elements();
     }
     moments_ = *moments;
   } else {
@@ -129,11 +145,22 @@ void TensorTable::allocate(const std::vector<MomentSlice>* moments, bool bf16_co
   }
   exp_avg = View1F("exp_avg", n);
   exp_avg_sq = View1F("exp_avg_sq", n);
+  if (host_total_ > 0) {
+    host_params = HostFloats("params (host)", host_total_);
+    host_grads = HostFloats("grads (host)", host_total_);
+    host_exp_avg = HostFloats("exp_avg (host)", host_total_);
+    host_exp_avg_sq = HostFloats("exp_avg_sq (host)", host_total_);
+  }
   // fp32 values in table order: every row, or a compute copy's slice rows; the copies packed
   // in table order too, so tensors adjacent in a gradient bucket stay adjacent in both.
   std::int64_t np = 0, nc = 0;
   for (std::size_t i = 0; i < entries_.size(); ++i) {
     const TensorEntry& e = entries_[i];
+    if (e.spec.host_resident) {  // its values are in host_params at its offset
+      param_at_.push_back(e.offset);
+      copy_at_.push_back(-1);
+      continue;
+    }
     const bool copy = bf16_copies && e.spec.gemm_only && e.spec.trainable;
     param_at_.push_back(np);
     copy_at_.push_back(copy ? nc : -1);
@@ -148,7 +175,39 @@ void TensorTable::allocate(const std::vector<MomentSlice>* moments, bool bf16_co
 float* TensorTable::param(int i) const {
   KMOE_REQUIRE(!has_copy(i), "TensorTable: " << entries_[i].spec.name
                                              << " is kept as a bf16 compute copy, not read as fp32");
+  KMOE_REQUIRE(!host(i), "TensorTable: " << entries_[i].spec.name << " lives in host memory");
   return params.data() + param_at_[i];
+}
+
+float* TensorTable::grad(int i) const {
+  KMOE_REQUIRE(!host(i), "TensorTable: " << entries_[i].spec.name << " lives in host memory");
+  return grads.data() + entries_[i].offset;
+}
+
+namespace {
+float* host_part(const TensorTable& t, int i, const TensorTable::HostFloats& v,
+                 std::int64_t offset) {
+  KMOE_REQUIRE(t.host(i), "TensorTable: " << t.entry(i).spec.name << " lives in device memory");
+  return v.data() + offset;
+}
+}  // namespace
+
+float* TensorTable::host_param(int i) const {
+  return host_part(*this, i, host_params, entries_[i].offset);
+}
+float* TensorTable::host_grad(int i) const {
+  return host_part(*this, i, host_grads, entries_[i].offset);
+}
+float* TensorTable::host_m(int i) const {
+  return host_part(*this, i, host_exp_avg, moments_[i].offset);
+}
+float* TensorTable::host_v(int i) const {
+  return host_part(*this, i, host_exp_avg_sq, moments_[i].offset);
+}
+
+void TensorTable::zero_grads() {
+  Kokkos::deep_copy(ExecSpace(), grads, 0.0f);
+  if (host_total_ > 0) std::fill_n(host_grads.data(), host_total_, 0.0f);
 }
 
 int TensorTable::find(const std::string& name) const {
@@ -178,6 +237,10 @@ void TensorTable::initialize(std::uint64_t seed) {
   KMOE_REQUIRE(allocated_, "TensorTable: initialize before allocate");
   for (int i = 0; i < size(); ++i) {
     const TensorEntry& e = entries_[i];
+    if (e.spec.host_resident) {
+      initialize_host(i, seed);
+      continue;
+    }
     // Element j of the local tensor goes to p(j - m0) when j in [m0, m1) (every element
     // without a compute copy), and rounded to its compute copy w(j) when it has one.
     auto p = Kokkos::subview(params, std::make_pair(param_at_[i], param_at_[i] + master_rows(i) *
@@ -201,7 +264,29 @@ void TensorTable::initialize(std::uint64_t seed) {
   Kokkos::deep_copy(grads, 0.0f);
   Kokkos::deep_copy(exp_avg, 0.0f);
   Kokkos::deep_copy(exp_avg_sq, 0.0f);
+  if (host_total_ > 0) {
+    std::fill_n(host_grads.data(), host_total_, 0.0f);
+    std::fill_n(host_exp_avg.data(), host_total_, 0.0f);
+    std::fill_n(host_exp_avg_sq.data(), host_total_, 0.0f);
+  }
   Kokkos::fence();
+}
+
+void TensorTable::initialize_host(int i, std::uint64_t seed) {
+  // The same element values as a device tensor's (MODEL.md section 7), by host threads.
+  const TensorEntry& e = entries_[i];
+  float* p = host_param(i);
+  const int kind = e.spec.init == InitKind::Zeros ? 0 : e.spec.init == InitKind::Ones ? 1 : 2;
+  const std::uint64_t key = splitmix64(seed ^ hash_name(e.spec.name));
+  const double std_dev = e.spec.init_std;
+  const std::int64_t first = e.spec.row_begin * e.spec.row_elements();
+  Kokkos::parallel_for(
+      "init::host_tensor",
+      Kokkos::RangePolicy<Kokkos::DefaultHostExecutionSpace, Kokkos::IndexType<std::int64_t>>(
+          0, e.size),
+      [=](std::int64_t j) {
+        p[j] = kind == 0 ? 0.0f : kind == 1 ? 1.0f : truncated_normal(key, first + j, std_dev);
+      });
 }
 
 }  // namespace kmoe

@@ -30,7 +30,7 @@ enum class Shard {
 //   TensorSpec::zeros("blocks.1.engram.bk", {D})          zeros, not decayed
 //   TensorSpec::buffer("blocks.0.moe.router_bias", {E})   zeros; no gradient, no optimizer state
 //   .no_decay()  .with_lr_mult(x)  .row_block(shard, first_row, rows)  .as_tied_copy()
-//   .gemm_weight()
+//   .gemm_weight()  .in_host_memory()
 struct TensorSpec {
   std::string name;                 // e.g. "blocks.3.attn.wq"
   std::vector<std::int64_t> shape;  // global shape
@@ -51,6 +51,11 @@ struct TensorSpec {
   // compute copy, rounded once per optimizer step, with fp32 values for the rows whose AdamW
   // moments this rank keeps (all of them unless optimizer.shard splits the tensor).
   bool gemm_only = false;
+  // Kept in host memory (engram.offload = host): its values, gradient and moments live in the
+  // table's host buffers (pinned where the backend has such memory), never in device memory.
+  // Kernels do not read it; its layer stages the rows it needs (modules/engram/row_cache), and
+  // the optimizer, the gradient norm, the reduction and checkpoints handle it on the host.
+  bool host_resident = false;
 
   static TensorSpec matrix(std::string name, std::vector<std::int64_t> shape, double init_std);
   static TensorSpec gain(std::string name, std::int64_t size);
@@ -64,6 +69,8 @@ struct TensorSpec {
   TensorSpec as_tied_copy() const;
   // A tensor read only by products (see gemm_only).
   TensorSpec gemm_weight() const;
+  // A tensor kept in host memory (see host_resident).
+  TensorSpec in_host_memory() const;
 
   std::int64_t global_rows() const { return shape.empty() ? 1 : shape[0]; }
   std::int64_t local_rows() const { return rows < 0 ? global_rows() : rows; }
@@ -73,14 +80,17 @@ struct TensorSpec {
 
 struct TensorEntry {
   TensorSpec spec;
-  std::int64_t offset = 0;  // into the flat gradients (and parameters, without compute copies)
+  // Into the flat gradients (and parameters, without compute copies): the device buffers, or
+  // the host buffers for a host_resident tensor.
+  std::int64_t offset = 0;
   std::int64_t size = 0;    // local elements
 };
 
 // The rows of a tensor whose AdamW moments this rank keeps: local rows [first, first + rows)
 // at element `offset` of exp_avg / exp_avg_sq. Without optimizer.shard every tensor whole, at
 // its own offset; with it, a replicated tensor's replicas keep disjoint row ranges (`split`:
-// each writes its own to checkpoints and counts its own in the gradient norm).
+// each writes its own to checkpoints and counts its own in the gradient norm). A host_resident
+// tensor's slice is whole, its offset into the host moments.
 struct MomentSlice {
   std::int64_t first = 0, rows = 0, offset = 0;
   bool split = false;
@@ -104,10 +114,12 @@ class TensorTable {
   void allocate(const std::vector<MomentSlice>* moments = nullptr, bool bf16_copies = false);
 
   int size() const { return static_cast<int>(entries_.size()); }
+  bool host(int i) const { return entries_[i].spec.host_resident; }
   const TensorEntry& entry(int i) const { return entries_[i]; }
   const std::vector<TensorEntry>& entries() const { return entries_; }
   int find(const std::string& name) const;  // -1 if absent
-  std::int64_t total_elements() const { return total_; }
+  std::int64_t total_elements() const { return total_; }  // in device memory
+  std::int64_t host_elements() const { return host_total_; }
 
   const MomentSlice& moments(int i) const { return moments_[i]; }
   // The moments' first element in the flat parameter / gradient buffers.
@@ -136,7 +148,14 @@ class TensorTable {
   }
   // Where tensor i's compute copy starts in weights_b16 (-1: none).
   std::int64_t copy_offset(int i) const { return copy_at_[i]; }
-  float* grad(int i) const { return grads.data() + entries_[i].offset; }
+  float* grad(int i) const;
+  // A host_resident tensor's values, gradient and moments in the host buffers.
+  float* host_param(int i) const;
+  float* host_grad(int i) const;
+  float* host_m(int i) const;  // exp_avg
+  float* host_v(int i) const;  // exp_avg_sq
+  // Zeroes every gradient: the device buffer in stream order, the host buffer now.
+  void zero_grads();
 
   // Deterministic, layout-independent initialization (MODEL.md section 7): element j of tensor
   // `name` depends only on (seed, name, j).
@@ -146,12 +165,16 @@ class TensorTable {
   View1F grads;   // flat, total_elements() long
   View1F exp_avg, exp_avg_sq;  // flat over the moment slices (total_elements() unsharded)
   Kokkos::View<std::uint16_t*, Layout, MemSpace> weights_b16;  // the compute copies, if any
+  // The host_resident tensors' values, gradients and moments (host_elements() long each).
+  using HostFloats = Kokkos::View<float*, Layout, PinnedSpace>;
+  HostFloats host_params, host_grads, host_exp_avg, host_exp_avg_sq;
 
  private:
+  void initialize_host(int i, std::uint64_t seed);
   std::vector<TensorEntry> entries_;
   std::vector<MomentSlice> moments_;
   std::vector<std::int64_t> param_at_, copy_at_;
-  std::int64_t total_ = 0;
+  std::int64_t total_ = 0, host_total_ = 0;
   bool allocated_ = false;
 };
 

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -301,6 +302,61 @@ TEST(GradSqSum, EqualsNaiveSumOfSquares) {
   EXPECT_NEAR(grad_sq_sum(table), expected, 1e-12 * expected);
   from_host(std::vector<float>(g.size(), 0.0f), table.grads);
   EXPECT_EQ(grad_sq_sum(table), 0.0);
+}
+
+// ---------------------------------------------------------------------------------------------
+// 4. A tensor kept in host memory (engram.offload = host): the same norm and the same updates,
+// bit for bit, as the same tensor in device memory; the others are untouched by the move.
+
+TEST(HostResidentTensor, SameNormAndUpdatesAsOnTheDevice) {
+  // b: more than one chunk of a parallel backend (FlatOptimizer::kChunk), with its own lr.
+  auto make = [](bool host) {
+    auto t = std::make_unique<TensorTable>();
+    t->add(spec("a", {13, 7}, InitKind::Normal, 0.02, true));
+    TensorSpec b = spec("b", {300, 257}, InitKind::Normal, 0.05, false, 5.0);
+    t->add(host ? b.in_host_memory() : b);
+    t->add(spec("c", {101}, InitKind::Ones, 0.0, false));
+    t->allocate();
+    t->initialize(11);
+    return t;
+  };
+  auto dev = make(false), host = make(true);
+  ASSERT_EQ(host->host_elements(), 300 * 257);
+  ASSERT_EQ(host->total_elements() + host->host_elements(), dev->total_elements());
+  EXPECT_THROW(host->param(1), Error);  // not readable as device values
+  const std::vector<float> b0 = to_host(dev->params);
+  ASSERT_TRUE(std::equal(host->host_param(1), host->host_param(1) + 300 * 257,
+                         b0.begin() + dev->entry(1).offset));  // the same initial values
+  OptimizerCfg o;
+  o.lr = 1e-2;
+  o.weight_decay = 0.1;
+  const FlatOptimizer od(*dev), oh(*host);
+  std::mt19937 gen(5);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (int step = 1; step <= 3; ++step) {
+    std::vector<float> g(dev->total_elements());
+    for (auto& x : g) x = nd(gen);
+    from_host(g, dev->grads);
+    // The host table's gradients: b's part; a and c stay in the device buffer.
+    const std::int64_t b_at = dev->entry(1).offset, nb = dev->entry(1).size;
+    std::vector<float> rest(g.begin(), g.begin() + b_at);
+    rest.insert(rest.end(), g.begin() + b_at + nb, g.end());
+    from_host(rest, host->grads);
+    std::copy_n(g.begin() + b_at, nb, host->host_grad(1));
+    const double nd_sq = od.grad_sq_sum(*dev), nh_sq = oh.grad_sq_sum(*host);
+    EXPECT_EQ(nd_sq, nh_sq) << "step " << step;
+    od.adamw_step(o, *dev, step, o.lr, 0.5);
+    oh.adamw_step(o, *host, step, o.lr, 0.5);
+    Kokkos::fence();
+    const std::vector<float> pd = to_host(dev->params), ph = to_host(host->params);
+    const std::vector<float> md = to_host(dev->exp_avg_sq);
+    EXPECT_TRUE(std::equal(pd.begin(), pd.begin() + b_at, ph.begin())) << "a, step " << step;
+    EXPECT_TRUE(std::equal(pd.begin() + b_at + nb, pd.end(), ph.begin() + b_at)) << "c";
+    EXPECT_TRUE(std::equal(pd.begin() + b_at, pd.begin() + b_at + nb, host->host_param(1)))
+        << "b, step " << step;
+    EXPECT_TRUE(std::equal(md.begin() + b_at, md.begin() + b_at + nb, host->host_v(1)))
+        << "b's second moment, step " << step;
+  }
 }
 
 }  // namespace
