@@ -35,8 +35,10 @@ namespace {
 constexpr const char* kFormat = "kmoe-checkpoint";
 constexpr std::int64_t kFormatVersion = 1;
 
-// Deck keys that define the trained function: they must match on resume.
+// Deck keys that define the trained function: they must match on resume. Where the Engram
+// tables live (engram.offload) does not.
 bool is_model_key(const std::string& key) {
+  if (key == "engram.offload") return false;
   return key.rfind("model.", 0) == 0 || key.rfind("moe.", 0) == 0 || key.rfind("engram.", 0) == 0 ||
          key == "train.seq_len" || key == "train.seed";
 }

@@ -1,5 +1,6 @@
 #include "modules/engram/engram.hpp"
 
+#include <algorithm>
 #include <cmath>
 
 #include "core/column_sums.hpp"
@@ -45,19 +46,27 @@ EngramLayer::EngramLayer(const RunContext& ctx, const ModelCfg& m, const EngramC
       signed_sqrt_(g.gate == EngramGate::SignedSqrt),
       eps_(static_cast<float>(m.norm_eps)),
       hasher_(plan, g.max_ngram, g.heads, plan.pad_c),
-      buckets_(max_tokens * heads_total_, static_cast<int>(plan.rows)),
-      stats_(stats) {
+      stats_(stats),
+      offload_(g.offload == EngramOffload::Host) {
   if (stats_) cols_ = declare_stats(*stats_, plan.layer);
   const double std = g.init_std;
   // The table: no weight decay, its own learning-rate multiplier (MODEL.md section 4).
-  const TensorSpec table_spec =
+  // engram.offload = host: in host memory, with nothing the size of the table on the device.
+  TensorSpec table_spec =
       TensorSpec::matrix(prefix + "table", {R_, dh_}, std).no_decay().with_lr_mult(g.lr_mult);
+  if (offload_) table_spec = table_spec.in_host_memory();
+  const int max_items = max_tokens * heads_total_;
   if (shard.kind != Shard::None && shard.comm && shard.comm->size() > 1) {
-    shard_ = std::make_unique<EngramShard>(shard, R_, dh_, max_tokens * heads_total_);
+    shard_ = std::make_unique<EngramShard>(shard, R_, dh_, max_items, offload_);
     table_ = table.add(table_spec.row_block(shard.kind, shard_->first_row(), shard_->local_rows()));
   } else {
     table_ = table.add(table_spec);
+    if (offload_)
+      cache_ = std::make_unique<EngramRowCache>(dh_, max_items);
+    else
+      buckets_ = KeyBuckets(max_items, static_cast<int>(R_));
   }
+  if (offload_) host_rows_.resize(max_items);
   // The projections: engram.init_std, or under model.init = fan_in init_gain/sqrt(d_mem).
   const double proj = m.init == InitScheme::FanIn ? m.matrix_std(d_mem_) : std;
   wk_ = table.add(TensorSpec::matrix(prefix + "wk", {D_, d_mem_}, proj).gemm_weight());
@@ -78,18 +87,83 @@ EngramLayer::EngramLayer(const RunContext& ctx, const ModelCfg& m, const EngramC
   for (View1F* v : {&rstd_k_, &rstd_q_, &rstd_c_, &score_, &gate_})
     *v = saved_floats(ctx, "engram::row", N);
   gate_now_ = Kokkos::View<double, MemSpace>("engram::gate_now");
-  if (stats_) {
+  if (stats_ && !offload_) {  // a host table flags its rows in host memory
     touched_ = View1F("engram::touched", R_);
     touched_rows_ = Kokkos::View<double, MemSpace>("engram::touched_rows");
   }
 }
 
+void EngramLayer::prefetch(const TensorTable& table, const std::int32_t* tokens, const int* starts,
+                           int N) {
+  KMOE_REQUIRE(offload_, "EngramLayer::prefetch: the table is in device memory");
+  hasher_.rows_host(tokens, N, T_, starts, 0, host_rows_.data());
+  if (!shard_) stage_rows(table, N);
+  staged_n_ = N;
+  pending_ = true;
+}
+
+void EngramLayer::host_rows_from_device(ConstIVec tokens, DocStarts docs, int N) {
+  // Not prefetched (generation, direct calls): the ids, and document starts, read back.
+  std::vector<std::int32_t> ids(N);
+  const auto t = read_to_host("engram offload ids", tokens);
+  std::copy_n(t.data(), N, ids.begin());
+  std::vector<int> starts;
+  if (!docs.empty()) {
+    const auto d = read_to_host("engram offload document starts", docs.start);
+    starts.assign(d.data(), d.data() + N);
+  }
+  hasher_.rows_host(ids.data(), N, T_, starts.empty() ? nullptr : starts.data(), docs.shift,
+                    host_rows_.data());
+}
+
+void EngramLayer::stage_rows(const TensorTable& table, int N) {
+  cache_->stage(table, table_, host_rows_.data(), N * heads_total_, settled_);
+  settled_ = false;
+}
+
+Operand EngramLayer::lookup_cached(int N) {
+  // mem[t, j*dh + i] = cache[slot(t*Kt + j), i]: the same values as the table's rows.
+  const ConstMat tab = cache_->cache();
+  const ConstIVec slot = cache_->slots();
+  const KeptOut mem = mem_.out();
+  const std::int64_t dm = d_mem_;
+  const int heads_total = heads_total_, dh = dh_;
+  Kokkos::parallel_for(
+      "engram::lookup_cached", team_policy(N, vector_lanes(dh)),
+      KOKKOS_LAMBDA(const TeamMember& team) {
+        const int t = team.league_rank();
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, heads_total), [&](int j) {
+          const int r = slot(t * heads_total + j);
+          Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, dh),
+                               [&](int i) { mem.set(t * dm + j * dh + i, tab(r, i)); });
+        });
+      });
+  return mem_.matrix(N, d_mem_);
+}
+
 Operand EngramLayer::lookup(const TensorTable& table, ConstIVec tokens, bool count,
                             DocStarts docs) {
   const int N = tokens.extent(0), dh = dh_;
+  if (offload_) {
+    // The rows this forward reads: prefetched for a counted forward, still staged for its
+    // recompute, else computed here from the ids read back.
+    const bool staged = count ? pending_ : staged_n_ == N;
+    if (!staged) {
+      host_rows_from_device(tokens, docs, N);
+      if (!shard_) stage_rows(table, N);
+      staged_n_ = N;
+    }
+    if (count) pending_ = false;
+    if (stats_ && count) {  // rows touched, flagged on the host
+      std::vector<float>& flags = stats_->host_flags(cols_.touched, R_);
+      for (std::int64_t a = 0, n = std::int64_t(N) * heads_total_; a < n; ++a)
+        flags[host_rows_[a]] = 1.0f;
+    }
+    if (!shard_) return lookup_cached(N);
+  }
   auto rows = Kokkos::subview(rows_, Kokkos::make_pair(0, N), Kokkos::ALL);
   hasher_.rows(tokens, T_, rows_, docs);
-  if (stats_ && count) {  // lookups per row, for the rows-touched metric (integer atomics: exact)
+  if (stats_ && count && !offload_) {  // lookups per row, for the rows-touched metric (exact)
     auto touched = stats_->counters(cols_.touched, R_);
     Kokkos::parallel_for(
         "engram::count_lookups", Range2({0, 0}, {N, heads_total_}),
@@ -301,6 +375,11 @@ void EngramLayer::backward(TensorTable& table, ConstMat x, ConstMat dout, Mat dx
     shard_->return_gradients(table, table_, dmem.data(), N * heads_total_);
     return;
   }
+  if (offload_) {  // dmem is (N * Kt, dh): one row gradient per (token, head), to the host
+    cache_->add_gradients(table, table_, dmem.data());
+    settled_ = true;
+    return;
+  }
   // Table rows: (token, head) items grouped by row, summed in item order.
   const int Kt = heads_total_;
   buckets_.build(ConstIVec(rows_.data(), N * Kt));
@@ -329,8 +408,21 @@ EngramStatColumns EngramLayer::declare_stats(StepStats& stats, int block) {
 }
 
 void EngramLayer::finish_step(StepStats& stats, const DataComm& counted_over,
-                              bool write) const {
+                              const Communicator& counted_over_mpi, bool write) const {
   if (!stats_) return;
+  if (offload_) {  // the host flags: summed over the replicas, counted, the fraction added
+    std::vector<float>& flags = stats.host_flags(cols_.touched, R_);
+    if (counted_over_mpi.size() > 1) counted_over_mpi.allreduce_sum(flags.data(), R_);
+    if (!write) return;
+    std::int64_t used = 0;
+    for (float f : flags) used += f > 0.0f ? 1 : 0;
+    const auto acc = stats.device(cols_.touched);
+    const double fraction = double(used) / double(R_);
+    Kokkos::parallel_for(
+        "engram::rows_touched_fraction", Range(0, 1),
+        KOKKOS_LAMBDA(int) { acc(0) += fraction; });
+    return;
+  }
   // Flags, not counts, go over the data plane: a float sum of 0s and 1s is exact, and nonzero
   // exactly where some replica looked the row up.
   const IVec counts = stats.counters(cols_.touched, R_);

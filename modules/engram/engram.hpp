@@ -6,6 +6,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "core/bucket_sort.hpp"
 #include "core/config.hpp"
@@ -16,6 +17,7 @@
 #include "core/workspace.hpp"
 #include "modules/engram/engram_hash.hpp"
 #include "modules/engram/engram_shard.hpp"
+#include "modules/engram/row_cache.hpp"
 
 namespace kmoe {
 
@@ -39,6 +41,19 @@ class EngramLayer {
               const EngramHashPlan& plan, const std::string& prefix, int max_tokens, int seq_len,
               TensorTable& table, const Sharding& shard = Sharding(), StepStats* stats = nullptr);
 
+  // engram.offload = host, before forward (Stage::forward): the micro-batch's rows from its
+  // host ids, computed and staged by the host while the device works on what came before.
+  // tokens: (N) compressed ids; starts: (N) document starts, or nullptr. The next counted
+  // forward reads them; a forward with none staged reads its ids back from the device first.
+  void prefetch(const TensorTable& table, const std::int32_t* tokens, const int* starts, int N);
+  bool host_table() const { return offload_; }
+  // The next forward reads its own rows, whatever was staged (decoding: an uncounted forward
+  // that is no recompute).
+  void forget_staged_rows() {
+    staged_n_ = -1;
+    pending_ = false;
+  }
+
   // Declares (or finds) the columns of the Engram layer at `block`.
   static EngramStatColumns declare_stats(StepStats& stats, int block);
   // Before the statistics are gathered: the rows touched by the step, from the lookup counts
@@ -47,7 +62,10 @@ class EngramLayer {
   // this layer) and counted on the device; `write`: this rank adds the fraction to the column's
   // device accumulator (one rank per stage, so the world's sum is the value). Collective over
   // it; no host wait.
-  void finish_step(StepStats& stats, const DataComm& counted_over, bool write) const;
+  // A table in host memory counts its rows touched on the host and sums the flags over
+  // `counted_over_mpi` (the same members).
+  void finish_step(StepStats& stats, const DataComm& counted_over,
+                   const Communicator& counted_over_mpi, bool write) const;
 
   // x: (N, D) residual stream, tokens: (N) compressed ids (EngramCompression) -> out: (N, D).
   // count = false: a recompute of a forward already counted (train.recompute), which adds
@@ -100,6 +118,18 @@ class EngramLayer {
   int N_ = 0;
   DocStarts docs_;  // the last forward's
   std::unique_ptr<EngramShard> shard_;  // a row-sharded table (more than one member)
+
+  // engram.offload = host: the rows of the last staged forward on the host, computed from host
+  // ids (prefetch) or read back; the unsharded table's row cache.
+  void host_rows_from_device(ConstIVec tokens, DocStarts docs, int N);
+  Operand lookup_cached(int N);
+  void stage_rows(const TensorTable& table, int N);
+  bool offload_ = false;
+  std::unique_ptr<EngramRowCache> cache_;
+  std::vector<int> host_rows_;  // (N * heads_total)
+  int staged_n_ = -1;           // tokens of the staged rows (-1: none)
+  bool pending_ = false;        // staged by prefetch, not yet read by a counted forward
+  bool settled_ = true;         // the device has read the cache (a backward took its gradients)
 };
 
 }  // namespace kmoe

@@ -99,7 +99,10 @@ EngramHasher::EngramHasher(const EngramHashPlan& plan, int max_ngram, int heads,
       pad_c_(pad_c),
       mult_("engram::multipliers", max_ngram),
       primes_("engram::primes", plan.primes.size()),
-      offsets_("engram::offsets", plan.offsets.size()) {
+      offsets_("engram::offsets", plan.offsets.size()),
+      host_mult_(plan.multipliers.begin(), plan.multipliers.begin() + max_ngram),
+      host_primes_(plan.primes),
+      host_offsets_(plan.offsets) {
   auto hm = Kokkos::create_mirror_view(mult_);
   auto hp = Kokkos::create_mirror_view(primes_);
   auto ho = Kokkos::create_mirror_view(offsets_);
@@ -116,6 +119,32 @@ EngramHasher::EngramHasher(const EngramHashPlan& plan, int max_ngram, int heads,
   Kokkos::deep_copy(offsets_, ho);
 }
 
+namespace {
+
+// Rows of position i (t within its sequence, its n-grams reading no position before `first`):
+// rows(i, j) for every order n = 2..N and head h, j = (n-2)*K + h. The device kernel and the
+// host (engram.offload = host) run this same integer arithmetic.
+template <class Tokens, class Out>
+KOKKOS_INLINE_FUNCTION void hash_position(const Tokens& tokens, int i, int t, int first, int N,
+                                          int K, std::uint64_t pad, const std::uint64_t* mult,
+                                          const std::int64_t* primes,
+                                          const std::int64_t* offsets, const Out& out) {
+  std::uint64_t mix = 0;  // XOR over k < n of S_k[t] * m_k, grown one order at a time
+  for (int k = 0; k < N; ++k) {
+    const std::uint64_t s = t - k >= first ? static_cast<std::uint64_t>(tokens(i - k)) : pad;
+    mix ^= s * mult[k];
+    if (k == 0) continue;  // orders start at n = 2
+    const int n = k + 1;
+    for (int h = 0; h < K; ++h) {
+      const int j = (n - 2) * K + h;
+      out(j, static_cast<int>(offsets[j] + static_cast<std::int64_t>(
+                                                mix % static_cast<std::uint64_t>(primes[j]))));
+    }
+  }
+}
+
+}  // namespace
+
 void EngramHasher::rows(ConstIVec tokens, int T, Kokkos::View<int**, Layout, MemSpace> rows,
                         DocStarts docs) const {
   const int N = max_ngram_, K = heads_, n_tok = tokens.extent(0);
@@ -125,20 +154,25 @@ void EngramHasher::rows(ConstIVec tokens, int T, Kokkos::View<int**, Layout, Mem
   auto offsets = offsets_;
   Kokkos::parallel_for(
       "engram::rows", Range(0, n_tok), KOKKOS_LAMBDA(int i) {
-        const int t = i % T, first = docs(i);  // the earliest position its n-grams read
-        std::uint64_t mix = 0;  // XOR over k < n of S_k[t] * m_k, grown one order at a time
-        for (int k = 0; k < N; ++k) {
-          const std::uint64_t s = t - k >= first ? static_cast<std::uint64_t>(tokens(i - k)) : pad;
-          mix ^= s * mult(k);
-          if (k == 0) continue;  // orders start at n = 2
-          const int n = k + 1;
-          for (int h = 0; h < K; ++h) {
-            const int j = (n - 2) * K + h;
-            rows(i, j) =
-                static_cast<int>(offsets(j) + static_cast<std::int64_t>(
-                                                  mix % static_cast<std::uint64_t>(primes(j))));
-          }
-        }
+        hash_position(tokens, i, i % T, docs(i), N, K, pad, mult.data(), primes.data(),
+                      offsets.data(), [&](int j, int r) { rows(i, j) = r; });
+      });
+}
+
+void EngramHasher::rows_host(const std::int32_t* tokens, int n_tok, int T, const int* starts,
+                             int shift, int* rows) const {
+  const int N = max_ngram_, K = heads_, Kt = heads_total();
+  const std::uint64_t pad = static_cast<std::uint64_t>(pad_c_);
+  const std::uint64_t* mult = host_mult_.data();
+  const std::int64_t* primes = host_primes_.data();
+  const std::int64_t* offsets = host_offsets_.data();
+  auto tok = [tokens](int i) { return tokens[i]; };
+  Kokkos::parallel_for(
+      "engram::rows_host", Kokkos::RangePolicy<Kokkos::DefaultHostExecutionSpace>(0, n_tok),
+      [=](int i) {
+        const int first = starts ? std::max(0, starts[i] - shift) : 0;  // as DocStarts reads
+        hash_position(tok, i, i % T, first, N, K, pad, mult, primes, offsets,
+                      [&](int j, int r) { rows[std::int64_t(i) * Kt + j] = r; });
       });
 }
 

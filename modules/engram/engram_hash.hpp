@@ -50,12 +50,19 @@ class EngramHasher {
   // (train.document_mask) n-grams do not reach before their position's document start either.
   void rows(ConstIVec tokens, int T, Kokkos::View<int**, Layout, MemSpace> rows,
             DocStarts docs = DocStarts()) const;
+  // The same rows computed by host threads from host memory (engram.offload = host):
+  // tokens (n_tok) compressed ids -> rows (n_tok * heads_total()) row-major. starts: each
+  // position's document start (nullptr: none), read as DocStarts does with `shift`.
+  void rows_host(const std::int32_t* tokens, int n_tok, int T, const int* starts, int shift,
+                 int* rows) const;
   int heads_total() const { return (max_ngram_ - 1) * heads_; }
 
  private:
   int max_ngram_, heads_, pad_c_;
   Kokkos::View<std::uint64_t*, Layout, MemSpace> mult_;
   Kokkos::View<std::int64_t*, Layout, MemSpace> primes_, offsets_;
+  std::vector<std::uint64_t> host_mult_;
+  std::vector<std::int64_t> host_primes_, host_offsets_;
 };
 
 }  // namespace kmoe

@@ -29,6 +29,9 @@ void check_engram(const EngramCfg& g, const ModelCfg& m, const deck::Locate& loc
   KMOE_DECK_REQUIRE(!g.enabled() || (g.pad_id >= 0 && g.pad_id < m.vocab_size), "engram.pad_id",
                     "engram.pad_id must be a token id in [0, " << m.vocab_size << ")");
   KMOE_DECK_REQUIRE(g.lr_mult > 0, "engram.lr_mult", "engram.lr_mult must be positive");
+  KMOE_DECK_REQUIRE(g.offload == EngramOffload::None || g.enabled(), "engram.offload",
+                    "engram.offload = host keeps the Engram tables in host memory, but "
+                    "engram.layers is empty: there are no tables");
   KMOE_DECK_REQUIRE(g.init_std > 0, "engram.init_std",
                     "engram.init_std = " << g.init_std << ": must be positive");
 }
@@ -49,6 +52,8 @@ void declare_engram(deck::Schema& s, Config& c) {
   s.key(c.engram.lr_mult, "lr_mult", 5.0, "learning-rate multiplier of the tables");
   s.key(c.engram.compression_map, "compression_map", "",
         "file of V canonical token ids (uint32 or .npy); empty = identity");
+  s.key(c.engram.offload, "offload", EngramOffload::None,
+        "where the tables and their moments live: none (device) | host");
   s.derived<double>(
       c.engram.init_std, "init_std", "model.init_std", [&c] { return c.model.init_std; },
       "std of the table and projection init");

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "core/buffers.hpp"
+#include "core/device_sync.hpp"
 #include "core/error.hpp"
 
 namespace kmoe {
@@ -15,15 +16,23 @@ const EngramSharding& checked(const EngramSharding& sh) {
 }
 }  // namespace
 
-EngramShard::EngramShard(const EngramSharding& sh, std::int64_t rows, int width, int max_requests)
+EngramShard::EngramShard(const EngramSharding& sh, std::int64_t rows, int width, int max_requests,
+                         bool host_table)
     : exchange_(*checked(sh).comm, *sh.data, "engram::shard"), width_(width) {
   const int P = sh.comm->size();
   block_ = (rows + P - 1) / P;
   row0_ = std::min<std::int64_t>(rows, block_ * sh.comm->rank());
   local_rows_ = std::min<std::int64_t>(block_, rows - row0_);
   owner_ = View1I("engram::owner", max_requests);
-  by_local_row_ =
-      KeyBuckets(max_requests * P, static_cast<int>(std::max<std::int64_t>(1, local_rows_)));
+  if (host_table) {  // nothing the size of the block on the device
+    // Room for twice a balanced share of the group's requests (grown if a step needs more).
+    const int planned = std::min(max_requests * P, 2 * max_requests);
+    cache_ = std::make_unique<EngramRowCache>(width, planned);
+    local_h_.reserve(planned);
+  } else {
+    by_local_row_ =
+        KeyBuckets(max_requests * P, static_cast<int>(std::max<std::int64_t>(1, local_rows_)));
+  }
 }
 
 void EngramShard::fetch(const TensorTable& table, int tab_index, ConstIVec rows, int n,
@@ -41,9 +50,23 @@ void EngramShard::fetch(const TensorTable& table, int tab_index, ConstIVec rows,
 
   // Serve: the requested rows of the local block, in the order asked.
   ensure_size(served_, std::int64_t(n_in) * dh, "engram::served");
+  auto served = Mat(served_.data(), n_in, dh);
+  if (cache_) {  // from host memory: the requests' rows staged, then read from the cache
+    const auto req = read_to_host("engram offload requests", ConstIVec(req_in_.data(), n_in));
+    local_h_.resize(n_in);
+    for (int a = 0; a < n_in; ++a) local_h_[a] = static_cast<int>(req(a) - row0);
+    cache_->stage(table, tab_index, local_h_.data(), n_in, settled_);
+    settled_ = false;
+    const ConstMat cache = cache_->cache();
+    const ConstIVec slot = cache_->slots();
+    Kokkos::parallel_for(
+        "engram::serve_cached_rows", Range2({0, 0}, {n_in, dh}),
+        KOKKOS_LAMBDA(int a, int i) { served(a, i) = cache(slot(a), i); });
+    exchange_.reverse(served_.data(), mem, dh);
+    return;
+  }
   auto tab = ConstMat(table.param(tab_index), local_rows_, dh);
   auto req_in = req_in_;
-  auto served = Mat(served_.data(), n_in, dh);
   Kokkos::parallel_for(
       "engram::serve_rows", Range2({0, 0}, {n_in, dh}),
       KOKKOS_LAMBDA(int a, int i) { served(a, i) = tab(req_in(a) - row0, i); });
@@ -57,6 +80,11 @@ void EngramShard::return_gradients(TensorTable& table, int tab_index, const floa
                                                                            "last fetch had "
                                                                         << exchange_.rows_sent());
   exchange_.forward(d_mem, served_.data(), dh);
+  if (cache_) {  // summed on the host, per row in arrival order, into the host gradient
+    cache_->add_gradients(table, tab_index, served_.data());
+    settled_ = true;
+    return;
+  }
   // Summed per local row over the received requests in arrival order (member, then request).
   const std::int64_t row0 = row0_;
   ensure_size(local_, n_in, "engram::local_rows");

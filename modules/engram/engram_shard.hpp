@@ -3,14 +3,19 @@
 // lookup's requests (one per token and head) go to their rows' holders as row ids, the holders
 // answer with the rows; in backward each request's row gradient goes back to the holder, which
 // sums it into its rows over the requests in arrival order (source member, then request): a
-// fixed order, no float atomics. Both directions are one RowExchange.
+// fixed order, no float atomics. Both directions are one RowExchange. With the table in host
+// memory (engram.offload = host) a holder reads the requested row ids back to the host, serves
+// the requests from its row cache, and sums the returned gradients there in the same order.
 #pragma once
 
 #include <cstdint>
+#include <memory>
+#include <vector>
 
 #include "core/bucket_sort.hpp"
 #include "core/kokkos_types.hpp"
 #include "core/tensor_table.hpp"
+#include "modules/engram/row_cache.hpp"
 #include "parallel/row_exchange.hpp"
 
 namespace kmoe {
@@ -26,7 +31,9 @@ struct EngramSharding {
 class EngramShard {
  public:
   // rows: R, the table's global rows; width: dh, the floats per row; max_requests: per lookup.
-  EngramShard(const EngramSharding& sharding, std::int64_t rows, int width, int max_requests);
+  // host_table: the local block lives in host memory (TensorSpec::host_resident).
+  EngramShard(const EngramSharding& sharding, std::int64_t rows, int width, int max_requests,
+              bool host_table = false);
 
   std::int64_t first_row() const { return row0_; }
   std::int64_t local_rows() const { return local_rows_; }
@@ -47,6 +54,10 @@ class EngramShard {
   View1I local_;             // (requests received): their rows in the local block
   View1F served_;            // (requests received, width): answers, then row gradients
   KeyBuckets by_local_row_;  // received requests grouped by local row, arrival order
+  // A host table: the rows of the received requests, and whether the device has read them.
+  std::unique_ptr<EngramRowCache> cache_;
+  std::vector<int> local_h_;
+  bool settled_ = true;
 };
 
 }  // namespace kmoe

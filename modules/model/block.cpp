@@ -109,6 +109,7 @@ void Block::decode(const TensorTable& table, const RopeTables& rope, ConstMat x_
                       x_block);
     const int w0 = std::max(0, pos - engram_->context()), W = pos + n - w0;
     Mat ew = buf(x_engram_, W);
+    engram_->forget_staged_rows();
     engram_->forward(table, ConstMat(cache.inputs.data() + std::int64_t(w0) * D, W, D),
                      ConstIVec(tokens.data() + w0, W), ew, /*count=*/false, docs.window(w0, W));
     Mat xe(ew.data() + std::int64_t(W - n) * D, n, D);  // x + Engram(x) of the new rows
@@ -182,8 +183,9 @@ void Block::backward(TensorTable& table, const RopeTables& rope, ConstMat x_bloc
   }
 }
 
-void Block::finish_step(StepStats& stats, const DataComm& stage_replicas, bool write) const {
-  if (engram_) engram_->finish_step(stats, stage_replicas, write);
+void Block::finish_step(StepStats& stats, const DataComm& stage_replicas,
+                        const Communicator& stage_replicas_mpi, bool write) const {
+  if (engram_) engram_->finish_step(stats, stage_replicas, stage_replicas_mpi, write);
 }
 
 void Block::after_optimizer_step(TensorTable& table, const StepStats& stats) const {

@@ -77,8 +77,11 @@ class Block {
   const MoeLayer* moe() const { return moe_.get(); }
   ConstIVec moe_routes() const { return moe_->selected(); }
 
+  // The block's Engram layer, or nullptr.
+  EngramLayer* engram() const { return engram_.get(); }
   // Step hooks (Stage::finish_step, Stage::after_optimizer_step).
-  void finish_step(StepStats& stats, const DataComm& stage_replicas, bool write) const;
+  void finish_step(StepStats& stats, const DataComm& stage_replicas,
+                   const Communicator& stage_replicas_mpi, bool write) const;
   void after_optimizer_step(TensorTable& table, const StepStats& stats) const;
 
  private:

@@ -112,6 +112,7 @@ LossSums Stage::forward(const TensorTable& table, const std::int32_t* tokens, in
                "Stage: " << nseq << " sequences, buffers hold " << max_seqs_);
   nseq_ = nseq;
   const int N = nseq * T_;
+  prefetch_engram_rows(table, tokens, nseq);
   Kokkos::View<const std::int32_t*, HostSpace, Unmanaged> host_ids(tokens, N);
   auto ids = Kokkos::subview(tokens_, Kokkos::make_pair(0, N));
   Kokkos::deep_copy(ExecSpace(), ids, host_ids);  // ordered before the kernels that read it
@@ -148,9 +149,35 @@ LossSums Stage::forward(const TensorTable& table, const std::int32_t* tokens, in
   return sums;
 }
 
+void Stage::prefetch_engram_rows(const TensorTable& table, const std::int32_t* tokens, int nseq) {
+  // engram.offload = host: every Engram block's rows from the host ids, before this
+  // micro-batch's first kernel (the device may still run the previous one's).
+  bool any = false;
+  for (const auto& block : blocks_) any = any || (block->engram() && block->engram()->host_table());
+  if (!any) return;
+  const int N = nseq * T_;
+  host_compressed_.resize(N);
+  for (int i = 0; i < N; ++i) host_compressed_[i] = compression_.map[tokens[i]];
+  const int* starts = nullptr;
+  if (model_.document_eod >= 0) {
+    host_starts_.resize(N);
+    for (int s = 0; s < nseq; ++s) {
+      const std::int32_t* ids = tokens + std::int64_t(s) * T_;
+      int* out = host_starts_.data() + std::int64_t(s) * T_;
+      walk_documents([ids](int t) { return ids[t]; }, T_, model_.document_eod,
+                     [out](int t, int first) { out[t] = first; });
+    }
+    starts = host_starts_.data();
+  }
+  for (const auto& block : blocks_)
+    if (block->engram() && block->engram()->host_table())
+      block->engram()->prefetch(table, host_compressed_.data(), starts, N);
+}
+
 void Stage::finish_step(StepStats& stats, const ProcessGrid& grid) const {
   const DataComm& replicas = grid.data_plane(grid.stage);
-  for (const auto& block : blocks_) block->finish_step(stats, replicas, grid.replica() == 0);
+  for (const auto& block : blocks_)
+    block->finish_step(stats, replicas, grid.stage, grid.replica() == 0);
 }
 
 void Stage::after_optimizer_step(TensorTable& table, const StepStats& stats) const {

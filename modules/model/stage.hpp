@@ -114,6 +114,10 @@ class Stage {
   int d_model() const { return D_; }
 
  private:
+  // engram.offload = host: the host computes and stages every Engram block's rows.
+  void prefetch_engram_rows(const TensorTable& table, const std::int32_t* tokens, int nseq);
+  std::vector<std::int32_t> host_compressed_;  // (N) compressed ids of the micro-batch
+  std::vector<int> host_starts_;               // (N) their document starts
   Mat resid(int i, int N) { return as_mat(resid_[i].data(), N, D_); }
   // The ids Engram reads (compressed when a compression map is given) of the last forward.
   ConstIVec engram_tokens(int N) const {

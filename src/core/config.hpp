@@ -18,6 +18,7 @@ namespace kmoe {
 enum class BlockNorm { Reordered, Pre };             // model.block_norm
 enum class RouterScore { Softmax, Sigmoid };         // moe.score
 enum class EngramGate { Sigmoid, SignedSqrt };       // engram.gate
+enum class EngramOffload { None, Host };             // engram.offload
 enum class LrSchedule { Cosine, Constant, Wsd };     // optimizer.schedule
 enum class PipeSchedule { OneFOneB, GPipe };         // parallel.schedule
 enum class EngramShardGroup { None, Ep, Stage };     // parallel.engram_shard
@@ -46,6 +47,11 @@ template <>
 struct Choices<RouterScore> {
   static constexpr Choice<RouterScore> all[] = {{RouterScore::Softmax, "softmax"},
                                                 {RouterScore::Sigmoid, "sigmoid"}};
+};
+template <>
+struct Choices<EngramOffload> {
+  static constexpr Choice<EngramOffload> all[] = {{EngramOffload::None, "none"},
+                                                  {EngramOffload::Host, "host"}};
 };
 template <>
 struct Choices<EngramGate> {
@@ -241,8 +247,12 @@ struct EngramCfg {
   double lr_mult = 5.0;
   std::string compression_map;  // empty: identity
   double init_std = 0.02;       // resolved: model.init_std when not given
+  // host: the tables and their AdamW moments in host memory, rows staged per lookup (MODEL.md
+  // section 4, RUNTIME.md section 6). Not part of the trained function.
+  EngramOffload offload = EngramOffload::None;
 
   bool enabled() const { return !layers.empty(); }
+  bool host_tables() const { return enabled() && offload == EngramOffload::Host; }
 };
 
 struct TrainCfg {

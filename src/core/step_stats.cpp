@@ -32,6 +32,7 @@ int StepStats::add(const StatColumn& c) {
     device_ = grown;
   }
   counters_.emplace_back();
+  host_flags_.emplace_back();
   return size() - 1;
 }
 
@@ -46,6 +47,17 @@ void StepStats::begin_step() {
   if (device_.extent(0) > 0) Kokkos::deep_copy(device_, 0.0);
   for (auto& c : counters_)
     if (c.extent(0) > 0) Kokkos::deep_copy(c, 0);
+  for (auto& f : host_flags_) std::fill(f.begin(), f.end(), 0.0f);
+}
+
+std::vector<float>& StepStats::host_flags(int i, std::int64_t n) {
+  std::vector<float>& f = host_flags_[i];
+  if (f.empty()) f.assign(n, 0.0f);
+  KMOE_REQUIRE(std::int64_t(f.size()) == n, "StepStats: column " << columns_[i].name << " has "
+                                                                  << f.size()
+                                                                  << " host flags, asked for "
+                                                                  << n);
+  return f;
 }
 
 Kokkos::View<double*, Layout, MemSpace, Unmanaged> StepStats::device(int i) {

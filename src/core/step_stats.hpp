@@ -98,6 +98,9 @@ class StepStats {
   // Column i's integer counters (n of them, e.g. lookups per table row), shared by every layer
   // instance that asks with the same n; zeroed by begin_step().
   IVec counters(int i, std::int64_t n);
+  // The same in host memory, as 0/1 flags (a table kept in host memory marks its rows there),
+  // shared the same way; zeroed by begin_step().
+  std::vector<float>& host_flags(int i, std::int64_t n);
 
   // The flat host accumulators of every column, for the reduction over the world (one fixed
   // size on every rank), after gather_device().
@@ -119,6 +122,7 @@ class StepStats {
   std::vector<double> host_;
   View1D device_;                 // allocated (zeroed) on first use
   std::vector<View1I> counters_;  // per column; empty when not asked for
+  std::vector<std::vector<float>> host_flags_;  // per column; empty when not asked for
 };
 
 }  // namespace kmoe

@@ -10,6 +10,9 @@ them (Kokkos >= 4), every fence.
   same number of waits per step with twice the micro-batches and with twice the MoE layers.
 - With per-expert GEMMs (the CPU default): exactly 1 more per MoE layer and micro-batch (the
   expert row offsets that size the vendor GEMMs on the host) and nothing else.
+- With the Engram table in host memory (engram.offload = host): exactly 1 more per Engram layer
+  and micro-batch (the row gradients read back) and nothing else, and no allocation after
+  step 1.
 Usage: check_host_syncs.py BIN_DIR WORK_DIR COUNTER_LIB
 """
 import os
@@ -37,14 +40,45 @@ def per_step(name, *overrides):
     return s2
 
 
+engram_waits, engram_rows = {}, {}
 for label, extra in (("dense", []), ("engram", ENGRAM)):
     base = per_step(label, *extra)
+    engram_waits[label] = base["kmoe_syncs"]
+    engram_rows[label] = base
     h.check(base["kmoe_syncs"] > 0, f"{label}: the step's waits are seen ({base['kmoe_syncs']})")
     for variant, more in (("micro", ["--train.global_batch=8"]), ("layers", ["--model.n_layers=4"])):
         r = per_step(f"{label}_{variant}", *extra, *more)
+        engram_waits[f"{label}_{variant}"] = r["kmoe_syncs"]
+        engram_rows[f"{label}_{variant}"] = r
         h.check(r["kmoe_syncs"] == base["kmoe_syncs"] and r["fences"] == base["fences"],
                 f"{label}, twice the {variant}: {base['kmoe_syncs']} -> {r['kmoe_syncs']} named "
                 f"waits, {base['fences']} -> {r['fences']} fences per step")
+
+# Engram tables in host memory: + 1 per Engram layer and micro-batch, no allocation after step 1.
+for name, micro, layers, more in (("engram", 2, 1, []),
+                                  ("engram_micro", 4, 1, ["--train.global_batch=8"])):
+    rows = counted_run(h, lib, name + "_offload", *ENGRAM, "--engram.offload=host", *more)
+    if not rows:
+        continue
+    got, want = rows[1]["kmoe_syncs"], engram_waits[name] + layers * micro
+    h.check(got == want and rows[2]["kmoe_syncs"] == got,
+            f"{name}, tables in host memory: {got} named waits = {engram_waits[name]} + "
+            f"{layers} Engram layer x {micro} micro-batches")
+    h.check(all(r["allocations"] == 0 for r in rows[1:]),
+            f"{name}, tables in host memory: no allocation after step 1 "
+            f"({[r['allocations'] for r in rows]})")
+    # Where the build tells host from device copies (GPU builds): per Engram layer and
+    # micro-batch, 3 more copies from the host (rows, slots, row ids) and 1 more to it.
+    ref = engram_rows.get(name)
+    if ref is None or ref["copies_from_host"] == 0:
+        h.skip(f"{name}, tables in host memory: copies by direction",
+               "this build's device memory is host memory (no copies from the host reported)")
+    else:
+        d_from = rows[1]["copies_from_host"] - ref["copies_from_host"]
+        d_to = rows[1]["copies_to_host"] - ref["copies_to_host"]
+        h.check((d_from, d_to) == (3 * layers * micro, layers * micro),
+                f"{name}, tables in host memory: {d_from} more copies from the host, {d_to} "
+                f"more to it per step (want {3 * layers * micro}, {layers * micro})")
 
 # MoE, grouped: no growth; per expert: 1 per MoE layer per micro-batch on top of grouped.
 for name, micro, layers, more in (("moe", 2, 2, []), ("moe_micro", 4, 2, ["--train.global_batch=8"]),

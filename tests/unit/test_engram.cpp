@@ -187,7 +187,7 @@ TEST(Engram, StatisticsAreTheMeanGateAndTheRowsTouched) {
     note_rows();
   }
   Communicator self(MPI_COMM_SELF, "self", 60.0);
-  f.layer->finish_step(stats, self, /*write=*/true);  // on the device: before the gather
+  f.layer->finish_step(stats, self, self, /*write=*/true);  // on the device: before the gather
   stats.gather_device();
   const auto finished = stats.finish(2);
   const auto& tab = f.table.entry(f.table.find("blocks.0.engram.table"));
