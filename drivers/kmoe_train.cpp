@@ -209,11 +209,37 @@ void print_dry_run(const kmoe::Config& cfg) {
     std::printf("    %5d  %15.1f  %12.1f  %10.1f  %8.1f  %8.1f\n", stage, x.stage_grads / mib,
                 x.dp_grads / mib, x.all_to_all / mib, x.pipeline / mib, x.total() / mib);
   }
-  std::printf(
-      "  memory per rank (estimate, the largest share, %s activations): %.1f MiB state + "
-      "%.1f MiB activations = %.1f MiB, %.1f MiB with the runtime\n",
-      choice_name(t.precision), most.state_bytes / mib, most.activation_bytes / mib,
-      most.total() / mib, (most.total() + kRuntimeBytes) / mib);
+  if (cfg.engram.host_tables()) {
+    // Where the tables went, and what keeping them on the device would take.
+    Config on_device = cfg;
+    on_device.engram.offload = EngramOffload::None;
+    std::printf(
+        "  engram.offload = host, per rank (MiB):\n"
+        "    stage  table elements  host (tables+grads+moments, staging)  device row caches  "
+        "device without offload  device freed  per step to device  from device (at most)\n");
+    for (int stage = 0; stage < p.pp; ++stage) {
+      const RankMemory& m = stages[stage].second;
+      const RankMemory d = stage_memory(on_device, stage);
+      const StepTraffic x = step_traffic(cfg, stage);
+      std::printf("    %5d  %14lld  %36.1f  %17.1f  %22.1f  %12.1f  %18.1f  %21.1f\n", stage,
+                  (long long)m.host_elements, m.host_bytes / mib, m.row_cache_bytes / mib,
+                  (d.total() + kRuntimeBytes) / mib, (d.total() - m.total()) / mib,
+                  x.to_device / mib, x.from_device / mib);
+    }
+    std::printf(
+        "  memory per rank (estimate, the largest share, %s activations): %.1f MiB state + "
+        "%.1f MiB activations = %.1f MiB on the device, + %.1f MiB in host memory (Engram "
+        "tables) = %.1f MiB, %.1f MiB with the runtime\n",
+        choice_name(t.precision), most.state_bytes / mib, most.activation_bytes / mib,
+        most.total() / mib, most.host_bytes / mib, (most.total() + most.host_bytes) / mib,
+        (most.total() + most.host_bytes + kRuntimeBytes) / mib);
+  } else {
+    std::printf(
+        "  memory per rank (estimate, the largest share, %s activations): %.1f MiB state + "
+        "%.1f MiB activations = %.1f MiB, %.1f MiB with the runtime\n",
+        choice_name(t.precision), most.state_bytes / mib, most.activation_bytes / mib,
+        most.total() / mib, (most.total() + kRuntimeBytes) / mib);
+  }
   std::printf(
       "  data: %lld training instances of %d tokens (%d steps use %lld), %lld "
       "validation\n",

@@ -44,6 +44,7 @@ RankShare rank_share(const Config& cfg, int stage, int in_flight) {
   r.in_flight = in_flight;
   r.precision = cfg.train.precision;
   r.recompute = cfg.train.recompute == Recompute::Block;
+  r.engram_offload = cfg.engram.host_tables();
   if (cfg.optimizer.shard == OptimizerShard::Replicas) {
     r.dense_replicas = p.dp * p.ep;
     r.expert_replicas = p.dp;
@@ -77,6 +78,9 @@ StepTraffic step_traffic(const Config& cfg, int stage) {
   double moe_layers = 0;
   for (int l = r.first_block; l < r.last_block; ++l) moe_layers += cfg.moe.is_moe_layer(l);
   const double dense = double(mem.elements) - experts - sharded;
+  // Tables in host memory: summed over MPI like their device counterparts.
+  const double host_replicated = r.engram_members > 1 ? 0.0 : double(mem.host_elements);
+  const double host_sharded = r.engram_members > 1 ? double(mem.host_elements) : 0.0;
   auto ring = [](double bytes, int members) {
     return members > 1 ? bytes * 2.0 * (members - 1) / members : 0.0;
   };
@@ -88,13 +92,15 @@ StepTraffic step_traffic(const Config& cfg, int stage) {
   // (Without optimizer.shard the copies are rounded on each rank: nothing gathered.)
   const bool copies = cfg.optimizer.shard == OptimizerShard::Replicas && mem.copy_elements > 0;
   StepTraffic out;
-  out.stage_grads = ring(4.0 * dense, p.dp * p.ep) -
+  out.stage_grads = ring(4.0 * (dense + host_replicated), p.dp * p.ep) -
                     (copies ? gather_saved(double(mem.gemm_elements), p.dp * p.ep) : 0.0);
   const bool ep_rows = p.engram_shard == EngramShardGroup::Ep;
-  out.dp_grads = ring(4.0 * (experts + (ep_rows ? sharded : 0.0)), p.dp) -
+  out.dp_grads = ring(4.0 * (experts + (ep_rows ? sharded + host_sharded : 0.0)), p.dp) -
                  (copies ? gather_saved(experts, p.dp) : 0.0);
   const double micro = micro_batches_per_replica(cfg);
   const double tokens = double(t.micro_batch) * t.seq_len;
+  out.to_device = micro * double(mem.offload_to_device);
+  out.from_device = micro * double(mem.offload_from_device);
   if (p.ep > 1) {
     const int D = cfg.model.d_model;
     const double out_bytes = t.precision == Precision::Bf16 && D % 2 == 0 ? 2.0 : 4.0;
@@ -126,7 +132,10 @@ void check_memory(const Config& cfg, const ProcessGrid& grid, int in_flight,
             "MPI_Comm_split_type");
   const Communicator node(node_comm, "node", cfg.parallel.watchdog_seconds);
   MPI_Comm_free(&node_comm);
-  double need[2] = {double(kCheckMarginBytes) + (host_memory ? double(mine.total()) : 0.0), 1.0};
+  // Host memory: the tables kept there (engram.offload = host), and on CPU builds everything.
+  double need[2] = {double(kCheckMarginBytes) + double(mine.host_bytes) +
+                        (host_memory ? double(mine.total()) : 0.0),
+                    1.0};
   node.allreduce_sum(need, 2);
   std::ostringstream error;
   const std::int64_t host = host_available_bytes();
@@ -135,7 +144,12 @@ void check_memory(const Config& cfg, const ProcessGrid& grid, int in_flight,
        << " with gradients and AdamW moments) and " << gib(mine.activation_bytes)
        << " of activations for " << in_flight
        << " micro-batch(es) of train.micro_batch = " << cfg.train.micro_batch
-       << " x train.seq_len = " << cfg.train.seq_len << " tokens in flight. The sizes follow "
+       << " x train.seq_len = " << cfg.train.seq_len << " tokens in flight"
+       << (mine.host_elements > 0 ? ", and " + gib(double(mine.host_bytes)) +
+                                        " of host memory for the Engram tables "
+                                        "(engram.offload = host)"
+                                  : std::string())
+       << ". The sizes follow "
        << size_keys()
        << ", and the grid's parallel.pp, parallel.ep and parallel.engram_shard split them: "
           "shrink them, add ranks or nodes, or skip this check with train.check_memory = false";

@@ -47,6 +47,9 @@ struct StepTraffic {
   double all_to_all = 0;    // expert rows out and back, forward and backward
   double pipeline = 0;      // activations to the next stage, gradients to the previous one
   double total() const { return stage_grads + dp_grads + all_to_all + pipeline; }
+  // engram.offload = host, within the rank (not in total()): rows staged to the device, row
+  // gradients back, at most (every lookup a distinct row).
+  double to_device = 0, from_device = 0;
 };
 StepTraffic step_traffic(const Config& cfg, int stage);
 

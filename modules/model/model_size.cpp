@@ -4,6 +4,7 @@
 
 #include "core/checked_size.hpp"
 #include "modules/engram/engram_hash.hpp"
+#include "modules/engram/row_cache.hpp"
 #include "modules/model/stage.hpp"
 
 namespace kmoe {
@@ -148,6 +149,7 @@ RankMemory rank_memory(const ModelCfg& m, const MoeCfg& e, const EngramCfg& g, i
     Size blocks = 0;
     // Under recompute the blocks share one pool: each kind of saved buffer once (the largest).
     Size pool_attn = 0, pool_mlp = 0, pool_moe = 0, pool_engram = 0;
+    Size host_rows = 0, host_extra = 0, caches = 0, to_dev = 0, from_dev = 0;  // engram.offload
     for (int l = r.first_block; l < r.last_block; ++l) {
       blocks += 1;
       elements += s.attn;
@@ -174,9 +176,25 @@ RankMemory rank_memory(const ModelCfg& m, const MoeCfg& e, const EngramCfg& g, i
         if (plan.layer != l) continue;
         const int members = std::max(1, r.engram_members);
         const Size rows = (plan.rows + members - 1) / members;
-        elements += engram_params(g, D, rows);
+        const int dh = g.embed_per_ngram / g.heads;
+        if (r.engram_offload) {  // the table's rows on the host, a row cache per instance
+          elements += engram_params(g, D, 0);
+          host_rows += rows * dh;
+          const Size lookups = N * Size((g.max_ngram - 1) * g.heads);
+          // a holder of a sharded table: room for twice a balanced share of the requests
+          const Size requests = lookups * std::min(members, 2);
+          caches += Size(EngramRowCache::device_bytes(dh, requests.get()));
+          host_extra += Size(r.in_flight) * Size(EngramRowCache::host_bytes(dh, requests.get())) +
+                        Size(4) * plan.rows;  // + the rows-touched flags
+          // rows, slots and row ids in; each request's row gradient out (and its id, sharded)
+          // (a balanced share: as many requests served as made)
+          to_dev += lookups * Size(4 * dh + 8);
+          from_dev += lookups * Size(4 * dh + (members > 1 ? 4 : 0));
+        } else {
+          elements += engram_params(g, D, rows);
+          if (members > 1) sharded += rows * dh;
+        }
         gemm += Size(2) * D * d_mem;
-        if (members > 1) sharded += rows * (g.embed_per_ngram / g.heads);
         const Size mine = engram_saved(g, D, N, s.kb, members > 1);
         saved += mine;
         if (mine.get() > pool_engram.get()) pool_engram = mine;
@@ -227,7 +245,12 @@ RankMemory rank_memory(const ModelCfg& m, const MoeCfg& e, const EngramCfg& g, i
     ctx.precision = r.precision;
     ctx.batch_threads = r.batch_threads;
     const Size workspace = Stage::workspace_bytes(ctx, m, e, g, plan, b, T, std::max(1, r.ep));
-    out.activation_bytes = (kept + workspace).get();
+    out.activation_bytes = (kept + workspace + Size(r.in_flight) * caches).get();
+    out.row_cache_bytes = (Size(r.in_flight) * caches).get();
+    out.host_elements = host_rows.get();
+    out.host_bytes = (Size(16) * host_rows + host_extra).get();
+    out.offload_to_device = to_dev.get();
+    out.offload_from_device = from_dev.get();
     if (expert_side.get() > 0)
       out.expert_side_bytes =
           (expert_side +

@@ -46,6 +46,9 @@ struct RankShare {
   // tensors only products read are kept as bf16 compute copies, their fp32 master rows split
   // the same way.
   int dense_replicas = 1, expert_replicas = 1;
+  // engram.offload = host: the Engram tables (and their gradients and moments) in host memory;
+  // each instance keeps a device row cache of one lookup's rows.
+  bool engram_offload = false;
 };
 
 struct RankMemory {
@@ -62,7 +65,16 @@ struct RankMemory {
   // Of the activations, the expert side's under expert parallelism: received rows, hidden
   // activations, received gradients and transfer buffers, at twice a balanced share of rows.
   std::int64_t expert_side_bytes = 0;
-  std::int64_t total() const { return state_bytes + activation_bytes; }
+  // engram.offload = host: its Engram table rows in host memory (not in `elements`), the host
+  // bytes they take with gradients and moments, the row caches' host buffers and the
+  // rows-touched flags, and the device row caches (in activation_bytes).
+  std::int64_t host_elements = 0;
+  std::int64_t host_bytes = 0;
+  std::int64_t row_cache_bytes = 0;
+  // Host <-> device bytes of one micro-batch's lookups and row gradients, at most (every
+  // lookup a distinct row; a holder of a sharded table serving a balanced share).
+  std::int64_t offload_to_device = 0, offload_from_device = 0;
+  std::int64_t total() const { return state_bytes + activation_bytes; }  // device memory
 };
 
 RankMemory rank_memory(const ModelCfg& m, const MoeCfg& e, const EngramCfg& g, int micro_batch,

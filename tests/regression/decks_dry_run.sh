@@ -30,6 +30,28 @@ for deck in "$inputs"/*.deck; do
   fi
 done
 
+# The 100B-parameter Engram deck (inputs/plans, for planning only): with its tables in host
+# memory each of its 32 ranks keeps 1/32 of the 100B table elements there, and its device
+# memory falls by more than half; the figure "without offload" is the same deck's own plan
+# with engram.offload = none.
+if dry plan100b.log "$inputs/plans/engram_100b_offload.deck" &&
+   dry plan100b_none.log "$inputs/plans/engram_100b_offload.deck" --engram.offload=none; then
+  read -r host_elements without freed < <(awk '/device without offload/ { getline;
+    print $2, $5, $6; exit }' plan100b.log)
+  none_total=$(awk '/stage  blocks/ { getline; print $NF; exit }' plan100b_none.log)
+  if [ -n "$host_elements" ] && [ $((host_elements * 32)) -ge 100000000000 ] &&
+     [ "$without" = "$none_total" ] &&
+     awk -v f="$freed" -v w="$without" 'BEGIN { exit !(f > 0.5 * w) }'; then
+    echo "ok   100B-parameter Engram tables in host memory: $host_elements table elements per" \
+         "rank on the host, $freed of $without MiB of device memory freed per rank"
+  else
+    echo "FAIL the 100B plan: '$host_elements' host elements, '$freed' of '$without' MiB" \
+         "freed (offload none: '$none_total' MiB)"; status=1
+  fi
+else
+  echo "FAIL the 100B plan:"; tail -5 plan100b.log plan100b_none.log; status=1
+fi
+
 # The OLMoE-shaped deck on pp 4 x dp 16 x ep 8 = 512 ranks, and with ep 1: stage 0's tensor
 # elements (its experts' share) fall with ep.
 elements() {  # the tensor elements of stage 0 in a dry run's log

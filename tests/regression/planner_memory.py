@@ -5,6 +5,8 @@ estimate with the runtime (`kmoe-train --dry-run`) must be within 15% of the lar
 `mem_hwm_mib` the run's metrics.csv reports. Prints both side by side. --skip NAME,...
 leaves decks out (CI leaves out the model variants that tiny_moe_engram's MoE + Engram already
 covers: tiny_engram, tiny_moe, tiny_moe_hf; ctest planner_memory_long, label long, runs all).
+The main job's deck runs a second time with its Engram table in host memory
+(engram.offload = host): there the estimate is the device and host parts together.
 Usage: planner_memory.py BIN_DIR WORK_DIR MPIEXEC [--skip NAME,...]
 """
 import glob
@@ -22,17 +24,20 @@ h = Harness(sys.argv[1], sys.argv[2], mpiexec=sys.argv[3])
 SKIP = set(sys.argv[5].split(",")) if len(sys.argv) > 5 and sys.argv[4] == "--skip" else set()
 h.run(["kmoe-prep", "--fortunes", "--out-dir", "data/fortunes"])
 print(f"{'deck':32s} {'ranks':>5s} {'estimate MiB':>12s} {'measured MiB':>12s} {'error':>7s}")
-for deck in sorted(glob.glob(os.path.join(ROOT, "inputs", "*.deck"))):
-    name = os.path.basename(deck)[:-5]
+RUNS = [(d, os.path.basename(d)[:-5], []) for d in sorted(glob.glob(os.path.join(ROOT, "inputs",
+                                                                                 "*.deck")))]
+RUNS.append((os.path.join(ROOT, "inputs", "tiny_moe_engram.deck"), "tiny_moe_engram+offload",
+             ["--engram.offload=host"]))
+for deck, name, extra in RUNS:
     if name in SKIP:
         continue
-    dry = h.run(["kmoe-train", "-i", deck, "--dry-run"])
+    dry = h.run(["kmoe-train", "-i", deck, "--dry-run", *extra])
     estimate = re.search(r"the largest share.* ([0-9.]+) MiB with the runtime", dry.stdout)
     grid = h.run(["kmoe-train", "-i", deck, "--print-grid"])
     ranks = re.search(r"ranks (\d+)", grid.stdout)
     if not h.check(estimate is not None and ranks is not None, f"{name}: estimate and grid"):
         continue
-    h.run(["kmoe-train", "-i", deck, "--train.max_steps=3", "--train.eval_instances=8",
+    h.run(["kmoe-train", "-i", deck, *extra, "--train.max_steps=3", "--train.eval_instances=8",
            "--train.eval_every=0", "--checkpoint.every=0", "--checkpoint.resume=none",
            f"--output.dir={name}", f"--checkpoint.dir={name}/ckpt"], ranks=int(ranks.group(1)))
     measured = max(float(r["mem_hwm_mib"]) for r in h.metrics(name))
