@@ -5,6 +5,7 @@
 # its own time limit; a step the deadline cuts is reported "not run (deadline)":
 #   1. train_check: 8 single-rank training steps against the same steps computed by a CPU build
 #      (relative 1e-4 at step 1, 2e-3 after: other summation orders, near-ties in MoE routing);
+#      offload_check: the same with the Engram table in host memory (engram.offload = host);
 #   2. bench_moe_{bf16,fp32}: tokens/s, MFU, time per phase and device memory of a 16-block,
 #      64-expert top-8 MoE (bf16: grouped expert GEMMs on the tensor cores);
 #   3. peer_moe_*: the same model in plain PyTorch (bench/torch_peer.py: SDPA, experts as a
@@ -16,7 +17,7 @@
 #   7. unit_tests: every one-rank unit test of the bundle;
 #   8. variants: tf32, per-expert vendor GEMMs (fp32, bf16), and the Kokkos Tools counter's
 #      launches, fences, copies and named waits per step.
-# Exit status: 0 when 1 and 7 pass (the rest report figures). OUT/summary.txt is written line by
+# Exit status: 0 when 1 (both checks) and 7 pass (the rest report figures). OUT/summary.txt is written line by
 # line, OUT/figures.tsv holds one row per step (name, status, seconds, figure); both survive a
 # kill. On a CPU bundle (bundle_check in ctest), step 1 is a relocation check (the bundle
 # against the build it came from), 2 runs shrunk (GPU_CHECK_BENCH_ARGS) in fp32 with the counter,
@@ -237,15 +238,17 @@ peak_of() { case "$1" in *bf16*) echo $bf16 ;; *tf32*) echo $tf32 ;; *) echo $fp
 
 work=$out/work && rm -rf "$work" && cp -r "$bundle/check" "$work"
 
-# 1. Training steps against the CPU build's.
-t0=$(date +%s)
-lim=$(budget 150)
-if [ "$lim" -eq 0 ]; then not_run train_check; status=1
-elif (cd "$work" && timeout "$lim" "$kmoe" kmoe-train -i check.deck --output.dir=gpu_run \
-        --checkpoint.dir=gpu_run/ckpt > "$out/train_check.log" 2>&1); then
-  what="training on the GPU against the CPU build"
-  [ "$cuda" = none ] && what="training from the bundle against the build it came from (a relocation check)"
-  python3 - "$work/cpu_metrics.csv" "$work/gpu_run/metrics.csv" "$what" <<'PY' > "$out/.train"
+# 1. Training steps against the CPU build's: NAME LIMIT WHAT [KEY=VALUE ...].
+train_against_cpu() {
+  local name=$1 limit=$2 what=$3 lim t0 rc keys=()
+  shift 3
+  for kv in "$@"; do keys+=("--$kv"); done
+  t0=$(date +%s)
+  lim=$(budget "$limit")
+  if [ "$lim" -eq 0 ]; then not_run "$name"; status=1; return; fi
+  if (cd "$work" && timeout "$lim" "$kmoe" kmoe-train -i check.deck --output.dir="${name}_run" \
+        --checkpoint.dir="${name}_run/ckpt" ${keys[@]+"${keys[@]}"} > "$out/$name.log" 2>&1); then
+    python3 - "$work/cpu_metrics.csv" "$work/${name}_run/metrics.csv" "$what" <<'PY' > "$out/.train"
 import csv, sys
 cpu = list(csv.DictReader(open(sys.argv[1]))); mine = list(csv.DictReader(open(sys.argv[2])))
 ok = len(cpu) == len(mine) and len(cpu) > 0
@@ -261,17 +264,24 @@ print(f"{'ok  ' if ok else 'FAIL'} {sys.argv[3]}: {len(mine)} steps, worst relat
       f"difference {worst:.1e}")
 sys.exit(0 if ok else 1)
 PY
-  rc=$?
-  tee -a "$out/summary.txt" < "$out/.train"
-  figure train_check "$([ $rc -eq 0 ] && echo ok || echo FAIL)" $(( $(date +%s) - t0 )) \
-    "$(tail -1 "$out/.train")"
-  [ $rc -eq 0 ] || status=1
-else
-  rc=$?
-  log "FAIL train_check: kmoe-train exit $rc: $(tail -3 "$out/train_check.log" | tr '\n' ' ')"
-  figure train_check FAIL $(( $(date +%s) - t0 )) "kmoe-train exit $rc"
-  status=1
-fi
+    rc=$?
+    tee -a "$out/summary.txt" < "$out/.train"
+    figure "$name" "$([ $rc -eq 0 ] && echo ok || echo FAIL)" $(( $(date +%s) - t0 )) \
+      "$(tail -1 "$out/.train")"
+    [ $rc -eq 0 ] || status=1
+  else
+    rc=$?
+    log "FAIL $name: kmoe-train exit $rc: $(tail -3 "$out/$name.log" | tr '\n' ' ')"
+    figure "$name" FAIL $(( $(date +%s) - t0 )) "kmoe-train exit $rc"
+    status=1
+  fi
+}
+what="training on the GPU against the CPU build"
+[ "$cuda" = none ] && what="training from the bundle against the build it came from (a relocation check)"
+train_against_cpu train_check 150 "$what"
+# The same with the Engram table in host memory (row cache, host AdamW; RUNTIME.md section 8):
+# the CPU build's losses are the same either way.
+train_against_cpu offload_check 60 "$what, Engram table in host memory" engram.offload=host
 
 # A kmoe-train benchmark: NAME DECK LIMIT PRECISION [KEY=VALUE ...] (metrics past 2 steps).
 kmoe_bench() {

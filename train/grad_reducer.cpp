@@ -112,7 +112,7 @@ void GradReducer::finish() {
   // The host tensors while the device buckets travel (their gradients are final: the layers
   // added them on the host before their backward returned).
   for (const HostSum& h : host_)
-    h.comm->allreduce_sum(table_.host_grad(h.tensor), table_.entry(h.tensor).size);
+    h.comm->allreduce_sum_host_data(table_.host_grad(h.tensor), table_.entry(h.tensor).size);
   for (std::size_t i = 0; i < pending_.size(); ++i) buckets_[i].comm->complete(pending_[i]);
   pending_.clear();
   next_ = 0;

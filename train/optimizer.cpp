@@ -26,9 +26,6 @@ double learning_rate(const OptimizerCfg& o, int max_steps, int s) {
 namespace {
 enum ChunkFlag { kCounted = 1, kTrainable = 2, kDecay = 4, kHost = 8 };
 
-using HostPolicy =
-    Kokkos::RangePolicy<Kokkos::DefaultHostExecutionSpace, Kokkos::IndexType<std::int64_t>>;
-
 // Squares of g[b0, b1) in double: blocks of 8 consecutive elements, each summed as a fixed
 // pairwise tree (the dependent chain of additions is one per block, not one per element).
 template <class Grad>
@@ -213,17 +210,24 @@ void FlatOptimizer::adamw_step(const OptimizerCfg& o, TensorTable& table, int t,
           if (has_copy) w(i + to_copy) = bf16_bits(p(k));
         });
       });
-  // The host tensors' chunks: the same update by host threads, while the device runs the rest.
-  for (const HostChunk& h : host_) {
-    if (!(h.flags & kTrainable)) continue;
-    const float lr_g = lr_d * h.lr_mult;
-    const float wd = (h.flags & kDecay) ? wd_all : 0.0f;
+  // The host tensors' chunks: the same update by host threads (one chunk each at a time),
+  // while the device runs the rest.
+  if (!host_.empty()) {
     float *hp = table.host_params.data(), *hg = table.host_grads.data();
     float *hm = table.host_exp_avg.data(), *hv = table.host_exp_avg_sq.data();
-    const std::int64_t shift = h.moment - h.begin, to_param = h.param - h.begin;
-    Kokkos::parallel_for("optim::adamw_host", HostPolicy(h.begin, h.end), [=](std::int64_t i) {
-      adamw_element(a, lr_g, wd, hg[i], hm[i + shift], hv[i + shift], hp[i + to_param]);
-    });
+    const HostChunk* hc = host_.data();
+    Kokkos::parallel_for(
+        "optim::adamw_host", Kokkos::RangePolicy<Kokkos::DefaultHostExecutionSpace>(
+                                 0, static_cast<int>(host_.size())),
+        [=](int k) {
+          const HostChunk& h = hc[k];
+          if (!(h.flags & kTrainable)) return;
+          const float lr_g = lr_d * h.lr_mult;
+          const float wd = (h.flags & kDecay) ? wd_all : 0.0f;
+          const std::int64_t shift = h.moment - h.begin, to_param = h.param - h.begin;
+          for (std::int64_t i = h.begin; i < h.end; ++i)
+            adamw_element(a, lr_g, wd, hg[i], hm[i + shift], hv[i + shift], hp[i + to_param]);
+        });
   }
 }
 

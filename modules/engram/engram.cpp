@@ -96,7 +96,8 @@ EngramLayer::EngramLayer(const RunContext& ctx, const ModelCfg& m, const EngramC
 void EngramLayer::prefetch(const TensorTable& table, const std::int32_t* tokens, const int* starts,
                            int N) {
   KMOE_REQUIRE(offload_, "EngramLayer::prefetch: the table is in device memory");
-  hasher_.rows_host(tokens, N, T_, starts, 0, host_rows_.data());
+  // A sharded table's holders stage what they are asked for; its rows here only count.
+  if (!shard_ || stats_) hasher_.rows_host(tokens, N, T_, starts, 0, host_rows_.data());
   if (!shard_) stage_rows(table, N);
   staged_n_ = N;
   pending_ = true;
@@ -148,7 +149,8 @@ Operand EngramLayer::lookup(const TensorTable& table, ConstIVec tokens, bool cou
     // The rows this forward reads: prefetched for a counted forward, still staged for its
     // recompute, else computed here from the ids read back.
     const bool staged = count ? pending_ : staged_n_ == N;
-    if (!staged) {
+    const bool need_rows = !shard_ || (stats_ && count);  // a sharded table's: for statistics
+    if (!staged && need_rows) {
       host_rows_from_device(tokens, docs, N);
       if (!shard_) stage_rows(table, N);
       staged_n_ = N;

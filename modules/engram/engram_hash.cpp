@@ -143,6 +143,16 @@ KOKKOS_INLINE_FUNCTION void hash_position(const Tokens& tokens, int i, int t, in
   }
 }
 
+// Host memory as hash_position reads and writes it (callable from its host and device code).
+struct HostIds {
+  const std::int32_t* ids;
+  KOKKOS_INLINE_FUNCTION std::int32_t operator()(int i) const { return ids[i]; }
+};
+struct HostRows {
+  int* rows;  // this position's (N-1)*K rows
+  KOKKOS_INLINE_FUNCTION void operator()(int j, int r) const { rows[j] = r; }
+};
+
 }  // namespace
 
 void EngramHasher::rows(ConstIVec tokens, int T, Kokkos::View<int**, Layout, MemSpace> rows,
@@ -166,13 +176,13 @@ void EngramHasher::rows_host(const std::int32_t* tokens, int n_tok, int T, const
   const std::uint64_t* mult = host_mult_.data();
   const std::int64_t* primes = host_primes_.data();
   const std::int64_t* offsets = host_offsets_.data();
-  auto tok = [tokens](int i) { return tokens[i]; };
+  const HostIds tok{tokens};
   Kokkos::parallel_for(
       "engram::rows_host", Kokkos::RangePolicy<Kokkos::DefaultHostExecutionSpace>(0, n_tok),
       [=](int i) {
         const int first = starts ? std::max(0, starts[i] - shift) : 0;  // as DocStarts reads
         hash_position(tok, i, i % T, first, N, K, pad, mult, primes, offsets,
-                      [&](int j, int r) { rows[std::int64_t(i) * Kt + j] = r; });
+                      HostRows{rows + std::int64_t(i) * Kt});
       });
 }
 

@@ -161,12 +161,7 @@ void Stage::prefetch_engram_rows(const TensorTable& table, const std::int32_t* t
   const int* starts = nullptr;
   if (model_.document_eod >= 0) {
     host_starts_.resize(N);
-    for (int s = 0; s < nseq; ++s) {
-      const std::int32_t* ids = tokens + std::int64_t(s) * T_;
-      int* out = host_starts_.data() + std::int64_t(s) * T_;
-      walk_documents([ids](int t) { return ids[t]; }, T_, model_.document_eod,
-                     [out](int t, int first) { out[t] = first; });
-    }
+    document_starts_host(tokens, nseq, T_, model_.document_eod, host_starts_.data());
     starts = host_starts_.data();
   }
   for (const auto& block : blocks_)

@@ -55,4 +55,14 @@ void document_tile_starts(const std::int32_t* tokens, int nseq, int T, int eod, 
   }
 }
 
+void document_starts_host(const std::int32_t* tokens, int nseq, int T, int eod, int* start) {
+  for (int s = 0; s < nseq; ++s) {
+    const std::int32_t* ids = tokens + std::int64_t(s) * T;
+    int* row = start + std::int64_t(s) * T;
+    walk_documents(
+        KOKKOS_LAMBDA(int t) { return int(ids[t]); }, T, eod,
+        KOKKOS_LAMBDA(int t, int first) { row[t] = first; });
+  }
+}
+
 }  // namespace kmoe

@@ -47,6 +47,9 @@ KOKKOS_INLINE_FUNCTION void walk_documents(const Ids& ids, int T, int eod, const
 // one past the last `eod` at a position before t. nseq sequences of T ids.
 void document_starts(ConstIVec tokens, int nseq, int T, int eod, View1I start);
 
+// The same on the host ids, into host memory: start[s * T + t] (engram.offload = host).
+void document_starts_host(const std::int32_t* tokens, int nseq, int T, int eod, int* start);
+
 // The same on the host ids, kept only at the first row of each tile of `tile_rows` positions:
 // out[s * tiles + i] = start(s * T + i * tile_rows), tiles = ceil(T / tile_rows).
 void document_tile_starts(const std::int32_t* tokens, int nseq, int T, int eod, int tile_rows,

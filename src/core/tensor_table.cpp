@@ -179,6 +179,10 @@ float* TensorTable::param(int i) const {
   return params.data() + param_at_[i];
 }
 
+void TensorTable::host_tensor_as_weight(int i) const {
+  KMOE_FAIL("TensorTable: " << entries_[i].spec.name << " lives in host memory, not a GEMM weight");
+}
+
 float* TensorTable::grad(int i) const {
   KMOE_REQUIRE(!host(i), "TensorTable: " << entries_[i].spec.name << " lives in host memory");
   return grads.data() + entries_[i].offset;

@@ -52,7 +52,7 @@ struct TensorSpec {
   // moments this rank keeps (all of them unless optimizer.shard splits the tensor).
   bool gemm_only = false;
   // Kept in host memory (engram.offload = host): its values, gradient and moments live in the
-  // table's host buffers (pinned where the backend has such memory), never in device memory.
+  // table's host buffers, never in device memory.
   // Kernels do not read it; its layer stages the rows it needs (modules/engram/row_cache), and
   // the optimizer, the gradient norm, the reduction and checkpoints handle it on the host.
   bool host_resident = false;
@@ -135,6 +135,7 @@ class TensorTable {
   // Tensor i as a GEMM operand: the (rows, cols) matrix at element `offset` of its local part,
   // from its fp32 values or its bf16 compute copy.
   Operand weight(int i, int rows, int cols, std::int64_t offset = 0) const {
+    if (entries_[i].spec.host_resident) host_tensor_as_weight(i);  // throws
     if (copy_at_[i] >= 0) return {nullptr, weights_b16.data() + copy_at_[i] + offset, rows, cols};
     return {params.data() + param_at_[i] + offset, nullptr, rows, cols};
   }
@@ -165,12 +166,15 @@ class TensorTable {
   View1F grads;   // flat, total_elements() long
   View1F exp_avg, exp_avg_sq;  // flat over the moment slices (total_elements() unsharded)
   Kokkos::View<std::uint16_t*, Layout, MemSpace> weights_b16;  // the compute copies, if any
-  // The host_resident tensors' values, gradients and moments (host_elements() long each).
-  using HostFloats = Kokkos::View<float*, Layout, PinnedSpace>;
+  // The host_resident tensors' values, gradients and moments (host_elements() long each), in
+  // ordinary host memory: only host threads touch them (what travels to the device goes through
+  // page-locked staging buffers), and page-locking tens of GB a rank would only slow the start.
+  using HostFloats = Kokkos::View<float*, Layout, HostSpace>;
   HostFloats host_params, host_grads, host_exp_avg, host_exp_avg_sq;
 
  private:
   void initialize_host(int i, std::uint64_t seed);
+  void host_tensor_as_weight(int i) const;  // throws
   std::vector<TensorEntry> entries_;
   std::vector<MomentSlice> moments_;
   std::vector<std::int64_t> param_at_, copy_at_;

@@ -247,10 +247,10 @@ void Communicator::complete(Pending& pending) const {
 
 template <class T>
 Pending Communicator::start_reduce(T* data, std::int64_t n, MPI_Datatype type, MPI_Op mpi_op,
-                                   const char* op) const {
+                                   const char* op, bool device_wait) const {
   require_host(data, n, sizeof(T), op);
   if (size_ == 1) return nullptr;
-  host_sync("mpi allreduce");
+  if (device_wait) host_sync("mpi allreduce");
   auto p = begin(op, true, -1, n);
   for (std::int64_t off = 0; off < n; off += kChunk) {
     p->reqs.emplace_back();
@@ -313,6 +313,11 @@ Pending Communicator::start_rooted(void* data, const std::vector<std::int64_t>& 
 
 void Communicator::allreduce_sum(float* data, std::int64_t n) const {
   Pending p = start_allreduce_sum(data, n);
+  complete(p);
+}
+
+void Communicator::allreduce_sum_host_data(float* data, std::int64_t n) const {
+  Pending p = start_reduce(data, n, MPI_FLOAT, MPI_SUM, "allreduce_sum(float)", false);
   complete(p);
 }
 

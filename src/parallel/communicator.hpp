@@ -110,6 +110,9 @@ class Communicator : public DataComm {
   int world_rank(int r) const { return world_ranks_[r]; }
 
   void allreduce_sum(float* data, std::int64_t n) const;         // in place
+  // The same on host memory that only the host wrote (a table kept in host memory): no wait
+  // for the device first.
+  void allreduce_sum_host_data(float* data, std::int64_t n) const;
   void allreduce_sum(double* data, std::int64_t n) const;        // in place
   void allreduce_sum(std::int32_t* data, std::int64_t n) const;  // in place
   double allreduce_max(double v) const;
@@ -182,7 +185,7 @@ class Communicator : public DataComm {
                        MPI_Datatype type, int bytes, const char* op) const;
   template <class T>
   Pending start_reduce(T* data, std::int64_t n, MPI_Datatype type, MPI_Op mpi_op,
-                       const char* op) const;
+                       const char* op, bool device_wait = true) const;
   void free_comms();
 
   MPI_Comm comm_ = MPI_COMM_NULL;

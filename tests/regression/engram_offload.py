@@ -6,8 +6,9 @@ device memory, bit for bit, on a CPU build:
   2. the grid deck with tables sharded over ep (1,2,2) and over the stage (2,2,2), the latter
      with bf16 products, block recompute and ZeRO-1 moments;
   3. replicated tables over the 4 ranks of a stage (1,2,2), and over dp = 2 with document
-     masks (the host's document starts); with optimizer.shard = replicas a replicated table's
-     moments stay whole in host memory, so there the run keeps to the layout contract instead;
+     masks (the host's document starts); with optimizer.shard = replicas the moments of a table
+     summed over ranks (replicated, or sharded over ep with dp > 1) stay whole in host memory,
+     so there the run keeps to the layout contract instead;
   4. a checkpoint saved with one setting resumes with the other as the uninterrupted run;
   5. generation from the offloaded tables (the decoding path reads its ids back);
   6. engram.offload without Engram layers is refused, naming both keys.
@@ -81,6 +82,8 @@ pair("replicated", (1, 2, 2))
 # optimizer.shard splits a replicated table's moments over its replicas on the device; in host
 # memory they stay whole: the gradient sum and the norm take another order.
 pair("replicated_zero1", (1, 2, 2), "--optimizer.shard=replicas", exact=False)
+pair("shard_ep_zero1", (1, 2, 2), "--parallel.engram_shard=ep", "--optimizer.shard=replicas",
+     exact=False)
 pair("dp_masked", (1, 2, 1), "--train.document_mask=true", "--model.sliding_window=12",
      "--model.window_layers=0,2")
 

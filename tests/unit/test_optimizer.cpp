@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "core/device_memory.hpp"
 #include "core/error.hpp"
 #include "core/tensor_table.hpp"
 #include "train/optimizer.hpp"
@@ -309,6 +310,16 @@ TEST(GradSqSum, EqualsNaiveSumOfSquares) {
 // bit for bit, as the same tensor in device memory; the others are untouched by the move.
 
 TEST(HostResidentTensor, SameNormAndUpdatesAsOnTheDevice) {
+  // Bit for bit where the device is the host's own threads, one per team (a CPU build without
+  // device paths); elsewhere the device's team reductions, fused multiply-adds and math
+  // library differ in the last bits (MODEL.md section 4): within 1e-6 then.
+  const bool exact = Kokkos::SpaceAccessibility<HostSpace, MemSpace>::accessible && !device_paths();
+  auto same = [exact](const float* a, const float* b, std::int64_t n) {
+    for (std::int64_t i = 0; i < n; ++i)
+      if (exact ? a[i] != b[i] : std::fabs(a[i] - b[i]) > 1e-6f * (1.0f + std::fabs(b[i])))
+        return false;
+    return true;
+  };
   // b: more than one chunk of a parallel backend (FlatOptimizer::kChunk), with its own lr.
   auto make = [](bool host) {
     auto t = std::make_unique<TensorTable>();
@@ -325,8 +336,8 @@ TEST(HostResidentTensor, SameNormAndUpdatesAsOnTheDevice) {
   ASSERT_EQ(host->total_elements() + host->host_elements(), dev->total_elements());
   EXPECT_THROW(host->param(1), Error);  // not readable as device values
   const std::vector<float> b0 = to_host(dev->params);
-  ASSERT_TRUE(std::equal(host->host_param(1), host->host_param(1) + 300 * 257,
-                         b0.begin() + dev->entry(1).offset));  // the same initial values
+  ASSERT_TRUE(same(host->host_param(1), b0.data() + dev->entry(1).offset, 300 * 257))
+      << "the same initial values";
   OptimizerCfg o;
   o.lr = 1e-2;
   o.weight_decay = 0.1;
@@ -344,18 +355,19 @@ TEST(HostResidentTensor, SameNormAndUpdatesAsOnTheDevice) {
     from_host(rest, host->grads);
     std::copy_n(g.begin() + b_at, nb, host->host_grad(1));
     const double nd_sq = od.grad_sq_sum(*dev), nh_sq = oh.grad_sq_sum(*host);
-    EXPECT_EQ(nd_sq, nh_sq) << "step " << step;
+    if (exact)
+      EXPECT_EQ(nd_sq, nh_sq) << "step " << step;
+    else
+      EXPECT_NEAR(nd_sq, nh_sq, 1e-9 * nd_sq) << "step " << step;
     od.adamw_step(o, *dev, step, o.lr, 0.5);
     oh.adamw_step(o, *host, step, o.lr, 0.5);
     Kokkos::fence();
     const std::vector<float> pd = to_host(dev->params), ph = to_host(host->params);
     const std::vector<float> md = to_host(dev->exp_avg_sq);
-    EXPECT_TRUE(std::equal(pd.begin(), pd.begin() + b_at, ph.begin())) << "a, step " << step;
-    EXPECT_TRUE(std::equal(pd.begin() + b_at + nb, pd.end(), ph.begin() + b_at)) << "c";
-    EXPECT_TRUE(std::equal(pd.begin() + b_at, pd.begin() + b_at + nb, host->host_param(1)))
-        << "b, step " << step;
-    EXPECT_TRUE(std::equal(md.begin() + b_at, md.begin() + b_at + nb, host->host_v(1)))
-        << "b's second moment, step " << step;
+    EXPECT_TRUE(same(ph.data(), pd.data(), b_at)) << "a, step " << step;
+    EXPECT_TRUE(same(ph.data() + b_at, pd.data() + b_at + nb, pd.size() - b_at - nb)) << "c";
+    EXPECT_TRUE(same(host->host_param(1), pd.data() + b_at, nb)) << "b, step " << step;
+    EXPECT_TRUE(same(host->host_v(1), md.data() + b_at, nb)) << "b's 2nd moment, step " << step;
   }
 }
 
