@@ -124,6 +124,7 @@ void EngramLayer::stage_rows(const TensorTable& table, int N) {
 
 Operand EngramLayer::lookup_cached(int N) {
   // mem[t, j*dh + i] = cache[slot(t*Kt + j), i]: the same values as the table's rows.
+  cache_->wait();
   const ConstMat tab = cache_->cache();
   const ConstIVec slot = cache_->slots();
   const KeptOut mem = mem_.out();

@@ -57,6 +57,7 @@ void EngramShard::fetch(const TensorTable& table, int tab_index, ConstIVec rows,
     for (int a = 0; a < n_in; ++a) local_h_[a] = static_cast<int>(req(a) - row0);
     cache_->stage(table, tab_index, local_h_.data(), n_in, settled_);
     settled_ = false;
+    cache_->wait();
     const ConstMat cache = cache_->cache();
     const ConstIVec slot = cache_->slots();
     Kokkos::parallel_for(

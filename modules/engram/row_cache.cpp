@@ -11,7 +11,8 @@ namespace {
 using HostRange = Kokkos::RangePolicy<Kokkos::DefaultHostExecutionSpace>;
 }  // namespace
 
-EngramRowCache::EngramRowCache(int width, int max_requests) : width_(width) {
+EngramRowCache::EngramRowCache(int width, int max_requests)
+    : width_(width), copies_(side_stream()) {
   reserve(max_requests);
 }
 
@@ -19,7 +20,6 @@ void EngramRowCache::reserve(int n) {
   max_ = n;
   cache_ = View1F("engram::row_cache", std::int64_t(n) * width_);
   slots_ = View1I("engram::row_cache_slots", n);
-  uniq_ = View1I("engram::row_cache_rows", n);
   staging_ = decltype(staging_)("engram::row_staging", std::int64_t(n) * width_);
   slots_h_ = decltype(slots_h_)("engram::row_staging_slots", n);
   uniq_h_ = decltype(uniq_h_)("engram::row_staging_rows", n);
@@ -28,7 +28,7 @@ void EngramRowCache::reserve(int n) {
 }
 
 std::int64_t EngramRowCache::device_bytes(int width, std::int64_t max_requests) {
-  return max_requests * (4 * std::int64_t(width) + 8);
+  return max_requests * (4 * std::int64_t(width) + 4);
 }
 
 std::int64_t EngramRowCache::host_bytes(int width, std::int64_t max_requests) {
@@ -41,7 +41,10 @@ void EngramRowCache::stage(const TensorTable& table, int tab, const int* rows, i
   if (!settled) host_sync("engram offload staging");  // the device may still read the cache
   // More requests than planned for (a holder of a sharded table asked by every member at
   // once): room for them and a quarter more, once.
-  if (n > max_) reserve(n + n / 4);
+  if (n > max_) {
+    stream_sync(copies_, "engram offload copy");  // nothing may still copy into the old ones
+    reserve(n + n / 4);
+  }
   const std::int64_t local_rows = table.entry(tab).spec.local_rows();
   keys_.resize(n);
   for (int a = 0; a < n; ++a) {
@@ -73,15 +76,15 @@ void EngramRowCache::stage(const TensorTable& table, int tab, const int* rows, i
       "engram::gather_rows", HostRange(0, unique_), [=](int s) {
         std::copy_n(src + std::int64_t(uniq[s]) * w, w, dst + std::int64_t(s) * w);
       });
-  // In stream order: after the device's earlier work, before the kernels that read them.
+  // On the side stream (host backends: in the program's order), waited for by wait().
   auto sub = [](const auto& v, std::int64_t count) {
     return Kokkos::subview(v, std::make_pair(std::int64_t(0), count));
   };
-  Kokkos::deep_copy(ExecSpace(), sub(cache_, std::int64_t(unique_) * w),
-                    sub(staging_, std::int64_t(unique_) * w));
-  Kokkos::deep_copy(ExecSpace(), sub(slots_, n), sub(slots_h_, n));
-  Kokkos::deep_copy(ExecSpace(), sub(uniq_, unique_), sub(uniq_h_, unique_));
+  copy_on(copies_, sub(cache_, std::int64_t(unique_) * w), sub(staging_, std::int64_t(unique_) * w));
+  copy_on(copies_, sub(slots_, n), sub(slots_h_, n));
 }
+
+void EngramRowCache::wait() const { stream_sync(copies_, "engram offload copy"); }
 
 void EngramRowCache::add_gradients(TensorTable& table, int tab, const float* d_req) const {
   const int w = width_;

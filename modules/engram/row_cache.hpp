@@ -1,8 +1,9 @@
 // The device row cache of an Engram table kept in host memory (engram.offload = host; MODEL.md
-// section 4, RUNTIME.md section 6). A lookup's requests name rows of the table; stage() finds
+// section 4, RUNTIME.md section 8). A lookup's requests name rows of the table; stage() finds
 // the distinct rows on the host, gathers them by host threads into a pinned staging buffer and
-// queues their copy to the device cache, with each request's slot in it, in stream order before
-// the kernels that read them: the host's work overlaps whatever the device is still running.
+// queues their copy to the device cache, with each request's slot in it, on a side stream of
+// the device (core/device_sync.hpp): the host's work and the copy overlap whatever the device is
+// still running; wait() holds the host until the copy is done, before the kernels that read it.
 // The gradient goes the other way: each request's row gradient comes back to the host, where
 // the requests of one row are summed in request order and added to the row's gradient, the
 // order (and so the values) of the device-resident table's per-row sums.
@@ -29,10 +30,12 @@ class EngramRowCache {
   // in training: a backward waits for its row gradients; otherwise `settled` = false and the
   // host waits for the device first).
   void stage(const TensorTable& table, int tab, const int* rows, int n, bool settled);
-  // Device views of the last stage(): (unique, width) rows, (n) slots, (unique) their row ids.
+  // Before the first kernel that reads cache() or slots(): the copies are done (the named
+  // wait "engram offload copy" where they run on a side stream; nothing on host backends).
+  void wait() const;
+  // Device views of the last stage(): (unique, width) rows, (n) slots.
   ConstMat cache() const { return ConstMat(cache_.data(), unique_, width_); }
   ConstIVec slots() const { return ConstIVec(slots_.data(), n_); }
-  ConstIVec unique_rows() const { return ConstIVec(uniq_.data(), unique_); }
   int unique() const { return unique_; }
   int requests() const { return n_; }
 
@@ -48,8 +51,9 @@ class EngramRowCache {
  private:
   void reserve(int n);
   int width_ = 0, max_ = 0, n_ = 0, unique_ = 0;
-  View1F cache_;        // (max, width)
-  View1I slots_, uniq_;  // (max)
+  ExecSpace copies_;  // the side stream the copies go on
+  View1F cache_;      // (max, width)
+  View1I slots_;      // (max)
   Kokkos::View<float*, Layout, PinnedSpace> staging_;       // (max, width)
   Kokkos::View<int*, Layout, PinnedSpace> slots_h_, uniq_h_;  // (max)
   std::vector<std::uint64_t> keys_;  // (row << 32 | request), sorted: rows, then requests

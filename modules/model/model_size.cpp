@@ -186,11 +186,11 @@ RankMemory rank_memory(const ModelCfg& m, const MoeCfg& e, const EngramCfg& g, i
           caches += Size(EngramRowCache::device_bytes(dh, requests.get()));
           host_extra += Size(r.in_flight) * Size(EngramRowCache::host_bytes(dh, requests.get())) +
                         Size(4) * plan.rows;  // + the rows-touched flags
-          // rows, slots and row ids in; each request's row gradient out (and its id, sharded)
+          // rows and slots in; each request's row gradient out (and its id, sharded)
           // (a balanced share: as many requests served as made; a sharded table's holders
           // serve a recomputed forward again)
           const Size fetches = r.recompute && members > 1 ? 2 : 1;
-          to_dev += fetches * lookups * Size(4 * dh + 8);
+          to_dev += fetches * lookups * Size(4 * dh + 4);
           from_dev += lookups * Size(4 * dh) + fetches * lookups * Size(members > 1 ? 4 : 0);
         } else {
           elements += engram_params(g, D, rows);

@@ -23,6 +23,14 @@ ReadBuffers& read_buffers() {
 
 }  // namespace
 
+#if (defined(KOKKOS_ENABLE_CUDA) || defined(KOKKOS_ENABLE_HIP)) && KOKKOS_VERSION >= 40000
+ExecSpace side_stream() { return Kokkos::Experimental::partition_space(ExecSpace(), 1)[0]; }
+bool has_side_stream() { return true; }
+#else
+ExecSpace side_stream() { return ExecSpace(); }
+bool has_side_stream() { return false; }
+#endif
+
 void* host_read_buffer(const char* what, std::size_t bytes) {
   ReadBuffers& r = read_buffers();
   std::lock_guard<std::mutex> lock(r.mutex);

@@ -25,6 +25,24 @@ inline void host_sync(const char* what) {
   Kokkos::fence();
 }
 
+// A second stream of the device for copies that overlap its kernels (CUDA and HIP under Kokkos
+// >= 4: an instance of its own), or the default execution space itself where there is none
+// (host backends: its order is the program's, so nothing needs waiting for).
+ExecSpace side_stream();
+bool has_side_stream();
+// A copy queued on `stream` (asynchronous where it is a side stream: its buffers stay untouched
+// until stream_sync).
+template <class Dst, class Src>
+void copy_on(const ExecSpace& stream, const Dst& dst, const Src& src) {
+  Kokkos::deep_copy(stream, dst, src);
+}
+// The host waits for the work queued on a side stream (no-op without one).
+inline void stream_sync(const ExecSpace& stream, const char* what) {
+  if (!has_side_stream()) return;
+  mark_host_sync(what);
+  stream.fence();
+}
+
 // Host memory that a named read reuses from call to call: `bytes` or more, page-locked where
 // the backend has such memory, labelled kHostLabel + what, grown when a read needs more (the
 // previous contents are then gone). Released when Kokkos finalizes.
