@@ -114,6 +114,26 @@ def rel(a, b):
     return abs(float(a) - float(b)) / abs(float(b))
 
 
+def h5_datasets(path):
+    """Every dataset of an HDF5 file (a checkpoint, a dump) as {path: numpy array}."""
+    import h5py
+    import numpy as np
+    out = {}
+    with h5py.File(path, "r") as f:
+        f.visititems(lambda k, v: out.__setitem__(k, np.asarray(v)) if isinstance(v, h5py.Dataset)
+                     else None)
+    return out
+
+
+def same_datasets(a, b):
+    """(whether two HDF5 files hold the same datasets, bit for bit; the first differing names)."""
+    import numpy as np
+    da, db = h5_datasets(a), h5_datasets(b)
+    diff = [k for k in da if k not in db or da[k].shape != db[k].shape or
+            not np.array_equal(da[k].view(np.uint8), db[k].view(np.uint8))]
+    return sorted(da) == sorted(db) and len(da) > 0 and not diff, diff[:3]
+
+
 def grid_test_deck(train="", sections=""):
     """RUNTIME.md section 2's test deck for the process grid: the tiny MoE + Engram model
     (D 64, L 4, T 64, E 8 top-2 + a shared expert after a dense block 0, Engram at blocks 1 and

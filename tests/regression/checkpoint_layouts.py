@@ -22,7 +22,8 @@ import h5py
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from kmoe_testlib import Harness, counting_documents, grid_test_deck  # noqa: E402
+from kmoe_testlib import (Harness, counting_documents, grid_test_deck,  # noqa: E402
+                          same_datasets)
 
 bin_dir, work, mpiexec = sys.argv[1:4]
 h = Harness(bin_dir, work, mpiexec)
@@ -48,21 +49,6 @@ def train(name, layout, *extra, expect_rc=0, ckpt=None):
 
 def rel(a, b):
     return abs(float(a) - float(b)) / abs(float(b))
-
-
-def datasets(path):
-    out = {}
-    with h5py.File(path, "r") as f:
-        f.visititems(lambda k, v: out.__setitem__(k, np.asarray(v)) if isinstance(v, h5py.Dataset)
-                     else None)
-    return out
-
-
-def same_datasets(a, b):
-    da, db = datasets(a), datasets(b)
-    diff = [k for k in da if k not in db or da[k].shape != db[k].shape or
-            not np.array_equal(da[k].view(np.uint32), db[k].view(np.uint32))]
-    return sorted(da) == sorted(db) and not diff, diff[:3]
 
 
 full = {}

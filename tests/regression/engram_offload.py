@@ -17,11 +17,8 @@ Usage: engram_offload.py BIN_DIR WORK_DIR MPIEXEC
 import os
 import sys
 
-import h5py
-import numpy as np
-
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from kmoe_testlib import grid_harness, grid_train, rel  # noqa: E402
+from kmoe_testlib import grid_harness, grid_train, rel, same_datasets  # noqa: E402
 
 h = grid_harness(sys.argv)
 STEPS = ["--train.max_steps=8", "--train.eval_every=8", "--checkpoint.every=4"]
@@ -35,21 +32,6 @@ def train(name, layout=(1, 1, 1), *extra, expect_rc=0):
 
 def rows(name):
     return [{k: v for k, v in r.items() if k not in TIMINGS} for r in h.metrics(name)]
-
-
-def datasets(path):
-    out = {}
-    with h5py.File(path, "r") as f:
-        f.visititems(lambda k, v: out.__setitem__(k, np.asarray(v)) if isinstance(v, h5py.Dataset)
-                     else None)
-    return out
-
-
-def same_checkpoints(a, b):
-    da, db = datasets(a), datasets(b)
-    diff = [k for k in da if k not in db or da[k].shape != db[k].shape or
-            not np.array_equal(da[k].view(np.uint8), db[k].view(np.uint8))]
-    return sorted(da) == sorted(db) and len(da) > 0 and not diff, diff[:3]
 
 
 def pair(name, layout, *extra, checkpoints=False, exact=True):
@@ -69,7 +51,7 @@ def pair(name, layout, *extra, checkpoints=False, exact=True):
     if checkpoints:
         for step in (4, 8):
             f = f"step{step:08d}.h5"
-            ok, diff = same_checkpoints(h.path(name + "_none", "ckpt", f),
+            ok, diff = same_datasets(h.path(name + "_none", "ckpt", f),
                                         h.path(name + "_host", "ckpt", f))
             h.check(ok, f"{name}: checkpoint of step {step}, every dataset bit for bit {diff}")
 
