@@ -29,6 +29,26 @@ void add_bias(Mat y, const float* b_data) {
       KOKKOS_LAMBDA(int t, int d) { y(t, d) += b(d); });
 }
 
+// mem[t, j*dh + i] = tab[rows(t, j), i] for N tokens of Kt heads: one team per token, its
+// threads over the heads and each head's row copied by vector lanes: coalesced on GPUs (lanes
+// read one table row and write consecutive columns), a contiguous row copy on CPUs (one-thread
+// teams, one lane). `tab` is the table, or the row cache of a table kept in host memory with
+// `row_ids` (device, N x Kt) its slots.
+void gather_rows(ConstMat tab, const int* row_ids, int N, int Kt, const KeptOut& mem) {
+  const Kokkos::View<const int**, Layout, MemSpace, Unmanaged> rows(row_ids, N, Kt);
+  const int dh = tab.extent(1);
+  const std::int64_t dm = std::int64_t(Kt) * dh;
+  Kokkos::parallel_for(
+      "engram::lookup", team_policy(N, vector_lanes(dh)), KOKKOS_LAMBDA(const TeamMember& team) {
+        const int t = team.league_rank();
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, Kt), [&](int j) {
+          const int r = rows(t, j);
+          Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, dh),
+                               [&](int i) { mem.set(t * dm + j * dh + i, tab(r, i)); });
+        });
+      });
+}
+
 }  // namespace
 
 EngramLayer::EngramLayer(const RunContext& ctx, const ModelCfg& m, const EngramCfg& g,
@@ -123,23 +143,9 @@ void EngramLayer::stage_rows(const TensorTable& table, int N) {
 }
 
 Operand EngramLayer::lookup_cached(int N) {
-  // mem[t, j*dh + i] = cache[slot(t*Kt + j), i]: the same values as the table's rows.
+  // The same values as the table's rows, from the cache at each lookup's slot.
   cache_->wait();
-  const ConstMat tab = cache_->cache();
-  const ConstIVec slot = cache_->slots();
-  const KeptOut mem = mem_.out();
-  const std::int64_t dm = d_mem_;
-  const int heads_total = heads_total_, dh = dh_;
-  Kokkos::parallel_for(
-      "engram::lookup_cached", team_policy(N, vector_lanes(dh)),
-      KOKKOS_LAMBDA(const TeamMember& team) {
-        const int t = team.league_rank();
-        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, heads_total), [&](int j) {
-          const int r = slot(t * heads_total + j);
-          Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, dh),
-                               [&](int i) { mem.set(t * dm + j * dh + i, tab(r, i)); });
-        });
-      });
+  gather_rows(cache_->cache(), cache_->slots().data(), N, heads_total_, mem_.out());
   return mem_.matrix(N, d_mem_);
 }
 
@@ -179,23 +185,7 @@ Operand EngramLayer::lookup(const TensorTable& table, ConstIVec tokens, bool cou
                   mem_.f32());
     return mem_.matrix(N, d_mem_);
   }
-  auto tab = as_cmat(table.param(table_), R_, dh);
-  const KeptOut mem = mem_.out();
-  const std::int64_t dm = d_mem_;
-  const int heads_total = heads_total_;
-  // One team per token, its threads over the heads and each head's row copied by vector
-  // lanes: coalesced on GPUs (lanes read one table row and write consecutive columns), a
-  // contiguous row copy on CPUs (one-thread teams, one lane).
-  Kokkos::parallel_for(
-      "engram::lookup", team_policy(N, vector_lanes(dh)),
-      KOKKOS_LAMBDA(const TeamMember& team) {
-        const int t = team.league_rank();
-        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, heads_total), [&](int j) {
-          const int r = rows(t, j);
-          Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, dh),
-                               [&](int i) { mem.set(t * dm + j * dh + i, tab(r, i)); });
-        });
-      });
+  gather_rows(as_cmat(table.param(table_), R_, dh), rows_.data(), N, heads_total_, mem_.out());
   return mem_.matrix(N, d_mem_);
 }
 

@@ -47,9 +47,6 @@ class EngramLayer {
   // forward reads them; a forward with none staged reads its ids back from the device first.
   void prefetch(const TensorTable& table, const std::int32_t* tokens, const int* starts, int N);
   bool host_table() const { return offload_; }
-  // The lookup from the row cache (a table in host memory, unsharded), once its rows are staged.
-  // (Public: a device lambda's enclosing function may not be private under nvcc.)
-  Operand lookup_cached(int N);
   // The next forward reads its own rows, whatever was staged (decoding: an uncounted forward
   // that is no recompute).
   void forget_staged_rows() {
@@ -125,6 +122,7 @@ class EngramLayer {
   // engram.offload = host: the rows of the last staged forward on the host, computed from host
   // ids (prefetch) or read back; the unsharded table's row cache.
   void host_rows_from_device(ConstIVec tokens, DocStarts docs, int N);
+  Operand lookup_cached(int N);  // the lookup from the staged rows (unsharded)
   void stage_rows(const TensorTable& table, int N);
   bool offload_ = false;
   std::unique_ptr<EngramRowCache> cache_;
