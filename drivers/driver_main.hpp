@@ -3,7 +3,8 @@
 // (parallel/execution), then the driver's body (given the execution plan, whose host threads its
 // run context takes: core/run_context.hpp), with kmoe's error
 // reporting and exit codes: 0 done, 1 error, 3 non-finite loss or gradient norm, 85/86 a
-// checkpointed stop after SIGUSR1/SIGTERM (every rank exits with it, no abort).
+// checkpointed stop after SIGUSR1/SIGTERM (every rank exits with it, no abort), 75 a start-up
+// that failed while the ranks joined (named with the rank, node and phase: core/process_phase).
 #pragma once
 
 #include <mpi.h>
@@ -16,6 +17,7 @@
 #include <thread>
 
 #include "core/error.hpp"
+#include "core/process_phase.hpp"
 #include "core/stop_signal.hpp"
 #include "io/hdf5_file.hpp"
 #include "parallel/communicator.hpp"
@@ -43,6 +45,7 @@ inline int run_driver(int argc, char** argv, const std::string& name, const std:
     KokkosSession kokkos(argc, argv, name);  // consumes --kokkos-* arguments
     try {
       body(argc, argv, kokkos.plan());
+      set_phase("shut-down");
     } catch (const StopRequest& e) {
       if (rank == 0) std::cerr << name << ": " << e.what() << std::endl;
       code = e.code();

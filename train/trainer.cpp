@@ -13,6 +13,7 @@
 #include "core/fault_injection.hpp"
 #include "core/gemm.hpp"
 #include "core/memory.hpp"
+#include "core/process_phase.hpp"
 #include "core/stop_signal.hpp"
 #include "core/timer.hpp"
 #include "io/run_lock.hpp"
@@ -132,8 +133,10 @@ void Trainer::load_positions(std::int64_t first, int count, int at) {
 
 StepMetrics Trainer::train_step(int step) {
   ProfileRegion region("kmoe::step");
+  set_phase("step", step);
   stall_if_requested(grid_.world.rank(), step);
   pause_if_requested(grid_.world.rank(), step);
+  crash_if_requested(grid_.world.rank(), step);
   const auto t_step = std::chrono::steady_clock::now();
   const double comm_at_start = comm_wait_seconds();
   PhaseTimer timer(cfg_.output.phase_timing);
@@ -301,6 +304,7 @@ void Trainer::run() {
   const int last = cfg_.train.max_steps;
   PhaseTimer timer;
   if (checkpointer_->should_save_initial()) {  // the state the run starts from
+    set_phase("the save of step", state_.step);
     checkpointer_->save(table_, state_);
     timer.stop(phases_.checkpoint);
   }
@@ -380,6 +384,7 @@ std::string Trainer::agreed_output_error(const std::string& mine, int step) cons
 }
 
 void Trainer::save_after_step(int step, const std::string& output_error) {
+  set_phase("the save of step", step);
   try {
     checkpointer_->save(table_, state_);
   } catch (const Error& e) {  // the same full disk, most likely: say both

@@ -4,10 +4,12 @@
 #include <algorithm>
 #include <chrono>
 #include <climits>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <iostream>
+#include <mutex>
 #include <sstream>
 #include <thread>
 #include <utility>
@@ -15,22 +17,99 @@
 #include "core/device_memory.hpp"
 #include "core/device_sync.hpp"
 #include "core/error.hpp"
+#include "core/fault_injection.hpp"
+#include "core/process_phase.hpp"
 
 namespace kmoe {
 
+namespace {
+// An MPI error on any communicator (they inherit world's handler): named with the rank, the
+// node and the phase instead of the library's anonymous abort. In start-up it is transient
+// (exit 75, core/process_phase.hpp); later the job is aborted with exit code 1.
+extern "C" void on_mpi_error(MPI_Comm*, int* code, ...) {
+  char msg[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  MPI_Error_string(*code, msg, &len);
+  const std::string what = "MPI error during " + current_phase() + ": " + std::string(msg, len);
+  if (in_startup()) fail_process(what, kStartupFailed);
+  std::fprintf(stderr, "kmoe: %s: %s\n", process_identity().c_str(), what.c_str());
+  std::fflush(stderr);
+  MPI_Abort(MPI_COMM_WORLD, 1);
+}
+
+// Bounds the ranks' joining: MPI_Init and a first barrier over every rank (the first traffic
+// between the nodes). A rank that never starts, or a connection that cannot be made, would
+// otherwise leave the others waiting forever; here they end, named, with exit code 75.
+class StartupWatchdog {
+ public:
+  explicit StartupWatchdog(double seconds) : seconds_(seconds) {
+    if (seconds_ > 0) thread_ = std::thread([this] { watch(); });
+  }
+  ~StartupWatchdog() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      done_ = true;
+    }
+    cv_.notify_all();
+    if (thread_.joinable()) thread_.join();
+  }
+
+ private:
+  void watch() {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (cv_.wait_for(lock, std::chrono::duration<double>(seconds_), [this] { return done_; }))
+      return;
+    std::ostringstream os;
+    os << current_phase() << " did not finish in " << seconds_
+       << " s (KMOE_STARTUP_TIMEOUT): a rank that never started or died while joining, or a "
+          "connection between nodes that could not be made";
+    fail_process(os.str(), kStartupFailed);
+  }
+  double seconds_;
+  bool done_ = false;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::thread thread_;
+};
+
+double startup_timeout_seconds() {
+  const char* v = std::getenv("KMOE_STARTUP_TIMEOUT");
+  if (!v || !*v) return 300.0;
+  char* end = nullptr;
+  const double s = std::strtod(v, &end);
+  if (end == v || *end != '\0' || s < 0) {
+    std::fprintf(stderr, "kmoe: KMOE_STARTUP_TIMEOUT=%s: expected seconds >= 0 (0: no bound)\n", v);
+    std::exit(2);
+  }
+  return s;
+}
+}  // namespace
+
 void init_mpi(int* argc, char*** argv) {
   setenv("OMPI_MCA_sharedfp", "^lockedfile", /*overwrite=*/0);
+  install_crash_report();
+  set_phase("start-up: MPI_Init");
+  StartupWatchdog watchdog(startup_timeout_seconds());
   // Only the main thread calls MPI (the I/O watchdog and the lock heartbeat never do), and
   // OpenMP builds run Kokkos threads next to it: FUNNELED is the level kmoe needs.
   int provided = MPI_THREAD_SINGLE;
   MPI_Init_thread(argc, argv, MPI_THREAD_FUNNELED, &provided);
-  if (provided < MPI_THREAD_FUNNELED) {
-    int rank = 0;
-    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-    if (rank == 0)
-      std::cerr << "kmoe: note: this MPI provides thread level " << provided
-                << " < MPI_THREAD_FUNNELED; multi-threaded (OpenMP) ranks rely on it" << std::endl;
-  }
+  int rank = 0, size = 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  set_world_identity(rank, size);
+  install_crash_report();  // in front of the MPI library's handler, which it then calls
+  MPI_Errhandler handler;
+  MPI_Comm_create_errhandler(on_mpi_error, &handler);
+  MPI_Comm_set_errhandler(MPI_COMM_WORLD, handler);
+  MPI_Errhandler_free(&handler);
+  if (provided < MPI_THREAD_FUNNELED && rank == 0)
+    std::cerr << "kmoe: note: this MPI provides thread level " << provided
+              << " < MPI_THREAD_FUNNELED; multi-threaded (OpenMP) ranks rely on it" << std::endl;
+  set_phase("start-up: the first barrier");
+  startup_fault_if_requested(rank);
+  MPI_Barrier(MPI_COMM_WORLD);
+  set_phase("start-up");
 }
 
 void mpi_check(int rc, const char* call) {

@@ -24,7 +24,10 @@ documented exit code), never a crash, a hang or silently lost output.
     stale temporaries of an interrupted save are removed at the next start;
  8. a checkpoint directory whose path is longer than 300 characters saves and resumes;
  9. a save flushes the checkpoint file and `latest`'s temporary to the disk before renaming
-    each into place, and their directory after (strace).
+    each into place, and their directory after (strace);
+10. a failure names the rank, the node and the phase: a rank that does not join within
+    KMOE_STARTUP_TIMEOUT ends the others with exit 75 (transient, reported to KMOE_STOP_FILE),
+    a crash in start-up is reported as 75, a crash in step N names step N and is not.
 Usage: hostile.py BIN_DIR WORK_DIR MPIEXEC SCRIPTS_DIR
 """
 import os
@@ -473,4 +476,44 @@ if shutil.which("strace") and subprocess.run(["strace", "-o", "/dev/null", "true
 else:
     h.skip("the order of fsync and rename in a save (strace)",
            "strace is missing or may not trace here")
+
+
+# ------------------------------------------ 10. a failure names the rank, the node, the phase
+def failing(name, fault, *env_extra):
+    """2 ranks under mpiexec with KMOE_FAULT=fault; (exit code, output, what the ranks wrote
+    to KMOE_STOP_FILE)."""
+    stop = h.path(f"{name}.exit")
+    env = dict(h.env, KMOE_FAULT=fault, KMOE_STOP_FILE=stop, **dict(env_extra))
+    forward = [a for k in sorted(env) if k.startswith("KMOE_") for a in ("-x", k)]
+    p = subprocess.run(MPI + ["-n", "2", *forward, TRAIN, "-i", "h.deck", "--parallel.dp=2",
+                              f"--output.dir={name}", f"--checkpoint.dir={name}/ckpt"],
+                       cwd=work, env=env, capture_output=True, text=True, timeout=300)
+    reported = open(stop).read().strip() if os.path.exists(stop) else ""
+    return p.returncode, p.stdout + p.stderr, reported
+
+
+node = os.uname().nodename
+# A rank that does not join: the others' start-up watchdog ends the run, named, exit 75.
+t = time.time()
+rc, out, reported = failing("join", "startup_pause:1:60000", ("KMOE_STARTUP_TIMEOUT", "2"))
+h.check(rc == 75 and reported == "75" and time.time() - t < 50 and
+        f"kmoe: world rank 0 of 2 on node {node}: start-up: the first barrier did not finish "
+        "in 2 s (KMOE_STARTUP_TIMEOUT)" in out,
+        f"a rank that does not join: the other names itself, the node and the phase and exits "
+        f"75 (transient) in {time.time() - t:.1f} s: exit {rc}, reported '{reported}'\n"
+        + out[-1500:])
+# A crash while the ranks join (as in a transport that fails): named, reported as transient.
+rc, out, reported = failing("joincrash", "startup_crash:1")
+h.check(rc != 0 and reported == "75" and
+        f"kmoe: world rank 1 of 2 on node {node}: SIGSEGV (Segmentation fault) during start-up: "
+        "the first barrier (start-up failed" in out,
+        f"a crash in start-up names the rank, the node and the phase, reported 75: exit {rc}, "
+        f"reported '{reported}'\n" + out[-1500:])
+# A crash in training: named with its step, not transient.
+rc, out, reported = failing("stepcrash", "crash:1:3")
+h.check(rc != 0 and rc != 75 and reported == "" and
+        f"kmoe: world rank 1 of 2 on node {node}: SIGSEGV (Segmentation fault) during step 3\n"
+        in out,
+        f"a crash in step 3 names the rank, the node and the step, not transient: exit {rc}, "
+        f"reported '{reported}'\n" + out[-1500:])
 h.finish()
