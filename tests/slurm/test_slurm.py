@@ -8,7 +8,9 @@
   3. a cancel (scancel: SIGTERM) checkpoints, exits 86 and is not requeued;
   4. KMOE_LAUNCH=mpirun starts the ranks with mpirun inside the allocation instead of srun, and
      a cancel of such a job still checkpoints and reports 86;
-  5. an allocation that does not match the deck's grid is refused before launch.
+  5. a start-up that fails (a rank crashes while the ranks join) names the rank, node and
+     phase, exits 75 and is requeued by the script; the restart trains to the end;
+  6. an allocation that does not match the deck's grid is refused before launch.
 The daemons it started are stopped at the end, whatever happened.
 Usage: test_slurm.py BIN_DIR WORK_DIR
 """
@@ -58,6 +60,22 @@ def rows_when(name, n, timeout=300):
     return False
 
 
+def release_requeued(j):
+    """Slurm holds a requeued batch job back for about two minutes (Reason=BeginTime) while the
+    node cleans up the old run; the test lets it start once the node is idle again."""
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        info = c.job(j)
+        idle = c.run(["sinfo", "-h", "-o", "%t"], check=False).stdout.strip() == "idle"
+        if info.get("Restarts") == "1" and info.get("JobState") == "PENDING" and idle:
+            time.sleep(3)  # the old step's PMIx directory goes last
+            c.run(["scontrol", "update", f"JobId={j}", "StartTime=now"], check=False)
+            return
+        if info.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED"):
+            return
+        time.sleep(0.3)
+
+
 c = SlurmCluster(os.path.join(work, "cluster"))
 try:
     c.start()
@@ -74,19 +92,7 @@ try:
     j = submit(c, "preempt")
     h.check(rows_when("preempt", 10), "preempt job is training")
     c.run(["scancel", "--batch", "--signal=USR1", j])
-    # Slurm holds a requeued batch job back for about two minutes (Reason=BeginTime) while the
-    # node cleans up the old run; the test lets it start once the node is idle again.
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        info = c.job(j)
-        idle = c.run(["sinfo", "-h", "-o", "%t"], check=False).stdout.strip() == "idle"
-        if info.get("Restarts") == "1" and info.get("JobState") == "PENDING" and idle:
-            time.sleep(3)  # the old step's PMIx directory goes last
-            c.run(["scontrol", "update", f"JobId={j}", "StartTime=now"], check=False)
-            break
-        if info.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED"):
-            break
-        time.sleep(0.3)
+    release_requeued(j)
     info = c.wait(j, timeout=900)
     text = log("preempt")
     h.check(info.get("JobState") == "COMPLETED" and info.get("Restarts") == "1",
@@ -141,7 +147,24 @@ try:
             f"KMOE_LAUNCH=mpirun, cancelled: it checkpointed ({latest}) and the job reports 86: "
             f"{text[-400:]}")
 
-    # 5. The allocation must match the grid.
+    # 5. A start-up that fails (a rank crashes while the ranks join: KMOE_FAULT=startup_crash,
+    # first run only) is transient: exit 75, named, requeued by the script; the restart
+    # trains to the end.
+    j = c.sbatch(["-n", "2", "--job-name=startup", "--output=startup.out", SBATCH, "job.deck",
+                  "--output.dir=startup", "--checkpoint.dir=startup/ckpt", "--train.max_steps=20"],
+                 cwd=work, env=dict(ENV, KMOE_FAULT="startup_crash:1"))
+    release_requeued(j)
+    info = c.wait(j, timeout=600)
+    text = log("startup")
+    h.check(info.get("JobState") == "COMPLETED" and info.get("Restarts") == "1" and
+            "world rank 1 of 2 on node" in text and
+            "SIGSEGV (Segmentation fault) during start-up: the first barrier" in text and
+            "start-up failed (exit code 75, transient); requeueing job" in text and
+            h.losses("startup") == h.losses("plain")[:20],
+            f"a crash in start-up: named, exit 75, requeued, then trained to the end: "
+            f"{info.get('JobState')}, restarts {info.get('Restarts')}\n" + text[-1500:])
+
+    # 6. The allocation must match the grid.
     j = submit(c, "mismatch", sbatch_args=("-n", "1"))
     info = c.wait(j)
     h.check(info.get("JobState") == "FAILED" and "the deck needs 2 ranks" in log("mismatch"),
