@@ -5,11 +5,14 @@
   2. a job across all nodes completes, and its losses equal the same deck's on one node
      (mpiexec, the same layout), bit for bit: on 2 nodes a dp 2 x ep 2 grid at 2 ranks a node,
      launched with srun --mpi=pmix and again with Open MPI's mpirun inside the allocation
-     (KMOE_LAUNCH=mpirun); on 3 nodes dp 3 at one rank a node (global batch 12);
+     (KMOE_LAUNCH=mpirun); on 3 nodes dp 3 at one rank a node (global batch 12). The srun job
+     starts over a slow link: the last node's link is down for 3 s while its first rank joins
+     (paused in start-up, KMOE_FAULT=startup_pause), and the job still finishes, same losses;
   3. every rank talked over TCP to a rank on another node (the sockets, as `ss` lists them in
      each node's namespace while the job runs);
   4. a node lost mid-run (its link cut, then SIGKILL to every process in it: slurmd, slurmstepd
-     and its ranks; no checkpoint on the way): the job was submitted with a node range, whole
+     and its ranks; no checkpoint on the way), inside the pause its first rank announces at the
+     start of step 17 (KMOE_FAULT=pause; every wait is bounded and names what it waited for): the job was submitted with a node range, whole
      nodes, KMOE_RANKS_PER_NODE and parallel.dp = auto. The other ranks' watchdog names the
      absent ranks, Slurm marks the node DOWN and requeues the job, which resumes from the last
      complete checkpoint on the nodes that remain, on fewer ranks; its later losses equal a run
@@ -64,6 +67,7 @@ SBATCH = os.path.join(ROOT, "slurm", "train.sbatch")
 # whatever the machine's speed: steps 13-16 are done and not yet saved when the node goes. The
 # pause is shorter than the watchdog (5 s): uncut, the run would go on and finish unrequeued.
 LOST_STEPS, EVERY, STALL_AT, PAUSE_MS = 36, 6, 17, 3000
+FLAP_PAUSE_MS, FLAP_S = 4000, 3  # the srun job's start-up over a link down for FLAP_S seconds
 absent = list(range((nodes - 1) * per_node, nodes * per_node))  # the last node's ranks
 LOST = ["job.deck", "--parallel.dp=auto", "--parallel.watchdog_seconds=5",
         f"--train.max_steps={LOST_STEPS}", "--checkpoint.keep=100", *extra]
@@ -99,6 +103,18 @@ def tcp_pairs():
             if b in owner and a.split(":")[0] != b.split(":")[0]}
 
 
+TERMINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
+            "PREEMPTED", "BOOT_FAIL", "DEADLINE")
+
+
+class WaitFailed(Exception):
+    """A bounded wait of the lost-node case ran out (already reported as a failed check)."""
+
+
+def output(name="lost.out"):
+    return open(h.path(name)).read() if os.path.exists(h.path(name)) else ""
+
+
 def rows(name):
     path = h.path(name, "metrics.csv")
     return len(h.metrics(name)) if os.path.exists(path) else 0
@@ -129,10 +145,30 @@ try:
 
     one = losses("one")
     launches = [("srun", {})] + ([("mpirun", {"KMOE_LAUNCH": "mpirun"})] if nodes == 2 else [])
+    # The srun job starts over a slow link: the last node's first rank pauses in start-up
+    # (KMOE_FAULT=startup_pause) and the node's link is down for FLAP_S seconds of that pause,
+    # as the other ranks make their first connections to it; the job must still finish with
+    # the same losses (a slow connection is no failure).
+    flap_marker = f"kmoe: fault: world rank {absent[0]} pausing {FLAP_PAUSE_MS} ms in start-up"
     for name, launch in launches:
+        if name == "srun":
+            launch = dict(launch, KMOE_FAULT=f"startup_pause:{absent[0]}:{FLAP_PAUSE_MS}")
         j = c.sbatch([f"-N{nodes}", f"--ntasks-per-node={per_node}", f"--job-name={name}",
                       f"--output={name}.out", SBATCH, "job.deck", f"--output.dir={name}",
                       f"--checkpoint.dir={name}/ckpt", *extra], cwd=work, env=dict(ENV, **launch))
+        if name == "srun":
+            deadline = time.time() + 300
+            while time.time() < deadline and flap_marker not in output(f"{name}.out") and \
+                    c.job(j).get("JobState") not in TERMINAL:
+                time.sleep(0.05)
+            flapped = flap_marker in output(f"{name}.out")
+            if flapped:
+                link = f"{NETNS_TAG}-v{nodes}"
+                subprocess.run(["ip", "link", "set", link, "down"], check=True)
+                time.sleep(FLAP_S)
+                subprocess.run(["ip", "link", "set", link, "up"], check=True)
+            h.check(flapped, f"n{nodes}'s link was down for {FLAP_S} s while world rank "
+                             f"{absent[0]} joined ('{flap_marker}' seen in {name}.out)")
         info = c.wait(j, timeout=600)
         text = open(h.path(f"{name}.out")).read() if os.path.exists(h.path(f"{name}.out")) else ""
         ok = info.get("JobState") == "COMPLETED" and info.get("ExitCode") == "0:0"
@@ -152,21 +188,43 @@ try:
                  env=dict(ENV, KMOE_RANKS_PER_NODE=str(per_node),
                           KMOE_FAULT=f"pause:{absent[0]}:{STALL_AT}:{PAUSE_MS}"))
 
-    def wait_rows(n):
-        deadline = time.time() + 300
-        while time.time() < deadline and rows("lost") < n and \
-                c.job(j).get("JobState") in ("PENDING", "RUNNING"):
+    def wait_until(what, done, timeout):
+        """Polls done() until it holds; when the job ends first, or after `timeout` seconds, the
+        test fails naming what it waited for, the job's state and the end of its output. (A
+        job scontrol does not answer for, busy under load, has not ended.)"""
+        deadline = time.time() + timeout
+        while not done():
+            state = c.job(j).get("JobState")
+            if (state in TERMINAL and not done()) or time.time() > deadline:
+                why = (f"the job ended first ({state})" if state in TERMINAL else
+                       f"not within {timeout} s (the job {state or 'not answered for'})")
+                h.check(False, f"waited for {what}: {why}\n{output()[-2500:]}")
+                raise WaitFailed(what)
             time.sleep(0.05)
-        return rows("lost")
 
-    # The ranks' connections, once they have trained a few steps across the nodes.
-    wait_rows(4)
-    pairs = tcp_pairs()
-    talked = {r for pair in pairs for r in pair}
-    h.check(talked == set(range(nodes * per_node)),
-            f"every rank talked over TCP to a rank on another node: pairs {sorted(pairs)}")
-    before = wait_rows(STALL_AT - 1)
+    # The ranks' connections, once they have trained a few steps across the nodes: Open MPI
+    # connects a pair at its first message, so they are polled until every rank has one.
+    wait_until("4 steps of the lost-node job", lambda: rows("lost") >= 4, 300)
+    pairs = set()
+
+    def all_paired():
+        pairs.clear()
+        pairs.update(tcp_pairs())
+        return {r for pair in pairs for r in pair} == set(range(nodes * per_node))
+
+    wait_until("a TCP connection from every rank to a rank on another node", all_paired, 60)
+    h.check(True, f"every rank talked over TCP to a rank on another node: pairs {sorted(pairs)}")
+    # The cut, inside the pause: on the paused rank's own word (its line in lost.out), then
+    # the metrics row of the step before (rank 0 may write it a moment after the pause began;
+    # it cannot write the next one while the paused rank is away).
+    marker = (f"kmoe: fault: world rank {absent[0]} pausing {PAUSE_MS} ms at the start of step "
+              f"{STALL_AT}")
+    wait_until(f"world rank {absent[0]}'s pause at step {STALL_AT} ('{marker}' in lost.out)",
+               lambda: marker in output(), 300)
     t_seen = time.time()
+    wait_until(f"metrics row {STALL_AT - 1} of the lost-node job",
+               lambda: rows("lost") >= STALL_AT - 1, PAUSE_MS / 1000)
+    before = rows("lost")
     last = f"n{nodes}"
     subprocess.run(["ip", "link", "set", f"{NETNS_TAG}-v{nodes}", "down"], check=True)
     pids = subprocess.run(["ip", "netns", "pids", f"{NETNS_TAG}-{last}"], capture_output=True,
@@ -179,12 +237,13 @@ try:
     t0 = time.time()
     h.check(before == STALL_AT - 1 and c.job(j).get("NodeList") == f"n[1-{nodes}]" and
             t0 - t_seen < PAUSE_MS / 1000,
-            f"{last} was cut in the pause of step {STALL_AT} ({t0 - t_seen:.2f} s after step "
-            f"{before} was seen; the job on {c.job(j).get('NodeList')})")
+            f"{last} was cut in the pause of step {STALL_AT} ({t0 - t_seen:.2f} s after world "
+            f"rank {absent[0]} said it paused, {before} steps done; the job on "
+            f"{c.job(j).get('NodeList')})")
     seen = {}  # event -> seconds after the cut
     deadline = t0 + 300
     while time.time() < deadline:
-        text = open(h.path("lost.out")).read()
+        text = output()
         info = c.job(j)
         state = c.run(["sinfo", "-h", "-n", last, "-o", "%t"], check=False).stdout.strip()
         for event, happened in (("watchdog", "kmoe: watchdog" in text),
@@ -198,7 +257,7 @@ try:
         if "done" in seen:
             break
         time.sleep(0.2)
-    text = open(h.path("lost.out")).read()
+    text = output()
     info = c.job(j)
     print(f"lost node {last} ({len(pids)} processes killed in step {STALL_AT}): " +
           ", ".join(f"{k} after {v:.1f} s" for k, v in seen.items()), flush=True)
@@ -232,6 +291,8 @@ try:
     h.check(len(got) == LOST_STEPS - resumed_at and got == ref,
             f"steps {resumed_at + 1}-{LOST_STEPS} after the requeue equal the resume by hand, "
             f"bit for bit ({len(got)} / {len(ref)} steps)")
+except WaitFailed:
+    pass  # reported; the cluster still stops and is checked for leftovers
 finally:
     c.stop()
 left = c.leftovers(work)
