@@ -31,15 +31,25 @@ mkdir -p "$dir"
 dir=$(cd "$dir" && pwd)
 
 bash "$root/scripts/install_deps.sh"
-rm -rf "$dir/src" "$dir/runs"
-git clone -q "$root" "$dir/src"
+rm -rf "$dir/runs"
+# A clone of this very commit that built to the end (a DIR given again) is used as it is.
+head=$(git -C "$root" rev-parse HEAD)
+if [ -f "$dir/src/build/.test_repeat_built" ] &&
+   [ "$(git -C "$dir/src" rev-parse HEAD 2>/dev/null)" = "$head" ] &&
+   [ -z "$(git -C "$dir/src" status --porcelain --untracked-files=no)" ]; then
+  echo "test_repeat: using the clone and build of $head in $dir/src"
+else
+  rm -rf "$dir/src"
+  git clone -q "$root" "$dir/src"
+  KMOE_BUILD_DIR="$dir/src/build" bash "$dir/src/scripts/build.sh" >"$dir/build.log" 2>&1 || {
+    tail -30 "$dir/build.log"
+    echo "test_repeat: the build failed ($dir/build.log)" >&2
+    exit 1
+  }
+  touch "$dir/src/build/.test_repeat_built"
+fi
 echo "test_repeat: $(git -C "$dir/src" log -1 --format='%h %s'), label '$label', $runs runs" \
      "$([ $load = 1 ] && echo "beside a build (load)"), in $dir"
-KMOE_BUILD_DIR="$dir/src/build" bash "$dir/src/scripts/build.sh" >"$dir/build.log" 2>&1 || {
-  tail -30 "$dir/build.log"
-  echo "test_repeat: the build failed ($dir/build.log)" >&2
-  exit 1
-}
 # The same configuration test.sh gives (NCCL where found): the build's cache decides.
 cd "$dir/src/build"
 names=$(ctest -N -L "$label" -LE long | sed -n 's/^ *Test *#[0-9]*: //p')
@@ -58,6 +68,7 @@ stop_load() {
 }
 trap stop_load EXIT
 if [ $load = 1 ]; then
+  rm -rf "$dir/load"
   git clone -q "$root" "$dir/load"
   cmake -S "$dir/load" -B "$dir/load/build" -DCMAKE_BUILD_TYPE=Release >"$dir/load.log" 2>&1
   set -m
