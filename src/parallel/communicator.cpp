@@ -37,9 +37,10 @@ extern "C" void on_mpi_error(MPI_Comm*, int* code, ...) {
   MPI_Abort(MPI_COMM_WORLD, 1);
 }
 
-// Bounds the ranks' joining: MPI_Init and a first barrier over every rank (the first traffic
-// between the nodes). A rank that never starts, or a connection that cannot be made, would
-// otherwise leave the others waiting forever; here they end, named, with exit code 75.
+// Bounds the ranks' joining: MPI_Init, then a first barrier over every rank (the first traffic
+// between the nodes), each phase `seconds` from its start. A rank that never starts, or a
+// connection that cannot be made, would otherwise leave the others waiting forever; here they
+// end, named, with exit code 75.
 class StartupWatchdog {
  public:
   explicit StartupWatchdog(double seconds) : seconds_(seconds) {
@@ -53,12 +54,26 @@ class StartupWatchdog {
     cv_.notify_all();
     if (thread_.joinable()) thread_.join();
   }
+  // Enters the next phase of start-up, with its own `seconds`.
+  void phase(const char* what) {
+    std::lock_guard<std::mutex> lock(mu_);
+    set_phase(what);
+    ++phase_;
+    cv_.notify_all();
+  }
 
  private:
   void watch() {
     std::unique_lock<std::mutex> lock(mu_);
-    if (cv_.wait_for(lock, std::chrono::duration<double>(seconds_), [this] { return done_; }))
-      return;
+    for (;;) {
+      const int seen = phase_;
+      if (cv_.wait_for(lock, std::chrono::duration<double>(seconds_),
+                       [&] { return done_ || phase_ != seen; })) {
+        if (done_) return;
+        continue;  // a new phase: its own time
+      }
+      break;
+    }
     std::ostringstream os;
     os << current_phase() << " did not finish in " << seconds_
        << " s (KMOE_STARTUP_TIMEOUT): a rank that never started or died while joining, or a "
@@ -67,6 +82,7 @@ class StartupWatchdog {
   }
   double seconds_;
   bool done_ = false;
+  int phase_ = 0;
   std::mutex mu_;
   std::condition_variable cv_;
   std::thread thread_;
@@ -106,7 +122,7 @@ void init_mpi(int* argc, char*** argv) {
   if (provided < MPI_THREAD_FUNNELED && rank == 0)
     std::cerr << "kmoe: note: this MPI provides thread level " << provided
               << " < MPI_THREAD_FUNNELED; multi-threaded (OpenMP) ranks rely on it" << std::endl;
-  set_phase("start-up: the first barrier");
+  watchdog.phase("start-up: the first barrier");
   startup_fault_if_requested(rank);
   MPI_Barrier(MPI_COMM_WORLD);
   set_phase("start-up");
