@@ -19,6 +19,7 @@ char g_phase[96] = "start-up: MPI_Init";
 char g_identity[160] = "";
 char g_stop_file[512] = "";
 volatile std::sig_atomic_t g_startup = 1;
+volatile std::sig_atomic_t g_joining = 1;
 
 constexpr int kSignals[] = {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT};
 struct sigaction g_previous[sizeof kSignals / sizeof kSignals[0]];
@@ -119,10 +120,25 @@ void set_phase(const char* what, int step) {
   if (step >= 0) p += " " + std::to_string(step);
   copy(g_phase, sizeof g_phase, p);
   g_startup = std::strncmp(what, "start-up", 8) == 0 ? 1 : 0;
+  g_joining = std::strncmp(what, "start-up: ", 10) == 0 ? 1 : 0;
 }
 
 std::string current_phase() { return g_phase; }
 bool in_startup() { return g_startup != 0; }
+bool ranks_joining() { return g_joining != 0; }
+
+void end_while_joining(int sig, const char* signal_name) {
+  put("kmoe: ");
+  if (g_identity[0] != '\0') {
+    put(g_identity);
+    put(": ");
+  }
+  put(signal_name);
+  put(" during ");
+  put(g_phase);
+  put(": ending now (the ranks had not joined: nothing to checkpoint)\n");
+  ::_exit(128 + sig);
+}
 
 void set_world_identity(int rank, int size) {
   std::string id = "world rank " + (rank >= 0 ? std::to_string(rank) : std::string("?"));

@@ -24,6 +24,9 @@ void set_phase(const char* what, int step = -1);
 // The phase now ("start-up: MPI_Init" until the driver sets another).
 std::string current_phase();
 bool in_startup();
+// The ranks are joining: MPI_Init or the first barrier ("start-up: ..." phases), before any rank
+// can reach a step. Async-signal-safe.
+bool ranks_joining();
 
 // This process's world rank and size once MPI knows them (before: the launcher's environment,
 // OMPI_COMM_WORLD_RANK / PMIX_RANK / SLURM_PROCID / PMI_RANK, or -1).
@@ -35,6 +38,13 @@ std::string process_identity();
 // kmoe installs it once before MPI starts and again after MPI_Init, in front of the MPI
 // library's own handler.
 void install_crash_report();
+
+// A stop signal while the ranks join (async-signal-safe, for the stop handler): there is nothing
+// to checkpoint and a rank that waits for a peer that is gone would sit there until the
+// launcher's SIGKILL, so the process says so ("kmoe: <identity>: SIGTERM during start-up: the
+// first barrier: ending now ...") and exits with 128 + sig at once. Writes no exit code to
+// $KMOE_STOP_FILE: a cancel is no transient failure.
+[[noreturn]] void end_while_joining(int sig, const char* signal_name);
 
 // Reports a failure in the current phase and ends this process at once: the message (prefixed
 // "kmoe: <identity>: ") on stderr, exit code 75 to $KMOE_STOP_FILE and as the exit status when

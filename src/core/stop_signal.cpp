@@ -1,5 +1,7 @@
 #include "core/stop_signal.hpp"
 
+#include "core/process_phase.hpp"
+
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -18,6 +20,21 @@ volatile std::sig_atomic_t g_signal = 0;      // the signal behind g_stop
 volatile std::sig_atomic_t g_interrupts = 0;  // SIGINTs so far
 volatile std::sig_atomic_t g_under_orte = 0;  // launched by Open MPI 4.x's mpirun
 
+const char* signal_label(int sig) {
+  switch (sig) {
+    case SIGUSR1:
+      return "SIGUSR1";
+    case SIGUSR2:
+      return "SIGUSR2";
+    case SIGTERM:
+      return "SIGTERM";
+    case SIGINT:
+      return "SIGINT (Ctrl-C)";
+    default:
+      return "";
+  }
+}
+
 bool under_orte() { return std::getenv("OMPI_MCA_orte_hnp_uri") != nullptr; }
 
 // Writes to fd no longer wait for a reader (fcntl is async-signal-safe).
@@ -32,6 +49,10 @@ extern "C" void on_stop_signal(int sig) {
     std::raise(SIGINT);
     return;
   }
+  // While the ranks join, a cancel ends the process at once (core/process_phase.hpp): the
+  // launcher's SIGTERM to the ranks left when one died there (srun --kill-on-bad-exit) would
+  // otherwise wait for its SIGKILL. A SIGUSR1 (the time limit) is kept for after step 1.
+  if (sig != SIGUSR1 && ranks_joining()) end_while_joining(sig, signal_label(sig));
   if (sig == SIGTERM && g_under_orte) {  // mpirun is tearing the job down: see the header
     stop_blocking(STDOUT_FILENO);
     stop_blocking(STDERR_FILENO);
@@ -57,20 +78,7 @@ void install_stop_handlers() {
 
 StopKind requested_stop() { return static_cast<StopKind>(static_cast<int>(g_stop)); }
 
-const char* stop_signal_name() {
-  switch (g_signal) {
-    case SIGUSR1:
-      return "SIGUSR1";
-    case SIGUSR2:
-      return "SIGUSR2";
-    case SIGTERM:
-      return "SIGTERM";
-    case SIGINT:
-      return "SIGINT (Ctrl-C)";
-    default:
-      return "";
-  }
-}
+const char* stop_signal_name() { return signal_label(g_signal); }
 
 void report_exit_code(int code) {
   const char* path = std::getenv("KMOE_STOP_FILE");

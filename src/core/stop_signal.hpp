@@ -3,7 +3,10 @@
 // script send through mpirun, which forwards only SIGUSR1/2) and a first SIGINT (Ctrl-C) ask
 // for a checkpoint and exit 86 (stopped, resumable). A second SIGINT ends the process at once.
 // The handlers only record the request; the training loop reads it at each step boundary,
-// where the ranks agree on it.
+// where the ranks agree on it. While the ranks join (MPI_Init, the first barrier) a SIGTERM,
+// SIGUSR2 or SIGINT ends the process at once instead, with 128 + the signal: nothing exists to
+// checkpoint yet, and the SIGTERM a launcher sends the ranks left when one died there must not
+// wait for its SIGKILL (core/process_phase.hpp). A SIGUSR1 then is kept for after step 1.
 //
 // Under Open MPI's own launcher (ORTE, Open MPI 4.x mpirun), a SIGTERM reaches a rank only when
 // mpirun is tearing the job down (it forwards SIGUSR1/2 alone): mpirun then no longer reads the

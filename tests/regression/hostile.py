@@ -353,6 +353,15 @@ rc, log, files = launched("startup", [TRAIN], [], wait_rows=0, delay=0,
                           env={"KMOE_FAULT": f"signal_at_start:{int(signal.SIGUSR1)}"})
 h.check(rc == 85 and files == ["latest", "step00000001.h5"],
         f"SIGUSR1 during start-up: exit {rc}, stopped after the first step {files}")
+# SIGTERM while the ranks join (held in the first barrier for 60 s: KMOE_FAULT=startup_pause):
+# the process ends at once, named, 128 + 15, without a checkpoint.
+t0 = time.time()
+rc, log, files = launched("joining", [TRAIN], [signal.SIGTERM], wait_rows=0, delay=1.5, gap=0,
+                          env={"KMOE_FAULT": "startup_pause:0:60000"})
+h.check(rc == 143 and "SIGTERM during start-up: " in log and "ending now" in log and
+        not files and time.time() - t0 < 30,
+        f"SIGTERM while the ranks join: exit {rc} after {time.time() - t0:.1f} s, checkpoint "
+        f"{files}: {log.strip()[-200:]}")
 
 # ----------------------------------------------------------------------- 6. the run lock
 p1 = subprocess.Popen([TRAIN, "-i", "h.deck", "--train.max_steps=100000", "--output.dir=lock_a",

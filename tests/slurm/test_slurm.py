@@ -9,7 +9,8 @@
   4. KMOE_LAUNCH=mpirun starts the ranks with mpirun inside the allocation instead of srun, and
      a cancel of such a job still checkpoints and reports 86;
   5. a start-up that fails (a rank crashes while the ranks join) names the rank, node and
-     phase, exits 75 and is requeued by the script; the restart trains to the end;
+     phase, exits 75 and is requeued by the script, the rank left waiting ends at the
+     launcher's SIGTERM (not its SIGKILL); the restart trains to the end;
   6. an allocation that does not match the deck's grid is refused before launch.
 The daemons it started are stopped at the end, whatever happened.
 Usage: test_slurm.py BIN_DIR WORK_DIR
@@ -160,6 +161,8 @@ try:
             "world rank 1 of 2 on node" in text and
             "SIGSEGV (Segmentation fault) during start-up: the first barrier" in text and
             "start-up failed (exit code 75, transient); requeueing job" in text and
+            "world rank 0 of 2 on node" in text.split("SIGSEGV", 1)[-1] and
+            "ending now (the ranks had not joined" in text and
             h.losses("startup") == h.losses("plain")[:20],
             f"a crash in start-up: named, exit 75, requeued, then trained to the end: "
             f"{info.get('JobState')}, restarts {info.get('Restarts')}\n" + text[-1500:])
