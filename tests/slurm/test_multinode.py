@@ -248,7 +248,7 @@ try:
         state = c.run(["sinfo", "-h", "-n", last, "-o", "%t"], check=False).stdout.strip()
         for event, happened in (("watchdog", "kmoe: watchdog" in text),
                                 ("down", state.startswith("down")),
-                                ("requeued", info.get("Restarts") == "1"),
+                                ("requeued", info.get("Restarts") not in (None, "0")),
                                 ("resumed", "resuming from" in text),
                                 ("done", info.get("JobState") in ("COMPLETED", "FAILED",
                                                                   "CANCELLED"))):
@@ -265,15 +265,23 @@ try:
     h.check(bool(named) and all(set(map(int, n.split(","))) <= set(absent) for n in named),
             f"the watchdog names the absent ranks {absent}: {named}")
     remaining = "n1" if nodes == 2 else f"n[1-{nodes - 1}]"
-    h.check(info.get("JobState") == "COMPLETED" and info.get("Restarts") == "1" and
+    # A start-up that failed in one of its runs (Open MPI 4.1.4's MPI_Init race, slurm/README.md)
+    # is named, reported 75 and requeued by the script: one restart more, counted, at most one.
+    startups = text.count("start-up failed (exit code 75, transient); requeueing job")
+    restarts = 1 + startups
+    if startups:
+        print(f"note: {startups} start-up failure(s) of the lost-node job requeued: " +
+              "; ".join(re.findall(r"kmoe: world rank [^\n]* during start-up[^\n]*", text)))
+    h.check(startups <= 1, f"at most one transient start-up failure ({startups})")
+    h.check(info.get("JobState") == "COMPLETED" and info.get("Restarts") == str(restarts) and
             info.get("NodeList") == remaining and "down" in seen,
-            f"{last} DOWN, the job requeued once and finished on {info.get('NodeList')}: "
-            f"{info.get('JobState')}, restarts {info.get('Restarts')}" +
+            f"{last} DOWN, the job requeued once for it ({restarts} in all) and finished on "
+            f"{info.get('NodeList')}: {info.get('JobState')}, restarts {info.get('Restarts')}" +
             ("" if info.get("JobState") == "COMPLETED" else "\n" + text[-3000:]))
     m = re.search(r"resuming from (\S+) after step (\d+)", text)
     resumed_at = int(m.group(2)) if m else -1
     fewer = (nodes - 1) * per_node
-    h.check(f"(restart 1) on {remaining}, {fewer} ranks" in text and
+    h.check(f"(restart {restarts}) on {remaining}, {fewer} ranks" in text and
             f"parallel.dp = auto: dp {fewer // ep} for {fewer} rank(s)" in text and
             resumed_at == 12,
             f"the requeued run resumed on {fewer} ranks from step {resumed_at}")
