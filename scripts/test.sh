@@ -31,10 +31,10 @@ bash scripts/build.sh ${nccl_args[@]+"${nccl_args[@]}"}
 cd "$build"
 rc=0
 mkdir -p Testing
-# Every test but the long versions (ctest -L long: precision_long, planner_memory_long), with one
-# slot more than there are cores: an MPI test takes two slots, and the tests that mostly wait
-# (PROCESSORS 1: Slurm, signals, process start-ups) run beside the busy ones.
-ctest --output-on-failure --timeout 1500 -j "$(( $(nproc) + 1 ))" -LE long 2>&1 |
+# Every test but the long versions (ctest -L long: precision_long, planner_memory_long), with the
+# suite's MPI settings and ctest slots (scripts/ctest_env.sh).
+source "$root/scripts/ctest_env.sh"
+ctest --output-on-failure --timeout 1500 -j "$KMOE_CTEST_JOBS" -LE long 2>&1 |
   tee Testing/ctest-output.txt || rc=$?
 # Subjects a test could not exercise on this machine or build (gtest's SKIPPED, the script
 # tests' "skip WHAT: WHY" lines): listed, so a skip is never read as a pass.

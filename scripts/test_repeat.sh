@@ -52,6 +52,7 @@ echo "test_repeat: $(git -C "$dir/src" log -1 --format='%h %s'), label '$label',
      "$([ $load = 1 ] && echo "beside a build (load)"), in $dir"
 # The same configuration test.sh gives (NCCL where found): the build's cache decides.
 cd "$dir/src/build"
+source "$dir/src/scripts/ctest_env.sh"  # the suite's MPI settings and ctest slots, as in test.sh
 names=$(ctest -N -L "$label" -LE long | sed -n 's/^ *Test *#[0-9]*: //p')
 if [ -z "$names" ]; then
   echo "test_repeat: no test has a label matching '$label'" >&2
@@ -85,7 +86,7 @@ start=$(date +%s)
 for i in $(seq 1 "$runs"); do
   t=$(date +%s)
   rc=0
-  ctest --timeout 1500 -j "$(( $(nproc) + 1 ))" -L "$label" -LE long \
+  ctest --timeout 1500 -j "$KMOE_CTEST_JOBS" -L "$label" -LE long \
     >"$dir/runs/run$i.txt" 2>&1 || rc=$?
   failed=$(sed -n 's/^[[:space:]]*[0-9]* - \([^ ]*\) .*(\(Failed\|Timeout\|SEGFAULT\|Subprocess.*\|Exception\|Child aborted\)).*$/\1/p' \
              "$dir/runs/run$i.txt" | tr '\n' ' ')
