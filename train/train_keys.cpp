@@ -121,6 +121,8 @@ void check_parallel(const Config& c, const deck::Locate& locate) {
   }
   KMOE_DECK_REQUIRE(p.watchdog_seconds >= 1, "parallel.watchdog_seconds",
                     "parallel.watchdog_seconds must be at least 1");
+  KMOE_DECK_REQUIRE(p.spin_microseconds >= -1, "parallel.spin_microseconds",
+                    "parallel.spin_microseconds must be -1 (never sleep) or at least 0");
   KMOE_DECK_REQUIRE(p.bucket_mb > 0, "parallel.bucket_mb", "parallel.bucket_mb must be positive");
 #ifndef KMOE_HAVE_NCCL
   KMOE_DECK_REQUIRE(p.backend != CommBackend::Nccl, "parallel.backend",
@@ -152,6 +154,9 @@ void declare_parallel(deck::Schema& s, Config& c) {
         "Engram tables: none (replicated) | ep | stage (row-block sharded)");
   s.key(c.parallel.watchdog_seconds, "watchdog_seconds", 300,
         "abort a rank stuck this long in a collective");
+  s.key(c.parallel.spin_microseconds, "spin_microseconds", 200,
+        "a rank waiting on an MPI transfer polls it this long, then sleeps 50 us between "
+        "polls, leaving the core to ranks and threads that work (-1: never sleeps)");
   s.key(c.parallel.bucket_mb, "bucket_mb", 25.0,
         "gradient all-reduce bucket size (MiB); buckets start during the last backward");
   s.key(c.parallel.backend, "backend", CommBackend::Mpi, "data plane of the axes: mpi | nccl");

@@ -309,6 +309,7 @@ struct ParallelCfg {
   std::vector<int> pp_layers;  // empty: even split
   EngramShardGroup engram_shard = EngramShardGroup::None;
   int watchdog_seconds = 300;
+  int spin_microseconds = 200;  // a wait polls this long, then sleeps between polls
   double bucket_mb = 25.0;                           // gradient all-reduce bucket size
   CommBackend backend = CommBackend::Mpi;            // data plane of the axes
   CudaAwareMpi cuda_aware_mpi = CudaAwareMpi::Auto;  // MPI takes device pointers

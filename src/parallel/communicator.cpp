@@ -185,10 +185,15 @@ void check_block_counts(const std::string& axis, int size,
 namespace {
 constexpr int kNoticeTag = 7, kDataTag = 11;
 constexpr std::int64_t kChunk = INT_MAX / 2;  // MPI counts are int: larger buffers are split
+// Between the polls of a wait past its spin time: long enough that a waiting rank leaves its core
+// to the ranks and threads that work (a core shared with another rank, an OpenMP team, a test
+// run beside it), short against a step.
+constexpr auto kWaitSleep = std::chrono::microseconds(50);
 }  // namespace
 
-Communicator::Communicator(MPI_Comm parent, std::string name, double watchdog_seconds)
-    : name_(std::move(name)), watchdog_s_(watchdog_seconds) {
+Communicator::Communicator(MPI_Comm parent, std::string name, double watchdog_seconds,
+                           double spin_seconds)
+    : name_(std::move(name)), watchdog_s_(watchdog_seconds), spin_s_(spin_seconds) {
   const char* rendezvous = std::getenv("KMOE_P2P_RENDEZVOUS");
   rendezvous_ = rendezvous && std::string(rendezvous) == "1";
   mpi_check(MPI_Comm_dup(parent, &comm_), "MPI_Comm_dup");
@@ -223,6 +228,7 @@ Communicator::Communicator(Communicator&& o) noexcept
       size_(o.size_),
       name_(std::move(o.name_)),
       watchdog_s_(o.watchdog_s_),
+      spin_s_(o.spin_s_),
       rendezvous_(o.rendezvous_),
       world_ranks_(std::move(o.world_ranks_)),
       seq_(o.seq_) {}
@@ -234,6 +240,7 @@ Communicator& Communicator::operator=(Communicator&& o) noexcept {
   std::swap(size_, o.size_);
   std::swap(name_, o.name_);
   std::swap(watchdog_s_, o.watchdog_s_);
+  std::swap(spin_s_, o.spin_s_);
   std::swap(rendezvous_, o.rendezvous_);
   std::swap(world_ranks_, o.world_ranks_);
   std::swap(seq_, o.seq_);
@@ -279,7 +286,7 @@ void Communicator::complete(Pending& pending) const {
   MpiOp& p = static_cast<MpiOp&>(*pending);
   auto& reqs = p.reqs;
   const auto started = std::chrono::steady_clock::now();
-  if (watchdog_s_ <= 0) {
+  if (watchdog_s_ <= 0 && spin_s_ < 0) {
     mpi_check(MPI_Waitall(static_cast<int>(reqs.size()), reqs.data(), MPI_STATUSES_IGNORE), p.op);
   } else {
     const auto t0 = std::chrono::steady_clock::now();
@@ -290,7 +297,7 @@ void Communicator::complete(Pending& pending) const {
       if (done) break;
       const double waited =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      if (waited > watchdog_s_) {
+      if (watchdog_s_ > 0 && waited > watchdog_s_) {
         // The members whose arrival notice never came: their receives are still pending.
         std::ostringstream missing;
         int n_missing = 0;
@@ -319,7 +326,15 @@ void Communicator::complete(Pending& pending) const {
         std::fflush(stderr);
         MPI_Abort(MPI_COMM_WORLD, 1);
       }
-      std::this_thread::yield();
+      // Spinning here (MPI progresses only inside MPI calls) answers fastest while the wait is
+      // short; past spin_s_ the rank sleeps between polls instead of holding a core that an
+      // oversubscribed node's other ranks need: under two busy processes on 2 cores, 2 ranks
+      // of the Slurm test deck ran 100 steps in 47-48 s spinning, 28 s sleeping; 2.9 s
+      // either way on idle cores (docs/OPERATIONS.md).
+      if (spin_s_ >= 0 && waited > spin_s_)
+        std::this_thread::sleep_for(kWaitSleep);
+      else
+        std::this_thread::yield();
     }
   }
   add_comm_wait(std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());

@@ -92,8 +92,10 @@ class Communicator : public DataComm {
  public:
   Communicator() = default;
   // Duplicates `parent` (so tags never collide with other users); `name` (the axis) appears in
-  // errors. watchdog_seconds <= 0 waits forever.
-  Communicator(MPI_Comm parent, std::string name, double watchdog_seconds = 0.0);
+  // errors. watchdog_seconds <= 0 waits forever. A wait polls its transfer for spin_seconds,
+  // then sleeps kWaitSleep between polls (parallel.spin_microseconds; < 0: polls only).
+  Communicator(MPI_Comm parent, std::string name, double watchdog_seconds = 0.0,
+               double spin_seconds = -1.0);
   ~Communicator();
   Communicator(const Communicator&) = delete;
   Communicator& operator=(const Communicator&) = delete;
@@ -193,6 +195,7 @@ class Communicator : public DataComm {
   int rank_ = 0, size_ = 1;
   std::string name_;
   double watchdog_s_ = 0.0;
+  double spin_s_ = -1.0;
   bool rendezvous_ = false;
   std::vector<int> world_ranks_{0};
   mutable std::int64_t seq_ = 0;  // collectives started on this communicator

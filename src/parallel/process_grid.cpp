@@ -11,13 +11,17 @@ namespace kmoe {
 
 namespace {
 Communicator split(const Communicator& parent, int color, int key, const char* name,
-                   double watchdog) {
+                   double watchdog, double spin) {
   MPI_Comm c;
   mpi_check(MPI_Comm_split(parent.comm(), color, key, &c), "MPI_Comm_split");
   if (c == MPI_COMM_NULL) return Communicator();
-  Communicator out(c, name, watchdog);
+  Communicator out(c, name, watchdog, spin);
   MPI_Comm_free(&c);
   return out;
+}
+
+double spin_seconds(const ParallelCfg& cfg) {
+  return cfg.spin_microseconds < 0 ? -1.0 : cfg.spin_microseconds * 1e-6;
 }
 }  // namespace
 
@@ -33,24 +37,27 @@ std::vector<int> stage_bounds(const ParallelCfg& cfg, int n_layers) {
 }
 
 ProcessGrid::ProcessGrid(const ParallelCfg& cfg, int n_layers, MPI_Comm world_comm)
-    : pp(cfg.pp), dp(cfg.dp), ep(cfg.ep), world(world_comm, "world", cfg.watchdog_seconds) {
+    : pp(cfg.pp),
+      dp(cfg.dp),
+      ep(cfg.ep),
+      world(world_comm, "world", cfg.watchdog_seconds, spin_seconds(cfg)) {
   KMOE_REQUIRE(cfg.dp >= 1, "parallel.dp = auto reached the process grid unresolved "
                             "(resolve_auto_dp sets it from the launch's rank count)");
   KMOE_REQUIRE(world.size() == cfg.world(),
                "parallel grid pp*dp*ep = " << cfg.pp << "*" << cfg.dp << "*" << cfg.ep << " = "
                                            << cfg.world() << " ranks, but the job was launched on "
                                            << world.size() << " ranks");
-  const double wd = cfg.watchdog_seconds;
+  const double wd = cfg.watchdog_seconds, spin = spin_seconds(cfg);
   const int r = world.rank();
   ep_rank = r % ep;
   dp_rank = (r / ep) % dp;
   pp_rank = r / (ep * dp);
-  stage = split(world, pp_rank, r, "stage", wd);
-  dp_axis = split(world, pp_rank * ep + ep_rank, r, "dp", wd);
-  ep_axis = split(world, pp_rank * dp + dp_rank, r, "ep", wd);
-  pipe = split(world, replica(), pp_rank, "pp", wd);
+  stage = split(world, pp_rank, r, "stage", wd, spin);
+  dp_axis = split(world, pp_rank * ep + ep_rank, r, "dp", wd, spin);
+  ep_axis = split(world, pp_rank * dp + dp_rank, r, "ep", wd, spin);
+  pipe = split(world, replica(), pp_rank, "pp", wd, spin);
   const bool tied_end = pp > 1 && (first_stage() || last_stage());
-  tie = split(world, tied_end ? replica() : MPI_UNDEFINED, pp_rank, "tied-embedding", wd);
+  tie = split(world, tied_end ? replica() : MPI_UNDEFINED, pp_rank, "tied-embedding", wd, spin);
 
   bounds_ = stage_bounds(cfg, n_layers);
   build_data_plane(cfg);

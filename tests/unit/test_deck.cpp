@@ -166,6 +166,7 @@ TEST(Deck, ValidDeckParsesWithValuesAndDefaults) {
   EXPECT_EQ(c.optimizer.beta2, 0.95);
   EXPECT_EQ(c.optimizer.schedule, LrSchedule::Cosine);
   EXPECT_EQ(c.parallel.watchdog_seconds, 300);
+  EXPECT_EQ(c.parallel.spin_microseconds, 200);
   EXPECT_EQ(c.checkpoint.resume, "auto");
   EXPECT_EQ(c.output.peak_flops, 0.0);
 }
@@ -421,7 +422,8 @@ TEST(Deck, HelpListsEverySectionAndKey) {
         "final_lr_ratio", "decay_steps"}},
       {"[data]", {"paths", "val_paths", "dtype"}},
       {"[parallel]",
-       {"pp", "dp", "ep", "schedule", "pp_layers", "engram_shard", "watchdog_seconds"}},
+       {"pp", "dp", "ep", "schedule", "pp_layers", "engram_shard", "watchdog_seconds",
+        "spin_microseconds"}},
       {"[checkpoint]", {"dir", "every", "keep", "resume", "save_initial"}},
       {"[output]", {"dir", "log_every", "peak_flops", "dump_step"}}};
   for (const auto& [section, keys] : sections) {
@@ -517,6 +519,8 @@ TEST(Deck, EngramSection) {
   EXPECT_EQ(deck_error(kDeck, {"--model.vocab_size=0"}).find("pad_id"), std::string::npos);
   expect_contains(deck_error(kDeck, {"--engram.layers=1", "--engram.pad_id=1000"}),
                   {"engram.pad_id must be a token id in [0, 1000)"});
+  expect_contains(deck_error(kDeck, {"--parallel.spin_microseconds=-2"}),
+                  {"parallel.spin_microseconds must be -1 (never sleep) or at least 0"});
 }
 
 TEST(Deck, MoeSection) {
