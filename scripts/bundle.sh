@@ -62,8 +62,10 @@ queue=("$out"/bin/* "$out"/lib/*.so)
 while IFS= read -r -d '' f; do queue+=("$f"); done < <(find "$out/ompi" "$out/pmix" -name '*.so' -print0 2>/dev/null)
 manifest=()
 while [ ${#queue[@]} -gt 0 ]; do
-  f=${queue[0]}
-  queue=("${queue[@]:1}")
+  # One ldd over the whole queue (a few hundred files at the start): the libraries it finds that
+  # are new form the next round.
+  batch=("${queue[@]}")
+  queue=()
   while read -r name path; do
     [ -n "$path" ] && [ "$path" != "not" ] || continue
     [[ $name =~ $skip ]] && continue
@@ -77,7 +79,7 @@ while [ ${#queue[@]} -gt 0 ]; do
     cp -L "$path" "$out/lib/$name"
     manifest+=("$name <- $real")
     queue+=("$out/lib/$name")
-  done < <(ldd "$f" 2>/dev/null | awk '/=>/{print $1, $3}')
+  done < <(ldd "${batch[@]}" 2>/dev/null | awk '/=>/{print $1, $3}')
 done
 
 cuda_version=""
