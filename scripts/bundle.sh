@@ -62,24 +62,24 @@ queue=("$out"/bin/* "$out"/lib/*.so)
 while IFS= read -r -d '' f; do queue+=("$f"); done < <(find "$out/ompi" "$out/pmix" -name '*.so' -print0 2>/dev/null)
 manifest=()
 while [ ${#queue[@]} -gt 0 ]; do
-  # One ldd over the whole queue (a few hundred files at the start): the libraries it finds that
-  # are new form the next round.
+  # One ldd over the whole queue (a few hundred files at the start), each library named once:
+  # the new ones form the next round (a readlink for those only: forks were most of the time).
   batch=("${queue[@]}")
   queue=()
   while read -r name path; do
     [ -n "$path" ] && [ "$path" != "not" ] || continue
+    [ -n "${seen[$name]:-}" ] && continue
     [[ $name =~ $skip ]] && continue
     real=$(readlink -f "$path")
     if [ -n "$cuda_root" ] && [[ $real == "$cuda_root"/* ]]; then
       seen[$name]=cuda
       continue
     fi
-    [ -n "${seen[$name]:-}" ] && continue
     seen[$name]=$real
     cp -L "$path" "$out/lib/$name"
     manifest+=("$name <- $real")
     queue+=("$out/lib/$name")
-  done < <(ldd "${batch[@]}" 2>/dev/null | awk '/=>/{print $1, $3}')
+  done < <(ldd "${batch[@]}" 2>/dev/null | awk '/=>/ && $3 != "not" && !named[$1]++ {print $1, $3}')
 done
 
 cuda_version=""
