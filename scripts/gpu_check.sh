@@ -30,6 +30,8 @@
 #   gpu_check.sh BUNDLE [OUT]                 (there) runs the steps; logs under OUT
 #                                             (default ./gpu_check_out)
 # GPU_CHECK_BENCH_ARGS / GPU_CHECK_DENSE_ARGS: deck overrides for the benchmarks.
+# GPU_CHECK_REFERENCE_ARGS (at --prepare): deck overrides of the reference training steps,
+# kept in BUNDLE/check/reference.args so that the check trains the same model.
 set -uo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 
@@ -154,8 +156,10 @@ if [ "${1:-}" = "--prepare" ]; then
   moe_deck > "$dir/moe.deck"
   dense_deck > "$dir/dense.deck"
   "$cpu/drivers/kmoe-prep" --fortunes --out-dir "$dir/data" > /dev/null 2>&1
+  echo "${GPU_CHECK_REFERENCE_ARGS:-}" > "$dir/reference.args"
+  # shellcheck disable=SC2046
   (cd "$dir" && OPENBLAS_NUM_THREADS=1 "$cpu/drivers/kmoe-train" -i check.deck \
-     --output.dir=cpu_run --checkpoint.dir=cpu_run/ckpt > cpu_run.log 2>&1) ||
+     --output.dir=cpu_run --checkpoint.dir=cpu_run/ckpt $(cat reference.args) > cpu_run.log 2>&1) ||
     { echo "gpu_check.sh: the CPU reference run failed: $dir/cpu_run.log" >&2; exit 1; }
   cp "$dir/cpu_run/metrics.csv" "$dir/cpu_metrics.csv"
   rm -rf "$dir/cpu_run"
@@ -241,8 +245,10 @@ work=$out/work && rm -rf "$work" && cp -r "$bundle/check" "$work"
 
 # 1. Training steps against the CPU build's: NAME LIMIT WHAT [KEY=VALUE ...].
 train_against_cpu() {
-  local name=$1 limit=$2 what=$3 lim t0 rc keys=()
+  local name=$1 limit=$2 what=$3 lim t0 rc keys=() ref=()
   shift 3
+  [ -f "$work/reference.args" ] && read -ra ref < "$work/reference.args"
+  keys=(${ref[@]+"${ref[@]}"})
   for kv in "$@"; do keys+=("--$kv"); done
   t0=$(date +%s)
   lim=$(budget "$limit")

@@ -21,7 +21,9 @@ echo "ok   the launcher runs kmoe-train"
 if "$tmp/b/kmoe" no-such-program 2> "$tmp/err"; then fail "an unknown program ran"; fi
 grep -q "no program no-such-program" "$tmp/err" || fail "unknown program: $(cat "$tmp/err")"
 echo "ok   an unknown program is refused by name"
-"$scripts/gpu_check.sh" --prepare "$build" "$tmp/b" | tail -1
+# The reference steps shrunk to a CPU's size (the relocation check trains the same model).
+GPU_CHECK_REFERENCE_ARGS="--train.seq_len=64 --model.d_model=128" \
+  "$scripts/gpu_check.sh" --prepare "$build" "$tmp/b" | tail -1
 GPU_CHECK_BENCH_ARGS="--model.d_model=64 --model.n_layers=2 --model.n_heads=2 --moe.experts=4 \
 --moe.top_k=2 --moe.expert_hidden=32 --train.seq_len=64" \
   "$tmp/b/gpu_check.sh" "$tmp/b" "$tmp/out" > "$tmp/check.log" 2>&1 || { cat "$tmp/check.log"; fail "gpu_check.sh"; }
