@@ -157,9 +157,9 @@ if [ "${1:-}" = "--prepare" ]; then
   dense_deck > "$dir/dense.deck"
   "$cpu/drivers/kmoe-prep" --fortunes --out-dir "$dir/data" > /dev/null 2>&1
   echo "${GPU_CHECK_REFERENCE_ARGS:-}" > "$dir/reference.args"
-  # shellcheck disable=SC2046
+  read -ra ref < "$dir/reference.args"  # split as the check splits it
   (cd "$dir" && OPENBLAS_NUM_THREADS=1 "$cpu/drivers/kmoe-train" -i check.deck \
-     --output.dir=cpu_run --checkpoint.dir=cpu_run/ckpt $(cat reference.args) > cpu_run.log 2>&1) ||
+     --output.dir=cpu_run --checkpoint.dir=cpu_run/ckpt ${ref[@]+"${ref[@]}"} > cpu_run.log 2>&1) ||
     { echo "gpu_check.sh: the CPU reference run failed: $dir/cpu_run.log" >&2; exit 1; }
   cp "$dir/cpu_run/metrics.csv" "$dir/cpu_metrics.csv"
   rm -rf "$dir/cpu_run"

@@ -39,7 +39,8 @@ for deck, name, extra in RUNS:
         continue
     # No checkpoint at the end: the metrics row with the high-water is written before a save.
     h.run(["kmoe-train", "-i", deck, *extra, "--train.max_steps=3", "--train.eval_instances=8",
-           "--train.eval_every=0", "--checkpoint.at_end=false", "--checkpoint.resume=none",
+           "--train.eval_every=0", "--checkpoint.every=0", "--checkpoint.at_end=false",
+           "--checkpoint.resume=none",
            f"--output.dir={name}", f"--checkpoint.dir={name}/ckpt"], ranks=int(ranks.group(1)))
     measured = max(float(r["mem_hwm_mib"]) for r in h.metrics(name))
     est = float(estimate.group(1))
