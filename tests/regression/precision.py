@@ -63,15 +63,17 @@ else:
     MAIN, MAIN_STEPS, MAIN_EVAL = os.path.join(source, "inputs", "tiny_moe_engram.deck"), 50, 256
 
 
-def main_run(name, precision):
+def main_run(name, precision, save=False):
+    """The main deck's run; `save`: the checkpoint after the last step (for kmoe-eval)."""
     h.run(["kmoe-train", "-i", MAIN, f"--train.max_steps={MAIN_STEPS}",
            f"--train.eval_every={MAIN_STEPS}", f"--train.eval_instances={MAIN_EVAL}",
            f"--train.precision={precision}", f"--output.dir={name}",
-           f"--checkpoint.dir={name}/ckpt", "--checkpoint.every=0"], ranks=2)
+           f"--checkpoint.dir={name}/ckpt", "--checkpoint.every=0",
+           f"--checkpoint.at_end={str(save).lower()}"], ranks=2)
     return h.metrics(name)
 
 
-f32, b16 = main_run("main_fp32", "fp32"), main_run("main_bf16", "bf16")
+f32, b16 = main_run("main_fp32", "fp32"), main_run("main_bf16", "bf16", save=True)
 logged = MAIN_STEPS // 10
 if h.check(len(f32) == len(b16) == logged, f"main deck: {len(f32)} and {len(b16)} logged steps"):
     gaps = [abs(float(a["loss"]) - float(b["loss"])) for a, b in zip(f32, b16)]
@@ -91,7 +93,8 @@ h.check(f"eval_loss {b16[-1]['val_loss']} " in p.stdout,
 main_run("main_bf16_again", "bf16")
 h.check(h.losses("main_bf16") == h.losses("main_bf16_again"), "main deck bf16 twice: bit-identical")
 
-# 2. bf16 layout invariance.
+# 2. bf16 layout invariance. (Checkpoints only where checkpoint.every asks: no run reads the
+# one after its last step.)
 h.write("grid.deck", grid_test_deck("""
 max_steps = 20
 eval_every = 20
@@ -101,6 +104,7 @@ precision = bf16
 val_paths = data/val.bin
 [checkpoint]
 resume = none
+at_end = false
 [output]
 log_every = 1
 """))
