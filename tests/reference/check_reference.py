@@ -20,6 +20,8 @@ Usage: check_reference.py BIN_DIR WORK_DIR [--block-norm reordered|pre] [--kv-he
          [--engram-heads K] [--engram-embed DE] [--engram-table-size S,..] [--engram-kernel W]
          [--engram-fold M]] [--precision fp32|bf16] [--document-mask]
          [--sliding-window W [--window-layers L,..]] [--reuse]
+   or: check_reference.py BIN_DIR WORK_DIR --case NAME OPTIONS... [--case NAME OPTIONS...]
+       (each case in WORK_DIR/NAME, one process: ctest's reference groups)
 With --engram-layers the deck gets an [engram] section; --engram-fold M writes a compression map
 folding token ids mod M (engram.compression_map).
 With --precision bf16 (train.precision, MODEL.md section 8) the reference rounds the same
@@ -41,6 +43,7 @@ import argparse
 import math
 import os
 import sys
+import traceback
 
 import h5py
 import numpy as np
@@ -160,10 +163,9 @@ def bf16_noise_floor(ck0, dump, names):
     return floor
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("bin_dir")
-    ap.add_argument("work_dir")
+def parse_case(argv):
+    """One case's options (everything after BIN_DIR WORK_DIR, or after --case NAME)."""
+    ap = argparse.ArgumentParser(prog="check_reference.py")
     ap.add_argument("--block-norm", default="reordered", choices=["reordered", "pre"])
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--tie", action="store_true")
@@ -199,14 +201,68 @@ def main():
     ap.add_argument("--window-layers", default="", help="model.window_layers (omitted: default)")
     ap.add_argument("--reuse", action="store_true",
                     help="skip kmoe-prep/kmoe-train and check the outputs already in WORK_DIR")
-    args = ap.parse_args()
-    global h
-    work = os.path.abspath(args.work_dir)
-    h = Harness(args.bin_dir, work, fresh=not args.reuse)
+    return ap.parse_args(argv)
+
+
+DEFAULTS = (LOSS_TOL, ref.TIE_TOL)  # what a bf16 case widens, restored for the next case
+
+
+def run_case(bin_dir, work, args):
+    """Trains and checks one case in WORK; ends in Harness.finish (SystemExit 0 or 1)."""
+    global h, LOSS_TOL
+    LOSS_TOL, ref.TIE_TOL = DEFAULTS
+    ref.SCORES = None
+    work = os.path.abspath(work)
+    h = Harness(bin_dir, work, fresh=not args.reuse)
     if not args.reuse:
         prepare_and_train(args)
     os.chdir(work)  # deck paths (engram.compression_map) are relative to the run directory
     check_outputs(work)
+
+
+def main():
+    """check_reference.py BIN_DIR WORK_DIR OPTIONS... checks one case in WORK_DIR;
+    check_reference.py BIN_DIR WORK_DIR --case NAME OPTIONS... [--case NAME OPTIONS...] checks
+    each case in WORK_DIR/NAME in this one process (torch is imported once: 1.5 s of CPU a
+    process), every case to its end whatever the others gave, and fails if any case failed."""
+    if len(sys.argv) < 3:
+        sys.exit(__doc__)
+    bin_dir, work, rest = sys.argv[1], sys.argv[2], sys.argv[3:]
+    if "--case" not in rest:
+        run_case(bin_dir, work, parse_case(rest))
+        return
+    if rest[0] != "--case":
+        sys.exit(f"check_reference.py: options before the first --case: {' '.join(rest)}")
+    cases = []
+    for a in rest:
+        if a == "--case":
+            cases.append([])
+        else:
+            cases[-1].append(a)
+    if any(not c or c[0].startswith("-") for c in cases):
+        sys.exit("check_reference.py: every --case needs a NAME before its options")
+    names = [c[0] for c in cases]
+    if len(set(names)) != len(names):
+        sys.exit(f"check_reference.py: a case name given twice: {' '.join(names)}")
+    parsed = [parse_case(c[1:]) for c in cases]  # a bad option fails before any case runs
+    failed = []
+    for case, args in zip(cases, parsed):
+        name = case[0]
+        print(f"=== case {name}: {' '.join(case[1:])}", flush=True)
+        try:
+            run_case(bin_dir, os.path.join(work, name), args)
+            rc = 0
+        except SystemExit as e:  # Harness.finish
+            rc = e.code if isinstance(e.code, int) else 1
+        except Exception:  # noqa: BLE001: a case that raises fails, the others still run
+            traceback.print_exc()
+            rc = 1
+        print(f"=== case {name}: {'passed' if rc == 0 else 'FAILED'}", flush=True)
+        if rc != 0:
+            failed.append(name)
+    print(f"{len(names) - len(failed)} of {len(names)} cases passed"
+          + (f"; failed: {', '.join(failed)}" if failed else ""))
+    sys.exit(1 if failed else 0)
 
 
 def moe_section(args):
