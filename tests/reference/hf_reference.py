@@ -23,6 +23,8 @@ usage: hf_reference.py MODEL_DIR TOKENS.bin SEQ_LEN INSTANCES [uint16|uint32]
          prints `hf_loss <mean CE over the instances' targets> tokens <targets>`;
        hf_reference.py MODEL_DIR --logits IDS.npy OUT.npy
          writes the logits (float64) of one sequence's positions.
+Imported, hf_loss() and hf_logits() give the same (tests/regression/hf_interop.py: one torch
+import for all its readings).
 """
 import json
 import math
@@ -157,13 +159,8 @@ class HfModel:
         return x @ head.T
 
 
-def main():
-    if len(sys.argv) == 5 and sys.argv[2] == "--logits":
-        ids = torch.from_numpy(np.load(sys.argv[3]).astype(np.int64))
-        np.save(sys.argv[4], HfModel(sys.argv[1]).logits(ids).numpy())
-        return
-    model_dir, tokens_path, T, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-    dtype = sys.argv[5] if len(sys.argv) > 5 else "uint16"
+def hf_loss(model_dir, tokens_path, T, n, dtype="uint16"):
+    """(mean CE over the targets of the first n sequences of T tokens, the number of targets)."""
     ids = np.fromfile(tokens_path, dtype=np.dtype(dtype).newbyteorder("<")).astype(np.int64)
     model = HfModel(model_dir)
     total, count = 0.0, 0
@@ -172,7 +169,22 @@ def main():
         lp = torch.log_softmax(model.logits(seq), dim=-1)
         total -= lp[torch.arange(T - 1), seq[1:]].sum().item()
         count += T - 1
-    print(f"hf_loss {total / count:.17g} tokens {count}")
+    return total / count, count
+
+
+def hf_logits(model_dir, ids_path):
+    """The float64 logits [positions, vocab] of the sequence in IDS.npy."""
+    ids = torch.from_numpy(np.load(ids_path).astype(np.int64))
+    return HfModel(model_dir).logits(ids).numpy()
+
+
+def main():
+    if len(sys.argv) == 5 and sys.argv[2] == "--logits":
+        np.save(sys.argv[4], hf_logits(sys.argv[1], sys.argv[3]))
+        return
+    model_dir, tokens_path, T, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    loss, count = hf_loss(model_dir, tokens_path, T, n, sys.argv[5] if len(sys.argv) > 5 else "uint16")
+    print(f"hf_loss {loss:.17g} tokens {count}")
 
 
 if __name__ == "__main__":
