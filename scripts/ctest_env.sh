@@ -11,11 +11,6 @@ export OMPI_MCA_pml=${OMPI_MCA_pml:-^ucx,cm}
 # matters to single-node CPU tests, and PCI reads trap to the hypervisor in a virtual machine.
 # Leaving those parts out took an 8-rank MPI start from 0.95 to 0.78 s of CPU (2 cores).
 export HWLOC_COMPONENTS=${HWLOC_COMPONENTS:--pci,-linuxio,-gl,-opencl}
-# A process that calls MPI_Init without a launcher (a one-rank kmoe-train, kmoe-eval, a unit
-# test program: about 300 in the suite) starts an orted daemon of its own unless it is an
-# isolated singleton; nothing in kmoe spawns processes through MPI. Isolated, such a start took
-# 0.25 -> 0.11 s and 0.2 -> 0.1 s of CPU.
-export OMPI_MCA_ess_singleton_isolated=${OMPI_MCA_ess_singleton_isolated:-1}
 # ctest -j: two slots more than there are cores. An MPI test takes two slots; the tests that
 # mostly wait (PROCESSORS 1: Slurm, signals, process start-ups) run beside the busy ones, which
 # kept 2 cores about 80% busy at nproc + 2 (66% at nproc + 1).
