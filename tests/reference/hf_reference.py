@@ -183,7 +183,8 @@ def main():
         np.save(sys.argv[4], hf_logits(sys.argv[1], sys.argv[3]))
         return
     model_dir, tokens_path, T, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-    loss, count = hf_loss(model_dir, tokens_path, T, n, sys.argv[5] if len(sys.argv) > 5 else "uint16")
+    dtype = sys.argv[5] if len(sys.argv) > 5 else "uint16"
+    loss, count = hf_loss(model_dir, tokens_path, T, n, dtype)
     print(f"hf_loss {loss:.17g} tokens {count}")
 
 
