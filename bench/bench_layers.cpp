@@ -74,12 +74,12 @@ void attention_sweep(const RunContext& ctx, ModelCfg m, int tokens, int reps) {
                                      ids.data(), N));
       document_starts(ConstIVec(ids_dev.data(), N), b, T, 0, starts);
       std::vector<int> tile_start;  // the host's plan, as a training stage makes it
-      document_tile_starts(ids.data(), b, T, 0, Attention::kTile, tile_start);
+      document_tile_starts(ids.data(), b, T, 0, kAttentionPlanRows, tile_start);
       DocStarts docs;
       if (k == "documents") {
         docs = DocStarts{ConstIVec(starts.data(), N)};
         docs.tile_start = tile_start.data();
-        docs.tile_rows = Attention::kTile;
+        docs.tile_rows = kAttentionPlanRows;
         docs.tiles = static_cast<int>(tile_start.size()) / b;
       }
       View1F x("x", std::int64_t(N) * D), y("y", std::int64_t(N) * D),

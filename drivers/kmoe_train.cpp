@@ -14,6 +14,7 @@
 #include "io/checkpoint.hpp"
 #include "io/deck.hpp"
 #include "io/token_data.hpp"
+#include "modules/attention/attention_core.hpp"
 #include "modules/model/model_size.hpp"
 #include "parallel/process_grid.hpp"
 #include "train/memory_check.hpp"
@@ -353,6 +354,11 @@ int main(int argc, char** argv) {
             kmoe::make_run_context(cfg.train.precision, exec.batch_threads, &precision_note);
         if (grid.is_root() && !precision_note.empty())
           std::printf("note: %s\n", precision_note.c_str());
+        if (grid.is_root()) {
+          const kmoe::AttentionChoice attn = kmoe::choose_attention_path(cfg.model, ctx.bf16());
+          std::printf("attention: %s (%s)\n", kmoe::attention_path_name(attn.path),
+                      attn.why.c_str());
+        }
         const std::string launcher_note = kmoe::launcher_stop_note();
         if (grid.is_root() && !launcher_note.empty())
           std::printf("note: %s\n", launcher_note.c_str());

@@ -21,7 +21,7 @@ namespace {
 // Activations are counted in bytes: 4 per fp32 value, `kb` per value a bf16 run keeps as bf16
 // (MODEL.md section 8; 4 in other runs).
 struct Shapes {
-  Size V, D, F, L, qd, kd, attn, E, Fe, k, shared, Fs, N, H, W, probs, kb;
+  Size V, D, F, L, qd, kd, attn, E, Fe, k, shared, Fs, N, H, W, attn_core, kb;
   bool tied, pre;
   Shapes(const ModelCfg& m, const MoeCfg& e, int b, int T, Precision precision)
       : V(m.vocab_size),
@@ -39,16 +39,21 @@ struct Shapes {
         N(Size(b) * T),
         H(m.n_heads),
         W(qd + Size(2) * kd),
-        probs(Size(b) * m.n_heads * Attention::band_elements(T, 0)),  // windows: at most
+        // The attention core's saved state (the tiled core: the probabilities) in bytes; a window
+        // keeps at most this.
+        attn_core(attention_core_sizes(choose_attention_path(m, precision == Precision::Bf16).path,
+                                       Attention::core_dims(m, b, T, 0),
+                                       precision == Precision::Bf16)
+                      .saved),
         kb(precision == Precision::Bf16 ? 2 : 4),
         tied(m.tie_embeddings),
         pre(m.block_norm == BlockNorm::Pre) {}
 
-  // Saved activations of one block (bytes): attention and norms (q, k, v, the probabilities and
-  // the merged heads kept), then a dense MLP's (pre-activations and activation, kept).
+  // Saved activations of one block (bytes): attention and norms (q, k, v and the merged heads
+  // kept, the core's state), then a dense MLP's (pre-activations and activation, kept).
   Size attn_saved() const {
     return Size(4) * (N * W + Size(2) * N + N * D * (pre ? 5 : 3) + Size(2) * N) +
-           kb * (N * qd + Size(2) * N * kd + probs + N * qd);
+           kb * (N * qd + Size(2) * N * kd + N * qd) + attn_core;
   }
   Size mlp_saved() const { return kb * N * 3 * F; }
   Size block_saved() const { return attn_saved() + mlp_saved(); }
@@ -128,9 +133,8 @@ ModelSize model_size(const ModelCfg& m, const MoeCfg& e, int b, int T, const Eng
     const Size stage = (L + 1) * s.N * D + Size(2) * s.N * D + s.N * D + s.N * V + Size(3) * s.N;
     const Size workspace =
         Stage::workspace_bytes(RunContext(), m, e, g, StagePlan::whole(), b, T, /*ep=*/1);
-    out.activation_bytes = (L * s.block_saved() + moe_layers * s.moe_saved(1) + workspace +
-                            Size(4) * stage)
-                               .get();
+    out.activation_bytes =
+        (L * s.block_saved() + moe_layers * s.moe_saved(1) + workspace + Size(4) * stage).get();
     return out;
   });
 }
@@ -255,8 +259,7 @@ RankMemory rank_memory(const ModelCfg& m, const MoeCfg& e, const EngramCfg& g, i
     out.offload_from_device = from_dev.get();
     if (expert_side.get() > 0)
       out.expert_side_bytes =
-          (expert_side +
-           Size(MoeLayer::expert_side_workspace_bytes(ctx, m, e, N.get(), r.ep)))
+          (expert_side + Size(MoeLayer::expert_side_workspace_bytes(ctx, m, e, N.get(), r.ep)))
               .get();
     return out;
   });

@@ -128,7 +128,7 @@ LossSums Stage::forward(const TensorTable& table, const std::int32_t* tokens, in
   const ConstIVec engram_tok = engram_tokens(N);
   if (model_.document_eod >= 0) {
     document_starts(tok, nseq, T_, model_.document_eod, doc_start_);
-    document_tile_starts(tokens, nseq, T_, model_.document_eod, Attention::kTile, tile_start_);
+    document_tile_starts(tokens, nseq, T_, model_.document_eod, kAttentionPlanRows, tile_start_);
   }
   const bool moe = has_moe();
   if (moe) Kokkos::deep_copy(ExecSpace(), scratch_->moe_aux, 0.0);

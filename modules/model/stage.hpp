@@ -134,7 +134,7 @@ class Stage {
     DocStarts d = docs(nseq * T_);
     if (!d.empty()) {
       d.tile_start = tile_start_.data();
-      d.tile_rows = Attention::kTile;
+      d.tile_rows = kAttentionPlanRows;
       d.tiles = static_cast<int>(tile_start_.size()) / nseq;
     }
     return d;

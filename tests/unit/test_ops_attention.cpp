@@ -12,6 +12,7 @@
 #include "full_attention.hpp"
 #include "modules/attention/attention.hpp"
 #include "modules/attention/rope.hpp"
+#include "modules/attention/tiled_attention.hpp"
 #include "op_test_util.hpp"
 
 namespace kmoe {
@@ -133,13 +134,14 @@ TEST(Attention, FewerSequencesThanBuffers) {
   check_attention(attention_cfg(4, 1, true), 3, 1);
 }
 
-// Blocked attention (tiles of Attention::kTile positions, only the band a tile's keys need)
+// Blocked attention (tiles of TiledAttention::kTile positions, only the band a tile's keys need)
 // against the full-matrix oracle (tests/unit/full_attention) on the same weights and inputs:
 // output and input gradient within 1e-6 (relative to the tensor's norm), every parameter
 // gradient within 2e-6 (the key and value gradients sum over the tiles one after another
 // instead of in one product, which moves a reduction over all rows such as k_norm.weight's by
-// about 1e-6 in fp32), and the output against the double reference; T = 150 is not a multiple of the tile,
-// window 1, windows inside a tile and across tiles, W >= T (plain causal), document starts.
+// about 1e-6 in fp32), and the output against the double reference; T = 150 is not a multiple of
+// the tile, window 1, windows inside a tile and across tiles, W >= T (plain causal), document
+// starts.
 double rel_diff(const std::vector<float>& a, const std::vector<float>& b) {
   double num = 0.0, den = 0.0;
   for (std::size_t i = 0; i < a.size(); ++i) {
@@ -179,8 +181,8 @@ std::vector<int> library_starts(const std::vector<int>& ids, int nseq, int T, in
 void check_blocked(const ModelCfg& m, int T, int nseq, int window, bool documents,
                    bool planned = false, Precision precision = Precision::Fp32) {
   const int D = m.d_model, N = nseq * T, max_seqs = nseq + 1;
-  SCOPED_TRACE("H " + std::to_string(m.n_heads) + " Hkv " + std::to_string(m.n_kv_heads) +
-               " T " + std::to_string(T) + " window " + std::to_string(window) +
+  SCOPED_TRACE("H " + std::to_string(m.n_heads) + " Hkv " + std::to_string(m.n_kv_heads) + " T " +
+               std::to_string(T) + " window " + std::to_string(window) +
                (documents ? " documents" : "") + (planned ? " planned" : "") + " " +
                choice_name(precision));
   const RunContext ctx = make_run_context(precision);  // the products and kept operands
@@ -215,13 +217,13 @@ void check_blocked(const ModelCfg& m, int T, int nseq, int window, bool document
     Kokkos::deep_copy(doc_dev, Kokkos::View<const int*, HostSpace, Unmanaged>(doc.data(), N));
     docs = DocStarts{ConstIVec(doc_dev.data(), N)};
     if (planned) {  // the host's plan: the blocked kernel skips keys before a tile's document
-      document_tile_starts(ids.data(), nseq, T, 0, Attention::kTile, tile_start);
+      document_tile_starts(ids.data(), nseq, T, 0, TiledAttention::kTile, tile_start);
       docs.tile_start = tile_start.data();
-      docs.tile_rows = Attention::kTile;
+      docs.tile_rows = TiledAttention::kTile;
       docs.tiles = static_cast<int>(tile_start.size()) / nseq;
       for (int s = 0; s < nseq; ++s)
         for (int i = 0; i < docs.tiles; ++i)
-          ASSERT_EQ(tile_start[s * docs.tiles + i], doc[s * T + i * Attention::kTile]);
+          ASSERT_EQ(tile_start[s * docs.tiles + i], doc[s * T + i * TiledAttention::kTile]);
     }
   }
 
@@ -231,14 +233,15 @@ void check_blocked(const ModelCfg& m, int T, int nseq, int window, bool document
   // A pass without documents first leaves every band entry written: keys a planned pass skips
   // hold stale scores, which no row may read.
   blocked.forward(ta, rope, as_cmat(a_dev.data(), N, D), as_mat(oa.data(), N, D), wa);
-  const std::int64_t band = std::int64_t(nseq) * m.n_heads * Attention::band_elements(T, window);
+  const std::int64_t band =
+      std::int64_t(nseq) * m.n_heads * TiledAttention::band_elements(T, window);
   EXPECT_EQ(blocked.scores_computed(), band);
   blocked.forward(ta, rope, as_cmat(a_dev.data(), N, D), as_mat(oa.data(), N, D), wa, docs);
   // Planned: each (sequence, tile) computes its keys from max(k0, first row's document start).
   std::int64_t want = band;
   if (planned && gemm_rows_apart()) {
     want = 0;
-    const auto tiles = Attention::tiles(T, window);
+    const auto tiles = TiledAttention::tiles(T, window);
     for (int s = 0; s < nseq; ++s)
       for (std::size_t i = 0; i < tiles.size(); ++i) {
         const int k = std::max(tiles[i].k0, doc[s * T + tiles[i].r0]);
@@ -253,10 +256,12 @@ void check_blocked(const ModelCfg& m, int T, int nseq, int window, bool document
   const auto out_a = to_host(oa.data(), N * D), out_b = to_host(ob.data(), N * D);
   EXPECT_LT(rel_diff(out_a, out_b), tol) << "output";
   const auto params = to_host(ta.params.data(), ta.total_elements());
-  EXPECT_LT(rel_diff(out_a, [&] {
-              const auto r = attention_ref(m, T, HostMat(a.data(), N, D), ta, params, window, doc);
-              return std::vector<float>(r.v.begin(), r.v.end());
-            }()),
+  EXPECT_LT(rel_diff(out_a,
+                     [&] {
+                       const auto r =
+                           attention_ref(m, T, HostMat(a.data(), N, D), ta, params, window, doc);
+                       return std::vector<float>(r.v.begin(), r.v.end());
+                     }()),
             ref_tol)
       << "output against the double reference";
 
@@ -300,13 +305,13 @@ TEST(BlockedAttention, MatchesFullMatrixInBf16) {
 
 TEST(BlockedAttention, BandFollowsTheMask) {
   // Plain causal: about half of T * T; a window W: about W * T plus a tile's rounding.
-  EXPECT_EQ(Attention::band_elements(64, 0), 64 * 64);
-  EXPECT_EQ(Attention::band_elements(256, 0), 64 * 64 * (1 + 2 + 3 + 4));
-  EXPECT_EQ(Attention::band_elements(150, 0), 64 * 64 + 64 * 128 + 22 * 150);
-  EXPECT_EQ(Attention::band_elements(4096, 0), std::int64_t(64) * 64 * 64 * 65 / 2);
-  EXPECT_EQ(Attention::band_elements(256, 1), 64 * 64 * 4);
-  EXPECT_EQ(Attention::band_elements(4096, 4096), Attention::band_elements(4096, 0));
-  EXPECT_LT(Attention::band_elements(4096, 1024), 4096 * (1024 + 2 * 64));
+  EXPECT_EQ(TiledAttention::band_elements(64, 0), 64 * 64);
+  EXPECT_EQ(TiledAttention::band_elements(256, 0), 64 * 64 * (1 + 2 + 3 + 4));
+  EXPECT_EQ(TiledAttention::band_elements(150, 0), 64 * 64 + 64 * 128 + 22 * 150);
+  EXPECT_EQ(TiledAttention::band_elements(4096, 0), std::int64_t(64) * 64 * 64 * 65 / 2);
+  EXPECT_EQ(TiledAttention::band_elements(256, 1), 64 * 64 * 4);
+  EXPECT_EQ(TiledAttention::band_elements(4096, 4096), TiledAttention::band_elements(4096, 0));
+  EXPECT_LT(TiledAttention::band_elements(4096, 1024), 4096 * (1024 + 2 * 64));
 }
 
 // The tables hold cos/sin of p * theta^(-2i/dh) computed in double, rounded to float once.
@@ -317,7 +322,7 @@ TEST(DocumentStarts, MatchTheWalkOverLongGaps) {
   const int T = 300, nseq = 3, N = nseq * T;
   std::vector<int> ids(N, 7);
   for (int e : {0, 63, 64, 65, 200}) ids[e] = 2;  // sequence 0
-  for (int e : {T - 1}) ids[T + e] = 2;             // sequence 1: one end, in its last position
+  for (int e : {T - 1}) ids[T + e] = 2;           // sequence 1: one end, in its last position
   // sequence 2: none
   const std::vector<int> want = walked_starts(ids, nseq, T, 2);
   const std::vector<int> got = library_starts(ids, nseq, T, 2);
