@@ -43,35 +43,41 @@ void report(const char* name, double s, double flops) {
   std::printf("  %-28s %9.3f ms  %8.1f GFLOP/s\n", name, 1e3 * s, flops / s / 1e9);
 }
 
-// Forward + backward time per token of the blocked attention and the full-matrix oracle on
-// b sequences of T tokens; masks: "causal", "documents" (a document ends every 256 tokens or
-// so), "window" (window 1024 below T, else T / 4).
+// Forward + backward time per token of the blocked (tiled) attention core, the fused core
+// (train.attention = fused) and the full-matrix oracle on b sequences of T tokens, and the
+// saved bytes per token of the two cores; masks: "causal", "documents" (a document ends every 256
+// tokens or so), "window" (window 1024 below T, else T / 4).
 void attention_sweep(const RunContext& ctx, ModelCfg m, int tokens, int reps) {
   std::printf("attention forward+backward per token (D %d, H %d, dh %d, %d tokens per call)\n",
               m.d_model, m.n_heads, m.head_dim(), tokens);
-  std::printf("  %6s %-10s %12s %12s %8s %10s\n", "T", "mask", "full us/tok", "blocked", "speedup",
-              "scores");
+  std::printf("  %6s %-10s %12s %12s %8s %10s %10s %12s %12s\n", "T", "mask", "full us/tok",
+              "blocked", "speedup", "scores", "fused", "tiled B/tok", "fused B/tok");
   for (int T : {256, 1024, 4096}) {
     const int b = std::max(1, tokens / T), N = b * T, D = m.d_model;
     for (const char* mask : {"causal", "documents", "window"}) {
       const std::string k = mask;
       const int window = k == "window" ? (T > 1024 ? 1024 : T / 4) : 0;
-      TensorTable ta, tb;
+      TensorTable ta, tb, tc;
+      RunContext fctx = ctx;
+      fctx.attention = AttentionKernel::Fused;
       Attention blocked(ctx, m, "blocks.0.attn.", b, T, ta, window);
+      Attention fused(fctx, m, "blocks.0.attn.", b, T, tc, window);
       oracle::FullMatrixAttention full(ctx, m, "blocks.0.attn.", b, T, tb, window);
       ta.allocate();
       tb.allocate();
+      tc.allocate();
       ta.initialize(1);
       tb.initialize(1);
+      tc.initialize(1);
       RopeTables rope(T, m.head_dim(), m.rope_theta);
-      Workspace wa, wb;
+      Workspace wa, wb, wc;
       std::vector<int> ids(N, 1);
       std::mt19937 gen(T);
       for (int i = 0; i < N; ++i)
         if (gen() % 256 == 0) ids[i] = 0;
       View1I ids_dev("ids", N), starts("starts", N);
-      Kokkos::deep_copy(ids_dev, Kokkos::View<const int*, HostSpace, Kokkos::MemoryUnmanaged>(
-                                     ids.data(), N));
+      Kokkos::deep_copy(
+          ids_dev, Kokkos::View<const int*, HostSpace, Kokkos::MemoryUnmanaged>(ids.data(), N));
       document_starts(ConstIVec(ids_dev.data(), N), b, T, 0, starts);
       std::vector<int> tile_start;  // the host's plan, as a training stage makes it
       document_tile_starts(ids.data(), b, T, 0, kAttentionPlanRows, tile_start);
@@ -96,10 +102,20 @@ void attention_sweep(const RunContext& ctx, ModelCfg m, int tokens, int reps) {
         blocked.backward(ta, rope, as_cmat(x.data(), N, D), as_cmat(dx.data(), N, D),
                          as_mat(y.data(), N, D), wa);
       });
+      const double t_fused = time_it(reps, [&] {
+        fused.forward(tc, rope, as_cmat(x.data(), N, D), as_mat(y.data(), N, D), wc, docs);
+        fused.backward(tc, rope, as_cmat(x.data(), N, D), as_cmat(dx.data(), N, D),
+                       as_mat(y.data(), N, D), wc);
+      });
       const double computed = double(blocked.scores_computed()) / (double(b) * m.n_heads * T * T);
-      std::printf("  %6d %-10s %12.2f %12.2f %7.2fx %9.1f%%\n", T,
+      const AttentionDims dims = Attention::core_dims(m, b, T, window);
+      auto saved = [&](AttentionPath p) {
+        return double(attention_core_sizes(p, dims, ctx.bf16()).saved.get()) / N;
+      };
+      std::printf("  %6d %-10s %12.2f %12.2f %7.2fx %9.1f%% %10.2f %12.0f %12.0f\n", T,
                   (k + (window ? " " + std::to_string(window) : "")).c_str(), 1e6 * t_full / N,
-                  1e6 * t_blocked / N, t_full / t_blocked, 100.0 * computed);
+                  1e6 * t_blocked / N, t_full / t_blocked, 100.0 * computed, 1e6 * t_fused / N,
+                  saved(AttentionPath::Tiled), saved(AttentionPath::Fused));
       std::fflush(stdout);
     }
   }
@@ -263,8 +279,8 @@ int main(int argc, char** argv) {
         gemm(ctx, Trans::T, Trans::N, 1.0f, as_cmat(in), as_cmat(b), 1.0f, as_mat(w2));   // d w2
         gemm(ctx, Trans::T, Trans::N, 1.0f, as_cmat(a), as_cmat(in), 1.0f, as_mat(w13));  // d w1
         gemm(ctx, Trans::T, Trans::N, 1.0f, as_cmat(b), as_cmat(in), 1.0f, as_mat(w13));  // d w3
-        gemm(ctx, Trans::N, Trans::N, 1.0f, as_cmat(a), as_cmat(w13), 0.0f, in);          // d in (w1)
-        gemm(ctx, Trans::N, Trans::N, 1.0f, as_cmat(b), as_cmat(w13), 1.0f, in);          // d in (w3)
+        gemm(ctx, Trans::N, Trans::N, 1.0f, as_cmat(a), as_cmat(w13), 0.0f, in);  // d in (w1)
+        gemm(ctx, Trans::N, Trans::N, 1.0f, as_cmat(b), as_cmat(w13), 1.0f, in);  // d in (w3)
       }
     });
     const double t_dense = time_it(reps, [&] {

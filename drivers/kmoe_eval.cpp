@@ -57,8 +57,9 @@ int main(int argc, char** argv) {
     kmoe::ProcessGrid grid(cfg.parallel, cfg.model.n_layers, MPI_COMM_WORLD);
     if (grid.is_root() && !layout_note.empty()) std::printf("note: %s\n", layout_note.c_str());
     std::string precision_note;  // the run's precision, as its training evaluated
-    const kmoe::RunContext ctx =
+    kmoe::RunContext ctx =
         kmoe::make_run_context(cfg.train.precision, exec.batch_threads, &precision_note);
+    ctx.attention = cfg.train.attention;  // the run's attention core, as its training took
     if (grid.is_root() && !precision_note.empty())
       std::printf("note: %s\n", precision_note.c_str());
     kmoe::TokenDataset val(cfg.data.val_paths, cfg.data.dtype, cfg.train.seq_len,

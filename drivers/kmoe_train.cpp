@@ -350,12 +350,13 @@ int main(int argc, char** argv) {
         if (grid.is_root()) std::cout << cfg.resolved_text << std::endl;
         if (grid.is_root() && !auto_note.empty()) std::printf("note: %s\n", auto_note.c_str());
         std::string precision_note;
-        const kmoe::RunContext ctx =
+        kmoe::RunContext ctx =
             kmoe::make_run_context(cfg.train.precision, exec.batch_threads, &precision_note);
+        ctx.attention = cfg.train.attention;
         if (grid.is_root() && !precision_note.empty())
           std::printf("note: %s\n", precision_note.c_str());
         if (grid.is_root()) {
-          const kmoe::AttentionChoice attn = kmoe::choose_attention_path(cfg.model, ctx.bf16());
+          const kmoe::AttentionChoice attn = kmoe::choose_attention_path(ctx.attention, cfg.model);
           std::printf("attention: %s (%s)\n", kmoe::attention_path_name(attn.path),
                       attn.why.c_str());
         }

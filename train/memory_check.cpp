@@ -43,6 +43,7 @@ RankShare rank_share(const Config& cfg, int stage, int in_flight) {
   }
   r.in_flight = in_flight;
   r.precision = cfg.train.precision;
+  r.attention = cfg.train.attention;
   r.recompute = cfg.train.recompute == Recompute::Block;
   r.engram_offload = cfg.engram.host_tables();
   if (cfg.optimizer.shard == OptimizerShard::Replicas) {

@@ -41,6 +41,11 @@ void declare_train(deck::Schema& s, Config& c) {
         "activation recompute: none | block (a block keeps only its input and runs its forward "
         "again just before its backward; bit-identical results, the blocks share one set of "
         "activation buffers)");
+  s.key(c.train.attention, "attention", AttentionKernel::Auto,
+        "the attention core: auto (tiled) | tiled (blocked GEMMs over the causal band, the "
+        "probabilities kept) | fused (one Kokkos kernel streaming key blocks with an online "
+        "softmax: no score matrix in memory, the log-sum-exp kept; backward recomputes the "
+        "probabilities); the start-up log names the one taken");
   s.key(c.train.document_mask, "document_mask", false,
         "a position reads only earlier positions of its own document (documents end at "
         "data.eod_id, which belongs to the document it ends): attention, Engram's n-grams and its "

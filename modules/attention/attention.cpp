@@ -22,10 +22,10 @@ AttentionDims Attention::core_dims(const ModelCfg& m, int max_seqs, int T, int w
 }
 
 std::int64_t Attention::workspace_bytes(const ModelCfg& m, int max_seqs, int T, bool bf16,
-                                        int window) {
+                                        int window, AttentionKernel kernel) {
   const std::int64_t N = std::int64_t(max_seqs) * T, dh = m.head_dim();
   const std::int64_t qd = m.n_heads * dh, kd = m.n_kv_heads * dh;
-  const AttentionCoreSizes core = attention_core_sizes(choose_attention_path(m, bf16).path,
+  const AttentionCoreSizes core = attention_core_sizes(choose_attention_path(kernel, m).path,
                                                        core_dims(m, max_seqs, T, window), bf16);
   const std::int64_t heads = Workspace::rounded(4 * N * qd);
   const std::int64_t forward = heads + core.forward_workspace.get();
@@ -68,7 +68,7 @@ Attention::Attention(const RunContext& ctx, const ModelCfg& m, const std::string
   q_ = KeptOperand(ctx, "attn::q", N * qd);
   k_ = KeptOperand(ctx, "attn::k", N * kd);
   v_ = KeptOperand(ctx, "attn::v", N * kd);
-  const AttentionChoice choice = choose_attention_path(m, ctx.bf16());
+  const AttentionChoice choice = choose_attention_path(ctx.attention, m);
   core_ = make_attention_core(choice.path, ctx, core_dims(m, max_seqs, T_, window_));
   merged_ = KeptOperand(ctx, "attn::merged", N * qd);
 }

@@ -66,7 +66,7 @@ class Attention {
   // The workspace bytes the deepest of the two calls takes, for max_seqs sequences, in a block
   // whose window is `window` (0: none): the projections' and the core's.
   static std::int64_t workspace_bytes(const ModelCfg& m, int max_seqs, int seq_len, bool bf16,
-                                      int window = 0);
+                                      int window, AttentionKernel kernel);
   // The core's dimensions for max_seqs sequences of seq_len positions.
   static AttentionDims core_dims(const ModelCfg& m, int max_seqs, int seq_len, int window);
 

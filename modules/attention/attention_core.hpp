@@ -81,16 +81,21 @@ class AttentionCore {
 };
 
 // The attention paths a build has. Tiled: blocked GEMMs over the causal band of scores, the
-// probabilities kept (tiled_attention.hpp).
-enum class AttentionPath { Tiled };
+// probabilities kept (tiled_attention.hpp). Fused: one Kokkos kernel per direction streaming key
+// blocks through team scratch with an online softmax, the output and log-sum-exp kept
+// (fused_attention.hpp).
+enum class AttentionPath { Tiled, Fused };
 const char* attention_path_name(AttentionPath p);
 
-// The one place that chooses a block's path, with the reason the start-up log prints.
+// The one place that chooses a block's path from train.attention (RunContext::attention), with
+// the reason the start-up log prints. auto takes the tiled core on every backend until the fused
+// kernels are timed on GPUs (docs/PERFORMANCE.md); on CPUs the tiled core's BLAS products are
+// the faster.
 struct AttentionChoice {
   AttentionPath path = AttentionPath::Tiled;
   std::string why;
 };
-AttentionChoice choose_attention_path(const ModelCfg& m, bool bf16);
+AttentionChoice choose_attention_path(AttentionKernel requested, const ModelCfg& m);
 
 std::unique_ptr<AttentionCore> make_attention_core(AttentionPath path, const RunContext& ctx,
                                                    const AttentionDims& dims);

@@ -20,7 +20,7 @@ std::int64_t Block::workspace_bytes(const RunContext& ctx, const ModelCfg& m, co
                                ? MoeLayer::workspace_bytes(ctx, m, e, N, ep)
                                : SwigluMlp::workspace_bytes(N, m.ffn_hidden, bf16);
   const std::int64_t layers =
-      std::max({Attention::workspace_bytes(m, max_seqs, T, bf16, m.window(layer)), ffn,
+      std::max({Attention::workspace_bytes(m, max_seqs, T, bf16, m.window(layer), ctx.attention), ffn,
                 engram ? EngramLayer::workspace_bytes(m, g, N) : 0});
   return (engram ? 4 : 3) * Workspace::rounded(4 * N * m.d_model) + layers;
 }

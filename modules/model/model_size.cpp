@@ -23,7 +23,8 @@ namespace {
 struct Shapes {
   Size V, D, F, L, qd, kd, attn, E, Fe, k, shared, Fs, N, H, W, attn_core, kb;
   bool tied, pre;
-  Shapes(const ModelCfg& m, const MoeCfg& e, int b, int T, Precision precision)
+  Shapes(const ModelCfg& m, const MoeCfg& e, int b, int T, Precision precision,
+         AttentionKernel attention = AttentionKernel::Auto)
       : V(m.vocab_size),
         D(m.d_model),
         F(m.ffn_hidden),
@@ -41,7 +42,7 @@ struct Shapes {
         W(qd + Size(2) * kd),
         // The attention core's saved state (the tiled core: the probabilities) in bytes; a window
         // keeps at most this.
-        attn_core(attention_core_sizes(choose_attention_path(m, precision == Precision::Bf16).path,
+        attn_core(attention_core_sizes(choose_attention_path(attention, m).path,
                                        Attention::core_dims(m, b, T, 0),
                                        precision == Precision::Bf16)
                       .saved),
@@ -142,7 +143,7 @@ ModelSize model_size(const ModelCfg& m, const MoeCfg& e, int b, int T, const Eng
 RankMemory rank_memory(const ModelCfg& m, const MoeCfg& e, const EngramCfg& g, int b, int T,
                        const RankShare& r) {
   return checked([&] {
-    const Shapes s(m, e, b, T, r.precision);
+    const Shapes s(m, e, b, T, r.precision, r.attention);
     const Size V = s.V, D = s.D, N = s.N;
     const auto plans = engram_hash_plans(g, load_engram_compression(g, m.vocab_size).vocab_c);
     Size elements = 0, saved = 0;   // parameters and buffers; one instance's activations (bytes)
@@ -250,6 +251,7 @@ RankMemory rank_memory(const ModelCfg& m, const MoeCfg& e, const EngramCfg& g, i
     RunContext ctx;
     ctx.precision = r.precision;
     ctx.batch_threads = r.batch_threads;
+    ctx.attention = r.attention;
     const Size workspace = Stage::workspace_bytes(ctx, m, e, g, plan, b, T, std::max(1, r.ep));
     out.activation_bytes = (kept + workspace + Size(r.in_flight) * caches).get();
     out.row_cache_bytes = (Size(r.in_flight) * caches).get();

@@ -37,6 +37,7 @@ struct RankShare {
   int in_flight = 1;       // Stage instances (max_in_flight of the pipeline schedule)
   // train.precision: bf16 keeps the activations MODEL.md section 8 lists as bf16 (2 bytes).
   Precision precision = Precision::Fp32;
+  AttentionKernel attention = AttentionKernel::Auto;  // train.attention: the core's saved state
   // The run context's host threads for side-by-side expert products (per-thread scratch); the
   // dry run, planning for other machines, counts 1.
   int batch_threads = 1;

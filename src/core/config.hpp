@@ -27,6 +27,7 @@ enum class CudaAwareMpi { Auto, Yes, No };           // parallel.cuda_aware_mpi
 enum class ExpertGemm { Auto, Grouped, PerExpert };  // moe.expert_gemm
 enum class Precision { Fp32, Tf32, Bf16 };           // train.precision
 enum class Recompute { None, Block };                // train.recompute
+enum class AttentionKernel { Auto, Tiled, Fused };   // train.attention
 enum class OptimizerShard { None, Replicas };        // optimizer.shard
 enum class Tokenizer { Bytes, SentencePiece, External };            // data.tokenizer
 enum class InitScheme { Normal, FanIn };             // model.init
@@ -94,6 +95,12 @@ template <>
 struct Choices<Recompute> {
   static constexpr Choice<Recompute> all[] = {{Recompute::None, "none"},
                                               {Recompute::Block, "block"}};
+};
+template <>
+struct Choices<AttentionKernel> {
+  static constexpr Choice<AttentionKernel> all[] = {{AttentionKernel::Auto, "auto"},
+                                                    {AttentionKernel::Tiled, "tiled"},
+                                                    {AttentionKernel::Fused, "fused"}};
 };
 template <>
 struct Choices<OptimizerShard> {
@@ -267,6 +274,7 @@ struct TrainCfg {
   Precision precision = Precision::Fp32;  // GEMM inputs: fp32, TF32 (GPUs) or bf16 (MODEL.md 8)
   Recompute recompute = Recompute::None;  // block: keep block inputs, run forward again
   bool document_mask = false;             // attention and Engram stop at data.eod_id
+  AttentionKernel attention = AttentionKernel::Auto;  // the attention core (attention_core.hpp)
 };
 
 struct OptimizerCfg {

@@ -25,6 +25,8 @@ struct RunContext {
   // bf16 grouped products through the tensor-core kernel's tiling on any build (tests of that
   // tiling on CPUs; grouped_gemm.hpp). Builds with tensor cores always take it in bf16.
   bool fragment_tiles = false;
+  // train.attention: the attention core the blocks ask for (attention_core.hpp decides).
+  AttentionKernel attention = AttentionKernel::Auto;
   // The activation memory of a rank's Stage instances (kept_operand.hpp); null: every layer
   // allocates its own. Not owned.
   ActivationPool* pool = nullptr;

@@ -19,7 +19,7 @@ Usage: check_reference.py BIN_DIR WORK_DIR [--block-norm reordered|pre] [--kv-he
          [--engram-layers L,.. [--engram-gate sigmoid|signed_sqrt] [--engram-ngram N]
          [--engram-heads K] [--engram-embed DE] [--engram-table-size S,..] [--engram-kernel W]
          [--engram-fold M]] [--precision fp32|bf16] [--document-mask]
-         [--sliding-window W [--window-layers L,..]] [--reuse]
+         [--sliding-window W [--window-layers L,..]] [--attention auto|tiled|fused] [--reuse]
    or: check_reference.py BIN_DIR WORK_DIR --case NAME OPTIONS... [--case NAME OPTIONS...]
        (each case in WORK_DIR/NAME, one process: ctest's reference groups)
 With --engram-layers the deck gets an [engram] section; --engram-fold M writes a compression map
@@ -196,6 +196,8 @@ def parse_case(argv):
     ap.add_argument("--init-gain", type=float, default=1.0, help="model.init_gain")
     ap.add_argument("--embed-init-std", type=float, help="model.embed_init_std (omitted: default)")
     ap.add_argument("--document-mask", action="store_true", help="train.document_mask")
+    ap.add_argument("--attention", default="auto", choices=["auto", "tiled", "fused"],
+                    help="train.attention (the attention core)")
     ap.add_argument("--seq-len", type=int, default=32, help="train.seq_len")
     ap.add_argument("--sliding-window", type=int, default=0, help="model.sliding_window")
     ap.add_argument("--window-layers", default="", help="model.window_layers (omitted: default)")
@@ -325,6 +327,7 @@ max_steps = 3
 seed = 7
 precision = {args.precision}
 document_mask = {'true' if args.document_mask else 'false'}
+attention = {args.attention}
 [optimizer]
 lr = 3e-3
 warmup_steps = 2

@@ -11,6 +11,7 @@
 #include "core/gemm.hpp"
 #include "full_attention.hpp"
 #include "modules/attention/attention.hpp"
+#include "modules/attention/fused_attention.hpp"
 #include "modules/attention/rope.hpp"
 #include "modules/attention/tiled_attention.hpp"
 #include "op_test_util.hpp"
@@ -178,21 +179,31 @@ std::vector<int> library_starts(const std::vector<int>& ids, int nseq, int T, in
 // so they differ by the order of fp32 sums and the rare probability rounded the other way
 // (measured at most: 1e-7 in the outputs, 8e-6 in a gradient); against the double reference by
 // bf16's rounding (measured at most 5.5e-3).
+//
+// The fused core (train.attention = fused) against the same oracle: in fp32 within the same
+// bounds (the online softmax's rescaling and its block-by-block sums move the last bits only;
+// measured at most 2.3e-7 in the outputs, 4.3e-7 in da, 8.8e-7 in a parameter gradient). In
+// bf16 it rounds the same operands, but its probabilities are exp(S - lse) rather than the
+// oracle's exp(S - max) / sum, so more of them round the other way: measured at most 6.0e-5,
+// 5.9e-5 and 1.0e-4.
 void check_blocked(const ModelCfg& m, int T, int nseq, int window, bool documents,
-                   bool planned = false, Precision precision = Precision::Fp32) {
+                   bool planned = false, Precision precision = Precision::Fp32,
+                   AttentionKernel kernel = AttentionKernel::Tiled) {
   const int D = m.d_model, N = nseq * T, max_seqs = nseq + 1;
   SCOPED_TRACE("H " + std::to_string(m.n_heads) + " Hkv " + std::to_string(m.n_kv_heads) + " T " +
                std::to_string(T) + " window " + std::to_string(window) +
                (documents ? " documents" : "") + (planned ? " planned" : "") + " " +
-               choice_name(precision));
-  const RunContext ctx = make_run_context(precision);  // the products and kept operands
-  const bool bf16 = precision == Precision::Bf16;
-  const double tol = bf16 ? 1e-5 : 1e-6, grad_tol = bf16 ? 1e-4 : 2e-6,
-               ref_tol = bf16 ? 2e-2 : 2e-6;
+               choice_name(precision) + " " + choice_name(kernel));
+  RunContext ctx = make_run_context(precision);  // the products and kept operands
+  ctx.attention = kernel;
+  const bool bf16 = precision == Precision::Bf16, fused = kernel == AttentionKernel::Fused;
+  const double tol = bf16 ? (fused ? 5e-4 : 1e-5) : 1e-6,
+               grad_tol = bf16 ? (fused ? 1e-3 : 1e-4) : 2e-6, ref_tol = bf16 ? 2e-2 : 2e-6;
   std::mt19937 gen(T + window + 7 * m.n_kv_heads + documents);
   TensorTable ta, tb;
   Attention blocked(ctx, m, kPrefix, max_seqs, T, ta, window);
   oracle::FullMatrixAttention full(ctx, m, kPrefix, max_seqs, T, tb, window);
+  ASSERT_STREQ(blocked.core().name(), fused ? "fused" : "tiled");
   ta.allocate();
   tb.allocate();
   ta.initialize(11);
@@ -235,11 +246,11 @@ void check_blocked(const ModelCfg& m, int T, int nseq, int window, bool document
   blocked.forward(ta, rope, as_cmat(a_dev.data(), N, D), as_mat(oa.data(), N, D), wa);
   const std::int64_t band =
       std::int64_t(nseq) * m.n_heads * TiledAttention::band_elements(T, window);
-  EXPECT_EQ(blocked.scores_computed(), band);
+  EXPECT_EQ(blocked.scores_computed(), fused ? 0 : band);
   blocked.forward(ta, rope, as_cmat(a_dev.data(), N, D), as_mat(oa.data(), N, D), wa, docs);
   // Planned: each (sequence, tile) computes its keys from max(k0, first row's document start).
-  std::int64_t want = band;
-  if (planned && gemm_rows_apart()) {
+  std::int64_t want = fused ? 0 : band;  // the fused core keeps no scores
+  if (planned && gemm_rows_apart() && !fused) {
     want = 0;
     const auto tiles = TiledAttention::tiles(T, window);
     for (int s = 0; s < nseq; ++s)
@@ -301,6 +312,37 @@ TEST(BlockedAttention, MatchesFullMatrixInBf16) {
       check_blocked(attention_cfg(4, 2, true), 200, 3, window, true, planned, Precision::Bf16);
   check_blocked(attention_cfg(4, 2, true), 150, 2, 0, false, false, Precision::Bf16);
   check_blocked(attention_cfg(4, 2, true), 200, 1, 64, false);
+}
+
+// The fused core on the same cases: GQA and not, every window, documents.
+TEST(FusedAttention, MatchesFullMatrix) {
+  EXPECT_EQ(FusedAttention::block_rows(8), 64);
+  EXPECT_EQ(FusedAttention::block_rows(64), device_paths() ? 16 : 64);
+  for (const auto& hk : {std::pair{4, 2}, std::pair{4, 1}, std::pair{2, 2}})
+    for (int window : {0, 1, 20, 70, 150, 200})
+      for (bool documents : {false, true})
+        check_blocked(attention_cfg(hk.first, hk.second, true), 150, 2, window, documents, true,
+                      Precision::Fp32, AttentionKernel::Fused);
+  check_blocked(attention_cfg(4, 2, false), 64, 2, 0, true, false, Precision::Fp32,
+                AttentionKernel::Fused);
+  check_blocked(attention_cfg(4, 2, true), 40, 3, 7, true, false, Precision::Fp32,
+                AttentionKernel::Fused);
+  check_blocked(attention_cfg(4, 1, false), 200, 3, 90, true, false, Precision::Fp32,
+                AttentionKernel::Fused);
+  // dh 64: blocks of 16 rows under device paths (FusedAttention::block_rows), 64 on CPUs.
+  ModelCfg wide = attention_cfg(2, 1, true);
+  wide.d_model = 128;
+  for (int window : {0, 20})
+    check_blocked(wide, 150, 2, window, true, false, Precision::Fp32, AttentionKernel::Fused);
+}
+
+TEST(FusedAttention, MatchesFullMatrixInBf16) {
+  for (int window : {0, 70})
+    for (bool documents : {false, true})
+      check_blocked(attention_cfg(4, 2, true), 200, 3, window, documents, false, Precision::Bf16,
+                    AttentionKernel::Fused);
+  check_blocked(attention_cfg(4, 1, true), 150, 2, 20, true, false, Precision::Bf16,
+                AttentionKernel::Fused);
 }
 
 TEST(BlockedAttention, BandFollowsTheMask) {
