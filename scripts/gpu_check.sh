@@ -6,12 +6,14 @@
 #   1. train_check: 8 single-rank training steps against the same steps computed by a CPU build
 #      (relative 1e-4 at step 1, 2e-3 after: other summation orders, near-ties in MoE routing);
 #      offload_check: the same with the Engram table in host memory (engram.offload = host;
-#      GPU bundles);
+#      GPU bundles); fused_check: the same with the fused attention core (train.attention =
+#      fused; GPU bundles: the CPU build's losses are the tiled core's);
 #   2. bench_moe_{bf16,fp32}: tokens/s, MFU, time per phase and device memory of a 16-block,
 #      64-expert top-8 MoE (bf16: grouped expert GEMMs on the tensor cores);
 #   3. peer_moe_*: the same model in plain PyTorch (bench/torch_peer.py: SDPA, experts as a
 #      Hugging Face style loop, and grouped with torch._grouped_mm), where PyTorch sees the GPU;
 #   4. bench_dense_bf16, peer_dense_bf16: a dense model (D 2048, 8 blocks, T 2048) against it;
+#      bench_dense_bf16_fused: the same kmoe model with the fused attention core;
 #   5. memcheck, racecheck: compute-sanitizer on a 2-step run of a small deck;
 #   6. hf_parity: the bundle's small exports (olmo2, llama, flex_olmo, olmoe) under
 #      transformers' AutoModelForCausalLM against kmoe's own logits, where transformers exists;
@@ -291,6 +293,10 @@ train_against_cpu train_check 150 "$what"
 # build's own ctest, engram_offload, checks that path bit for bit.)
 gpu_only offload_check ||
   train_against_cpu offload_check 60 "$what, Engram table in host memory" engram.offload=host
+# The fused attention core (attention_core.hpp) against the CPU build's tiled one: the same
+# function (the unit and reference tests hold the two together on CPUs).
+gpu_only fused_check ||
+  train_against_cpu fused_check 60 "$what, the fused attention core" train.attention=fused
 
 # A kmoe-train benchmark: NAME DECK LIMIT PRECISION [KEY=VALUE ...] (metrics past 2 steps).
 kmoe_bench() {
@@ -374,7 +380,7 @@ DENSE_SHAPE=(--d-model 2048 --n-layers 8 --n-heads 16 --ffn-hidden 5632 --seq-le
 if [ "$cuda" = none ]; then
   kmoe_bench bench_moe_fp32 moe.deck 120 fp32
   for s in bench_moe_bf16 peer_moe_bf16_grouped peer_moe_bf16_loop peer_moe_fp32_loop \
-           bench_dense_bf16 peer_dense_bf16; do
+           bench_dense_bf16 bench_dense_bf16_fused peer_dense_bf16; do
     skip "$s" "a CPU bundle"
   done
 else
@@ -384,6 +390,7 @@ else
   peer peer_moe_bf16_loop 75 "${MOE_SHAPE[@]}" --precision bf16 --expert-impl loop --steps 4 --skip 1
   peer peer_moe_fp32_loop 75 "${MOE_SHAPE[@]}" --precision fp32 --expert-impl loop --steps 4 --skip 1
   kmoe_bench bench_dense_bf16 dense.deck 60 bf16
+  kmoe_bench bench_dense_bf16_fused dense.deck 60 bf16 train.attention=fused
   peer peer_dense_bf16 45 "${DENSE_SHAPE[@]}" --precision bf16
 fi
 

@@ -35,7 +35,7 @@ grep -q "^ok   bench_moe_fp32: .* tokens/s" "$sum" || fail "no benchmark figure"
 grep -q "^ok   counter: per step: .* named host waits" "$sum" || fail "no per-step counts"
 for s in bench_moe_bf16 peer_moe_bf16_grouped peer_moe_bf16_loop peer_moe_fp32_loop bench_dense_bf16 \
          peer_dense_bf16 memcheck racecheck unit_tests bench_moe_tf32 bench_moe_per_expert_fp32 \
-         bench_moe_per_expert_bf16 offload_check; do
+         bench_moe_per_expert_bf16 offload_check fused_check bench_dense_bf16_fused; do
   grep -q "^skip $s: a CPU bundle" "$sum" || fail "$s is not reported skipped by name"
 done
 grep -q "^skip hf_parity: \|^ok   hf_parity" "$sum" || fail "hf_parity neither ran nor was skipped"
