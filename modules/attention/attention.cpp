@@ -105,12 +105,20 @@ void merge_heads(const float* heads, KeptOut merged, int N, int T, int Hkv, int 
 
 }  // namespace
 
+NormRope Attention::norm_rope_of(const TensorTable& table, const RopeTables& rope) const {
+  NormRope r{H_, Hkv_, dh_, eps_, qk_norm_, nullptr, nullptr, rope.cos, rope.sin};
+  if (qk_norm_) {
+    r.gq = table.param(q_norm_);
+    r.gk = table.param(k_norm_);
+  }
+  return r;
+}
+
 void Attention::forward(const TensorTable& table, const RopeTables& rope, ConstMat a, Mat out,
                         Workspace& ws, DocStarts docs) {
   Workspace::Frame frame(ws);
   const int N = a.extent(0), T = T_, nseq = N / T, H = H_, Hkv = Hkv_, dh = dh_, half = dh / 2;
   const int qd = H * dh, kd = Hkv * dh, W = qd + 2 * kd, G = H / Hkv;
-  const float eps = eps_;
   const bool qk_norm = qk_norm_;
 
   Mat qkv = as_mat(qkv_.data(), N, W);  // (N, H*dh | Hkv*dh | Hkv*dh)
@@ -119,15 +127,7 @@ void Attention::forward(const TensorTable& table, const RopeTables& rope, ConstM
   // QK-norm over the whole projected q and k, RoPE, and the split into head layout.
   const KeptOut q = q_.out(), k = k_.out(), v = v_.out();
   auto rq = rstd_q_, rk = rstd_k_;
-  const NormRope norm_rope{H,
-                           Hkv,
-                           dh,
-                           eps,
-                           qk_norm,
-                           qk_norm ? table.param(q_norm_) : nullptr,
-                           qk_norm ? table.param(k_norm_) : nullptr,
-                           rope.cos,
-                           rope.sin};
+  const NormRope norm_rope = norm_rope_of(table, rope);
   Kokkos::parallel_for(
       "attn::norm_rope_split", row_policy(N), KOKKOS_LAMBDA(const TeamMember& team) {
         const int r = team.league_rank(), s = r / T, t = r % T;
@@ -269,8 +269,6 @@ void Attention::decode(const TensorTable& table, const RopeTables& rope, ConstMa
   KMOE_REQUIRE(L <= C && L <= int(rope.cos.extent(0)), "attention decode: positions up to "
                                                            << L << " beyond the cache (" << C
                                                            << ") or the RoPE tables");
-  const float eps = eps_;
-  const bool qk_norm = qk_norm_;
   Workspace::Frame frame(ws);
   Mat qkv = frame.mat(n, W);
   gemm(ctx_, Trans::N, Trans::T, 1.0f, a, table.weight(wq_, W, D_), 0.0f, qkv);
@@ -279,15 +277,7 @@ void Attention::decode(const TensorTable& table, const RopeTables& rope, ConstMa
   // (n, H*dh) rows, k and v into the cache.
   Mat q = frame.mat(n, qd);
   auto kc = cache.k, vc = cache.v;
-  const NormRope norm_rope{H,
-                           Hkv,
-                           dh,
-                           eps,
-                           qk_norm,
-                           qk_norm ? table.param(q_norm_) : nullptr,
-                           qk_norm ? table.param(k_norm_) : nullptr,
-                           rope.cos,
-                           rope.sin};
+  const NormRope norm_rope = norm_rope_of(table, rope);
   Kokkos::parallel_for(
       "attn::decode_norm_rope", row_policy(n), KOKKOS_LAMBDA(const TeamMember& team) {
         const int r = team.league_rank(), t = pos + r;

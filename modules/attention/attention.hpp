@@ -90,6 +90,9 @@ class Attention {
   void qk_norm_backward(TensorTable& table, Mat d_qkv) const;
 
  private:
+  // QK-norm + RoPE of a projected row (rope.hpp) with this layer's norm weights.
+  NormRope norm_rope_of(const TensorTable& table, const RopeTables& rope) const;
+
   RunContext ctx_;  // the precision and host threads of its products
   int D_, H_, Hkv_, dh_, T_, window_;
   int N_ = 0;  // rows of the micro-batch backward() runs on

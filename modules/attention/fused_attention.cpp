@@ -44,6 +44,19 @@ struct Geometry {
 };
 
 KOKKOS_INLINE_FUNCTION int lesser(int a, int b) { return a < b ? a : b; }
+
+// The query block league rank r of a (sequence, head, query block) kernel is: rows [q0, q0 + nq)
+// of head h of sequence s.
+struct QueryBlock {
+  int s, h, q0, nq;
+  KOKKOS_INLINE_FUNCTION QueryBlock(const Geometry& g, int r) {
+    const int nqb = g.blocks();
+    s = r / nqb / g.H;
+    h = (r / nqb) % g.H;
+    q0 = (r % nqb) * g.B;
+    nq = lesser(g.B, g.T - q0);
+  }
+};
 KOKKOS_INLINE_FUNCTION int greater(int a, int b) { return a > b ? a : b; }
 
 KOKKOS_INLINE_FUNCTION float dot(const ScratchF& a, int ia, const ScratchF& b, int ib, int n) {
@@ -112,8 +125,9 @@ void fused_forward(const Geometry g, KeptIn q, KeptIn k, KeptIn v, float* heads,
       "attn::fused_forward",
       fused_policy(std::int64_t(g.nseq) * g.H * nqb, forward_scratch(B, dh), "query blocks"),
       KOKKOS_LAMBDA(const TeamMember& tm) {
-        const int r = tm.league_rank(), qb = r % nqb, h = (r / nqb) % g.H, s = r / nqb / g.H;
-        const int q0 = qb * B, nq = lesser(B, g.T - q0), kvh = h / g.G, last = q0 + nq - 1;
+        const QueryBlock qblock(g, tm.league_rank());
+        const int s = qblock.s, h = qblock.h, q0 = qblock.q0, nq = qblock.nq, kvh = h / g.G;
+        const int last = q0 + nq - 1;
         const bool normalized = g.bf16;  // a second sweep with the normalized probabilities
         ScratchF Qs(tm.team_scratch(0), B * dh), Ks(tm.team_scratch(0), B * dh),
             Vs(tm.team_scratch(0), B * dh), Os(tm.team_scratch(0), B * dh),
@@ -307,8 +321,9 @@ void fused_query_grads(const Geometry g, KeptIn q, KeptIn k, KeptIn v, KeptIn ou
       "attn::fused_query_grads",
       fused_policy(std::int64_t(g.nseq) * g.H * nqb, query_scratch(B, dh), "query blocks"),
       KOKKOS_LAMBDA(const TeamMember& tm) {
-        const int r = tm.league_rank(), qb = r % nqb, h = (r / nqb) % g.H, s = r / nqb / g.H;
-        const int q0 = qb * B, nq = lesser(B, g.T - q0), kvh = h / g.G, last = q0 + nq - 1;
+        const QueryBlock qblock(g, tm.league_rank());
+        const int s = qblock.s, h = qblock.h, q0 = qblock.q0, nq = qblock.nq, kvh = h / g.G;
+        const int last = q0 + nq - 1;
         ScratchF Qs(tm.team_scratch(0), B * dh), dOs(tm.team_scratch(0), B * dh),
             dQs(tm.team_scratch(0), B * dh), Ks(tm.team_scratch(0), B * dh),
             Vs(tm.team_scratch(0), B * dh), P(tm.team_scratch(0), B * B),

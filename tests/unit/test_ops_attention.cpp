@@ -317,7 +317,9 @@ TEST(BlockedAttention, MatchesFullMatrixInBf16) {
 // The fused core on the same cases: GQA and not, every window, documents.
 TEST(FusedAttention, MatchesFullMatrix) {
   EXPECT_EQ(FusedAttention::block_rows(8), 64);
-  EXPECT_EQ(FusedAttention::block_rows(64), device_paths() ? 16 : 64);
+  // 16 rows where the GPU's 48 KiB budget applies (GPU builds, device paths), 64 on CPUs.
+  constexpr bool host = Kokkos::SpaceAccessibility<HostSpace, MemSpace>::accessible;
+  EXPECT_EQ(FusedAttention::block_rows(64), host && !device_paths() ? 64 : 16);
   for (const auto& hk : {std::pair{4, 2}, std::pair{4, 1}, std::pair{2, 2}})
     for (int window : {0, 1, 20, 70, 150, 200})
       for (bool documents : {false, true})
