@@ -33,7 +33,9 @@ std::int64_t Attention::workspace_bytes(const ModelCfg& m, int max_seqs, int T, 
   // d(q|k|v) one after another.
   const std::int64_t backward =
       heads + 2 * Workspace::rounded(4 * N * kd) +
-      std::max({heads, core.backward_workspace.get(), Workspace::rounded(4 * N * (qd + 2 * kd))});
+      std::max({heads, core.backward_workspace.get(),
+                Workspace::rounded(4 * N * (qd + 2 * kd)) +
+                    (bf16 ? Workspace::rounded(2 * N * (qd + 2 * kd)) : 0)});
   return std::max(forward, backward);
 }
 
@@ -169,11 +171,18 @@ void Attention::backward(TensorTable& table, const RopeTables& rope, ConstMat a,
   output_projection_backward(table, dout, d_heads, ws);
   core_->backward({q_, k_, v_}, N / T_, d_heads, d_k, d_v, ws);
   Mat d_qkv = frame.mat(N, W);
-  unrope_merge(rope, d_heads, d_k, d_v, d_qkv);
-  if (qk_norm_) qk_norm_backward(table, d_qkv);
+  // In bf16 runs the kernels that finish d(q|k|v) also write it rounded, the copy both
+  // products read: unrope_merge the v columns (and q, k without QK-norm), the QK-norm
+  // backward the q and k columns.
+  std::uint16_t* d_qkv16 =
+      ctx_.bf16() ? reinterpret_cast<std::uint16_t*>(frame.floats((std::int64_t(N) * W + 1) / 2))
+                  : nullptr;
+  unrope_merge(rope, d_heads, d_k, d_v, d_qkv, d_qkv16);
+  if (qk_norm_) qk_norm_backward(table, d_qkv, d_qkv16);
+  const Operand d_qkv_in{d_qkv16 ? nullptr : d_qkv.data(), d_qkv16, N, W};
   // Fused projection: dW(q|k|v) += d_qkv^T a; da = d_qkv W(q|k|v).
-  gemm(ctx_, Trans::T, Trans::N, 1.0f, as_cmat(d_qkv), a, 1.0f, as_mat(table.grad(wq_), W, D_));
-  gemm(ctx_, Trans::N, Trans::N, 1.0f, as_cmat(d_qkv), table.weight(wq_, W, D_), 0.0f, da);
+  gemm(ctx_, Trans::T, Trans::N, 1.0f, d_qkv_in, a, 1.0f, as_mat(table.grad(wq_), W, D_));
+  gemm(ctx_, Trans::N, Trans::N, 1.0f, d_qkv_in, table.weight(wq_, W, D_), 0.0f, da);
 }
 
 void Attention::output_projection_backward(TensorTable& table, ConstMat dout, float* d_heads,
@@ -191,13 +200,14 @@ void Attention::output_projection_backward(TensorTable& table, ConstMat dout, fl
 }
 
 void Attention::unrope_merge(const RopeTables& rope, const float* d_heads, const float* d_k,
-                             const float* d_v, Mat d_qkv) const {
+                             const float* d_v, Mat d_qkv, std::uint16_t* d_qkv16) const {
   const int N = N_, T = T_, H = H_, Hkv = Hkv_, dh = dh_, half = dh / 2;
   const int qd = H * dh, kd = Hkv * dh, G = H / Hkv;
   // Back to (N, W) rows: inverse RoPE on dq, dk (gradients w.r.t. the normalized q, k), dv.
   const ConstVec dq(d_heads, std::int64_t(N) * qd), dk(d_k, std::int64_t(N) * kd),
       dv(d_v, std::int64_t(N) * kd);
   auto cs = rope.cos, sn = rope.sin;
+  std::uint16_t* const qk16 = qk_norm_ ? nullptr : d_qkv16;  // final here without QK-norm
   Kokkos::parallel_for(
       "attn::unrope_merge", row_policy(N), KOKKOS_LAMBDA(const TeamMember& team) {
         const int r = team.league_rank(), s = r / T, t = r % T;
@@ -211,22 +221,30 @@ void Attention::unrope_merge(const RopeTables& rope, const float* d_heads, const
           const int c0 = (is_q ? 0 : qd) + h * dh + i;
           d_qkv(r, c0) = g0;
           d_qkv(r, c0 + half) = g1;
+          if (qk16) {
+            const std::int64_t at = std::int64_t(r) * (qd + 2 * kd) + c0;
+            qk16[at] = bf16_bits(g0);
+            qk16[at + half] = bf16_bits(g1);
+          }
         });
         Kokkos::parallel_for(Kokkos::TeamThreadRange(team, kd), [&](int c) {
-          d_qkv(r, qd + kd + c) = dv(((std::int64_t(s) * Hkv + c / dh) * T + t) * dh + c % dh);
+          const float g = dv(((std::int64_t(s) * Hkv + c / dh) * T + t) * dh + c % dh);
+          d_qkv(r, qd + kd + c) = g;
+          if (d_qkv16) d_qkv16[std::int64_t(r) * (qd + 2 * kd) + qd + kd + c] = bf16_bits(g);
         });
       });
 }
 
-void Attention::qk_norm_backward(TensorTable& table, Mat d_qkv) const {
+void Attention::qk_norm_backward(TensorTable& table, Mat d_qkv, std::uint16_t* d_qkv16) const {
   const int N = N_, qd = H_ * dh_, kd = Hkv_ * dh_, W = qd + 2 * kd;
   kmoe::qk_norm_backward(as_cmat(qkv_.data(), N, W), d_qkv, qd, kd, ConstVec(rstd_q_.data(), N),
                          ConstVec(rstd_k_.data(), N), table.param(q_norm_), table.param(k_norm_),
-                         Vec(table.grad(q_norm_), qd), Vec(table.grad(k_norm_), kd));
+                         Vec(table.grad(q_norm_), qd), Vec(table.grad(k_norm_), kd), d_qkv16);
 }
 
 void qk_norm_backward(ConstMat qkv, Mat d_qkv, int qd, int kd, ConstVec rq, ConstVec rk,
-                      const float* gq, const float* gk, Vec grad_gq, Vec grad_gk) {
+                      const float* gq, const float* gk, Vec grad_gq, Vec grad_gk,
+                      std::uint16_t* d_qkv16) {
   const int N = qkv.extent(0), W = qkv.extent(1);
   // Norm weights first (they need the gradient w.r.t. the norm output), then the in-place
   // RMSNorm backward of the q and k column blocks.
@@ -246,7 +264,9 @@ void qk_norm_backward(ConstMat qkv, Mat d_qkv, int qd, int kd, ConstVec rq, Cons
           const float mean_dot = dot / width;
           team.team_barrier();
           Kokkos::parallel_for(Kokkos::TeamThreadRange(team, width), [&](int c) {
-            d_qkv(r, c0 + c) = s * (g[c] * d_qkv(r, c0 + c) - qkv(r, c0 + c) * s * mean_dot);
+            const float v = s * (g[c] * d_qkv(r, c0 + c) - qkv(r, c0 + c) * s * mean_dot);
+            d_qkv(r, c0 + c) = v;
+            if (d_qkv16) d_qkv16[std::int64_t(r) * W + c0 + c] = bf16_bits(v);
           });
           team.team_barrier();
         }

@@ -33,8 +33,11 @@ struct KvCache {
 // [0, qd), k in [qd, qd + kd)), given d_qkv w.r.t. the normalized q and k: grad_gq, grad_gk +=
 // the norm weights' gradients, then d_qkv's q and k columns become the gradients w.r.t. the
 // projections, in place. rq, rk: the forward's 1/rms per row; gq, gk: the norm weights.
+// d_qkv16 (bf16 runs): where the new q and k columns are also written rounded to bf16 (row
+// stride W), the copy the products read.
 void qk_norm_backward(ConstMat qkv, Mat d_qkv, int qd, int kd, ConstVec rq, ConstVec rk,
-                      const float* gq, const float* gk, Vec grad_gq, Vec grad_gk);
+                      const float* gq, const float* gk, Vec grad_gq, Vec grad_gk,
+                      std::uint16_t* d_qkv16 = nullptr);
 
 class Attention {
  public:
@@ -83,11 +86,12 @@ class Attention {
   void output_projection_backward(TensorTable& table, ConstMat dout, float* d_heads,
                                   Workspace& ws) const;
   // Back to (N, W) rows: inverse RoPE on dq, dk (gradients w.r.t. the normalized q, k), dv.
+  // d_qkv16 (bf16 runs): the columns final here (v; q and k without QK-norm) also rounded.
   void unrope_merge(const RopeTables& rope, const float* d_heads, const float* d_k,
-                    const float* d_v, Mat d_qkv) const;
+                    const float* d_v, Mat d_qkv, std::uint16_t* d_qkv16) const;
   // QK-norm: the norm weights' gradients, then the RMSNorm backward of the q and k columns in
-  // place.
-  void qk_norm_backward(TensorTable& table, Mat d_qkv) const;
+  // place (and rounded into d_qkv16, when given).
+  void qk_norm_backward(TensorTable& table, Mat d_qkv, std::uint16_t* d_qkv16) const;
 
  private:
   // QK-norm + RoPE of a projected row (rope.hpp) with this layer's norm weights.

@@ -52,33 +52,43 @@ void swiglu_activate(const float* a_data, const float* b_data, int ld, int N, in
 
 namespace {
 // One row's SwiGLU backward from a and b as stored (fp32 or bf16 pointers, row start applied).
-template <class P>
+// da, db: the row's outputs, fp32 or bf16 (rounded as written).
+KOKKOS_INLINE_FUNCTION void store(float* p, int f, float v) { p[f] = v; }
+KOKKOS_INLINE_FUNCTION void store(std::uint16_t* p, int f, float v) { p[f] = bf16_bits(v); }
+template <class P, class Q>
 KOKKOS_INLINE_FUNCTION void swiglu_row_backward(const TeamMember& tm, int F, P a, P b,
-                                                const float* dy, float curv, float* da,
-                                                float* db) {
+                                                const float* dy, float curv, Q da, Q db) {
   Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, F), [&](int f) {
-    swiglu_grads(kept_load(a, f), kept_load(b, f), dy[f], curv, da[f], db[f]);
+    float ga, gb;
+    swiglu_grads(kept_load(a, f), kept_load(b, f), dy[f], curv, ga, gb);
+    store(da, f, ga);
+    store(db, f, gb);
   });
 }
 }  // namespace
 
-void swiglu_activate_backward(KeptIn a, KeptIn b, int ld, ConstMat d_act, float* da_data,
-                              float* db_data, int ld_out) {
+void swiglu_activate_backward(KeptIn a, KeptIn b, int ld, ConstMat d_act, KeptOut da, KeptOut db,
+                              int ld_out) {
   KMOE_REQUIRE((a.b16 == nullptr) == (b.b16 == nullptr),
                "swiglu backward: one pre-activation kept as bf16, the other as fp32");
+  KMOE_REQUIRE((da.b16 == nullptr) == (db.b16 == nullptr),
+               "swiglu backward: one gradient written as bf16, the other as fp32");
   const int N = d_act.extent(0), F = d_act.extent(1);
   const float curv = silu_curvature();
   Kokkos::parallel_for(
       "swiglu::activate_backward", row_policy(N), KOKKOS_LAMBDA(const TeamMember& tm) {
         const int r = tm.league_rank();
-        const std::int64_t x = std::int64_t(r) * ld;
+        const std::int64_t x = std::int64_t(r) * ld, o = std::int64_t(r) * ld_out;
         const float* dy = &d_act(r, 0);
-        float* da = da_data + std::int64_t(r) * ld_out;
-        float* db = db_data + std::int64_t(r) * ld_out;
-        if (a.b16)
-          swiglu_row_backward(tm, F, a.b16 + x, b.b16 + x, dy, curv, da, db);
+        // The storage of each side chosen once per row: the inner loops stay plain.
+        if (a.b16 && da.b16)
+          swiglu_row_backward(tm, F, a.b16 + x, b.b16 + x, dy, curv, da.b16 + o, db.b16 + o);
+        else if (a.b16)
+          swiglu_row_backward(tm, F, a.b16 + x, b.b16 + x, dy, curv, da.f32 + o, db.f32 + o);
+        else if (da.b16)
+          swiglu_row_backward(tm, F, a.f32 + x, b.f32 + x, dy, curv, da.b16 + o, db.b16 + o);
         else
-          swiglu_row_backward(tm, F, a.f32 + x, b.f32 + x, dy, curv, da, db);
+          swiglu_row_backward(tm, F, a.f32 + x, b.f32 + x, dy, curv, da.f32 + o, db.f32 + o);
       });
 }
 
@@ -131,13 +141,19 @@ void SwigluMlp::forward(const TensorTable& table, ConstMat x, Mat y, Workspace& 
 void SwigluMlp::backward(TensorTable& table, ConstMat x, ConstMat dy, Mat dx, Workspace& ws) {
   const int N = x.extent(0);
   Workspace::Frame frame(ws);
-  Mat d_act = frame.mat(N, F_), d_up = frame.mat(N, 2 * F_);
+  Mat d_act = frame.mat(N, F_);
+  // d up is read only by the two products: in bf16 runs the kernel writes it rounded, once.
+  const std::int64_t n_up = std::int64_t(N) * 2 * F_;
+  float* d_up = frame.floats(ctx_.bf16() ? (n_up + 1) / 2 : n_up);
+  const KeptOut d_up_out = ctx_.bf16() ? KeptOut{nullptr, reinterpret_cast<std::uint16_t*>(d_up)}
+                                       : KeptOut{d_up, nullptr};
+  const Operand d_up_in{d_up_out.f32, d_up_out.b16, N, 2 * F_};
   gemm(ctx_, Trans::T, Trans::N, 1.0f, dy, act_.matrix(N, F_), 1.0f, as_mat(table.grad(w2_), D_, F_));
   gemm(ctx_, Trans::N, Trans::N, 1.0f, dy, table.weight(w2_, D_, F_), 0.0f, d_act);
-  swiglu_activate_backward(up_.in(), up_.in(F_), 2 * F_, as_cmat(d_act), d_up.data(),
-                           d_up.data() + F_, 2 * F_);
-  gemm(ctx_, Trans::T, Trans::N, 1.0f, as_cmat(d_up), x, 1.0f, as_mat(table.grad(w1_), 2 * F_, D_));
-  gemm(ctx_, Trans::N, Trans::N, 1.0f, as_cmat(d_up), table.weight(w1_, 2 * F_, D_), 0.0f, dx);
+  swiglu_activate_backward(up_.in(), up_.in(F_), 2 * F_, as_cmat(d_act), d_up_out,
+                           d_up_out.offset(F_), 2 * F_);
+  gemm(ctx_, Trans::T, Trans::N, 1.0f, d_up_in, x, 1.0f, as_mat(table.grad(w1_), 2 * F_, D_));
+  gemm(ctx_, Trans::N, Trans::N, 1.0f, d_up_in, table.weight(w1_, 2 * F_, D_), 0.0f, dx);
 }
 
 }  // namespace kmoe

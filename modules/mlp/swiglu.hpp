@@ -21,9 +21,14 @@ namespace kmoe {
 // activation is computed from the rounded values, the ones backward reads.
 void swiglu_activate(const float* a, const float* b, int ld, int N, int F, KeptOut act,
                      KeptOut keep_a = {}, KeptOut keep_b = {});
-// d_act: (N, F) -> da, db (row stride ld_out), from the kept a and b (row stride ld).
-void swiglu_activate_backward(KeptIn a, KeptIn b, int ld, ConstMat d_act, float* da, float* db,
+// d_act: (N, F) -> da, db (row stride ld_out), from the kept a and b (row stride ld); da and db
+// fp32, or both bf16 (rounded as written, for gradients only bf16 products read).
+void swiglu_activate_backward(KeptIn a, KeptIn b, int ld, ConstMat d_act, KeptOut da, KeptOut db,
                               int ld_out);
+inline void swiglu_activate_backward(KeptIn a, KeptIn b, int ld, ConstMat d_act, float* da,
+                                     float* db, int ld_out) {
+  swiglu_activate_backward(a, b, ld, d_act, KeptOut{da, nullptr}, KeptOut{db, nullptr}, ld_out);
+}
 
 // The same two on the calling host thread, fp32 in host memory: for row blocks a caller
 // already runs side by side on the host threads (the MoE experts' per-expert path). The same

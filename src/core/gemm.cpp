@@ -94,6 +94,15 @@ void widen_bf16(const std::uint16_t* src, std::int64_t n, float* dst) {
 }  // namespace detail
 
 namespace {
+// An fp32 operand of a bf16 product rounded at the product's entry: the Kokkos Tools event
+// "kmoe::rounded <n>" names the elements, which tests/tools/kokkos_counter sums per step. A
+// producing kernel that writes its values as bf16 (KeptOperand) spares every product that reads
+// them this rounding: in a bf16 step of the dense model the sum is 0.
+void count_rounded(std::int64_t n) {
+  if (!Kokkos::Tools::profileLibraryLoaded()) return;
+  Kokkos::Tools::markEvent("kmoe::rounded " + std::to_string(n));
+}
+
 // The n values of a bf16 product's input `which` (0: A, 1: B) in the form the library takes:
 // bf16 bits on CUDA (a bf16 operand as it is), bf16-valued fp32 on CPUs.
 #if defined(KMOE_CUBLAS)
@@ -101,16 +110,19 @@ const std::uint16_t* bf16_input(int which, const float* f32, const std::uint16_t
                                 std::int64_t n) {
   if (b16) return b16;
   std::uint16_t* ws = bf16_workspace(which, n);
+  count_rounded(n);
   detail::to_bf16(f32, n, ws);
   return ws;
 }
 #else
 const float* bf16_input(int which, const float* f32, const std::uint16_t* b16, std::int64_t n) {
   float* ws = bf16_workspace(which, n);
-  if (b16)
+  if (b16) {
     detail::widen_bf16(b16, n, ws);
-  else
+  } else {
+    count_rounded(n);
     detail::to_bf16(f32, n, ws);
+  }
   return ws;
 }
 #endif

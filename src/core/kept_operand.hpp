@@ -34,6 +34,10 @@ struct KeptOut {
     else
       f32[i] = v;
   }
+  // The same storage from element i on.
+  KOKKOS_INLINE_FUNCTION KeptOut offset(std::int64_t i) const {
+    return {f32 ? f32 + i : nullptr, b16 ? b16 + i : nullptr};
+  }
 };
 
 // A kept value as fp32, from either storage: kernels whose inner loops should vectorize choose

@@ -66,6 +66,31 @@ if base and micro and layers:
                 f"fences alike at steps 2 and 3: {base[1]['fences']} / {base[2]['fences']}")
     else:
         h.skip("fence counts", "this Kokkos reports no fences to Kokkos Tools (Kokkos 3.4)")
+# bf16 operands rounded where they are produced (the event "kmoe::rounded <n>" of gemm.cpp
+# counts the fp32 elements products still round at their entry). Per micro-batch of N rows,
+# with the fused attention core (no products inside it), what is still rounded at entry is, per
+# layer, the normalized inputs of the attention and MLP projections (forward and backward: 4
+# N x D), the MLP's dy (twice) and the attention's d out (twice); and in the head its normalized
+# input (twice) and d logits (twice). The SwiGLU backward writes d up and the attention backward
+# d(q|k|v) as bf16, so those products round nothing: were they rounded again, the count would
+# grow by 4 N F resp. 2 N (qd + 2 kd) per layer.
+N, D, V, layers, micro = 2 * 32, 32, 320, 2, 2
+expected = micro * (layers * 8 * N * D + 2 * N * V + 2 * N * D)
+bf16 = counts("bf16", "--train.precision=bf16", "--moe.experts=0", "--train.attention=fused")
+if bf16:
+    h.check(all(r["rounded_elements"] == expected for r in bf16),
+            f"bf16, fused attention: {expected} fp32 elements rounded at products' entry per "
+            f"step (d up, d(q|k|v) rounded by their kernels): {[r['rounded_elements'] for r in bf16]}")
+tiled = counts("bf16_tiled", "--train.precision=bf16", "--moe.experts=0", "--train.attention=tiled")
+if tiled:
+    h.check(len({r["rounded_elements"] for r in tiled}) == 1 and
+            tiled[0]["rounded_elements"] > expected,
+            "bf16, tiled attention: the same elements rounded every step, its tile products' "
+            f"on top: {[r['rounded_elements'] for r in tiled]}")
+if base:
+    h.check(all(r["rounded_elements"] == 0 for r in base),
+            f"fp32: nothing rounded: {[r['rounded_elements'] for r in base]}")
+
 # Many experts and uneven routing (a router that has not learned to balance): the per-expert
 # buffers are sized for the most rows an expert can take, so no step after the first allocates.
 routed = counts("routed", "--moe.experts=32", "--moe.top_k=1", "--moe.expert_hidden=512",

@@ -5,8 +5,9 @@
 // memory allocations and deallocations with their bytes (every Kokkos memory space: on a CPU
 // build the device's memory is host memory), and kmoe's GEMM calls (the event "kmoe::gemm
 // <kind>" of core/gemm.cpp: one cuBLAS call each on CUDA builds, whose kernels Kokkos does not
-// see). A step is the profile region "kmoe::step" that the
-// trainer opens around each optimizer step.
+// see), and the fp32 operand elements bf16 products rounded at their entry (the event
+// "kmoe::rounded <n>": operands no producing kernel wrote as bf16). A step is the profile region
+// "kmoe::step" that the trainer opens around each optimizer step.
 //
 // Loaded with KOKKOS_TOOLS_LIBS=<path> (Kokkos 4) or KOKKOS_PROFILE_LIBRARY=<path> (Kokkos 3).
 // At exit it writes one CSV row per step to $KMOE_KOKKOS_COUNTS (".<rank>" appended on ranks
@@ -42,6 +43,7 @@ struct Counts {
   long kernels = 0, fences = 0, copies = 0, to_host = 0, from_host = 0, on_device = 0,
        kmoe_syncs = 0, allocations = 0, deallocations = 0, gemm_calls = 0;
   std::uint64_t bytes_to_host = 0, bytes_from_host = 0, bytes_allocated = 0;
+  long long rounded_elements = 0;  // fp32 operand elements bf16 products rounded at entry
 };
 
 std::vector<Counts> g_steps;
@@ -97,15 +99,15 @@ void kokkosp_finalize_library() {
   std::fprintf(out,
                "step,kernels,fences,deep_copies,copies_to_host,copies_from_host,"
                "copies_on_device,bytes_to_host,kmoe_syncs,bytes_from_host,allocations,"
-               "bytes_allocated,deallocations,gemm_calls\n");
+               "bytes_allocated,deallocations,gemm_calls,rounded_elements\n");
   for (std::size_t s = 0; s < g_steps.size(); ++s) {
     const Counts& c = g_steps[s];
-    std::fprintf(out, "%zu,%ld,%ld,%ld,%ld,%ld,%ld,%llu,%ld,%llu,%ld,%llu,%ld,%ld\n", s + 1,
+    std::fprintf(out, "%zu,%ld,%ld,%ld,%ld,%ld,%ld,%llu,%ld,%llu,%ld,%llu,%ld,%ld,%lld\n", s + 1,
                  c.kernels, c.fences, c.copies, c.to_host, c.from_host, c.on_device,
                  static_cast<unsigned long long>(c.bytes_to_host), c.kmoe_syncs,
                  static_cast<unsigned long long>(c.bytes_from_host), c.allocations,
-                 static_cast<unsigned long long>(c.bytes_allocated), c.deallocations,
-                 c.gemm_calls);
+                 static_cast<unsigned long long>(c.bytes_allocated), c.deallocations, c.gemm_calls,
+                 c.rounded_elements);
   }
   if (out != stderr) std::fclose(out);
   if (g_names) {
@@ -168,6 +170,10 @@ void kokkosp_deallocate_data(SpaceHandle, const char*, const void*, std::uint64_
 void kokkosp_profile_event(const char* name) {
   if (g_step_depth > 0 && std::strncmp(name, "kmoe::gemm", 10) == 0) {
     ++g_current.gemm_calls;
+    return;
+  }
+  if (std::strncmp(name, "kmoe::rounded ", 14) == 0) {
+    if (g_step_depth > 0) g_current.rounded_elements += std::strtoll(name + 14, nullptr, 10);
     return;
   }
   if (g_step_depth == 0 || std::strncmp(name, "kmoe::sync", 10) != 0) return;
