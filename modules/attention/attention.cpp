@@ -159,8 +159,8 @@ void Attention::forward(const TensorTable& table, const RopeTables& rope, ConstM
   gemm(ctx_, Trans::N, Trans::T, 1.0f, merged_.matrix(N, qd), table.weight(wo_, D_, qd), 0.0f, out);
 }
 
-void Attention::backward(TensorTable& table, const RopeTables& rope, ConstMat a, ConstMat dout,
-                         Mat da, Workspace& ws) {
+void Attention::backward(TensorTable& table, const RopeTables& rope, ConstMat a,
+                         const Operand& dout, Mat da, Workspace& ws) {
   const int N = a.extent(0), H = H_, Hkv = Hkv_, dh = dh_;
   const int qd = H * dh, kd = Hkv * dh, W = qd + 2 * kd;
   N_ = N;
@@ -185,7 +185,7 @@ void Attention::backward(TensorTable& table, const RopeTables& rope, ConstMat a,
   gemm(ctx_, Trans::N, Trans::N, 1.0f, d_qkv_in, table.weight(wq_, W, D_), 0.0f, da);
 }
 
-void Attention::output_projection_backward(TensorTable& table, ConstMat dout, float* d_heads,
+void Attention::output_projection_backward(TensorTable& table, const Operand& dout, float* d_heads,
                                            Workspace& ws) const {
   const int N = N_, T = T_, H = H_, Hkv = Hkv_, dh = dh_, qd = H * dh, G = H / Hkv;
   // Output projection: dWo += dout^T merged; d_merged = dout Wo, split into heads.

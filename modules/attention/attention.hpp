@@ -54,9 +54,14 @@ class Attention {
                DocStarts docs = DocStarts());
   // dout: (N, D) -> da: (N, D) (assigned); parameter gradients accumulate. Temporaries from
   // `ws`: dO and dQ (nseq, H, T, dh), dK and dV (nseq, Hkv, T, dh), then the merged dO (N,
-  // H*dh), then the core's backward, then d(q|k|v) (N, (H+2Hkv)*dh).
-  void backward(TensorTable& table, const RopeTables& rope, ConstMat a, ConstMat dout, Mat da,
+  // H*dh), then the core's backward, then d(q|k|v) (N, (H+2Hkv)*dh). dout: fp32, or bf16 in
+  // bf16 runs (it is read only by products).
+  void backward(TensorTable& table, const RopeTables& rope, ConstMat a, const Operand& dout, Mat da,
                 Workspace& ws);
+  void backward(TensorTable& table, const RopeTables& rope, ConstMat a, ConstMat dout, Mat da,
+                Workspace& ws) {
+    backward(table, rope, a, operand(dout), da, ws);
+  }
 
   // Incremental decoding (generation): a: (n, D), the rows of positions [pos, pos + n) of one
   // sequence whose earlier positions' keys and values `cache` holds -> out: (n, D), what
@@ -83,7 +88,7 @@ class Attention {
   // The phases of backward() around the core. Public only because a function that launches a
   // device lambda may not be private under nvcc; backward() is the interface.
   // dWo += dout^T merged; dO = dout Wo, split into the query layout (d_heads).
-  void output_projection_backward(TensorTable& table, ConstMat dout, float* d_heads,
+  void output_projection_backward(TensorTable& table, const Operand& dout, float* d_heads,
                                   Workspace& ws) const;
   // Back to (N, W) rows: inverse RoPE on dq, dk (gradients w.r.t. the normalized q, k), dv.
   // d_qkv16 (bf16 runs): the columns final here (v; q and k without QK-norm) also rounded.

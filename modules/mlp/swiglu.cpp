@@ -138,7 +138,8 @@ void SwigluMlp::forward(const TensorTable& table, ConstMat x, Mat y, Workspace& 
   gemm(ctx_, Trans::N, Trans::T, 1.0f, act_.matrix(N, F_), table.weight(w2_, D_, F_), 0.0f, y);
 }
 
-void SwigluMlp::backward(TensorTable& table, ConstMat x, ConstMat dy, Mat dx, Workspace& ws) {
+void SwigluMlp::backward(TensorTable& table, ConstMat x, const Operand& dy, Mat dx,
+                         Workspace& ws) {
   const int N = x.extent(0);
   Workspace::Frame frame(ws);
   Mat d_act = frame.mat(N, F_);

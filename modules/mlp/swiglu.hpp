@@ -59,7 +59,11 @@ class SwigluMlp {
   void forward(const TensorTable& table, ConstMat x, Mat y, Workspace& ws);
   // dy: (N, D) -> dx: (N, D) (assigned); parameter gradients accumulate. Temporaries from `ws`:
   // d act (N, F), d up (N, 2F).
-  void backward(TensorTable& table, ConstMat x, ConstMat dy, Mat dx, Workspace& ws);
+  // dy: fp32, or bf16 in bf16 runs (it is read only by products).
+  void backward(TensorTable& table, ConstMat x, const Operand& dy, Mat dx, Workspace& ws);
+  void backward(TensorTable& table, ConstMat x, ConstMat dy, Mat dx, Workspace& ws) {
+    backward(table, x, operand(dy), dx, ws);
+  }
 
   // The workspace bytes the deeper of the two calls takes for `rows` rows.
   static std::int64_t workspace_bytes(std::int64_t rows, int hidden, bool bf16);

@@ -22,7 +22,10 @@ std::int64_t Block::workspace_bytes(const RunContext& ctx, const ModelCfg& m, co
   const std::int64_t layers =
       std::max({Attention::workspace_bytes(m, max_seqs, T, bf16, m.window(layer), ctx.attention), ffn,
                 engram ? EngramLayer::workspace_bytes(m, g, N) : 0});
-  return (engram ? 4 : 3) * Workspace::rounded(4 * N * m.d_model) + layers;
+  // d_h, d_a, d_b (and d_engram) in fp32; in bf16 runs the bf16 copy of the one the norm
+  // backward hands to the layers' products.
+  return (engram ? 4 : 3) * Workspace::rounded(4 * N * m.d_model) +
+         (bf16 ? Workspace::rounded(2 * N * m.d_model) : 0) + layers;
 }
 
 Block::Block(const RunContext& ctx, const ModelCfg& m, const MoeCfg& e, const EngramCfg& g,
@@ -30,6 +33,7 @@ Block::Block(const RunContext& ctx, const ModelCfg& m, const MoeCfg& e, const En
              const LayerComms& comms, StepStats* stats)
     : D_(m.d_model),
       reordered_(m.block_norm == BlockNorm::Reordered),
+      bf16_(ctx.bf16()),
       eps_(static_cast<float>(m.norm_eps)),
       attn_norm_(table.add(TensorSpec::gain(block_prefix(layer) + "attn_norm.weight", D_))),
       ffn_norm_(table.add(TensorSpec::gain(block_prefix(layer) + "ffn_norm.weight", D_))),
@@ -143,10 +147,13 @@ void Block::ffn_forward(const TensorTable& table, ConstMat in, Mat out, BlockScr
     mlp_->forward(table, in, out, s.work);
 }
 
-void Block::ffn_backward(TensorTable& table, ConstMat in, ConstMat dy, Mat dx, BlockScratch& s,
-                         float aux_scale) {
+void Block::ffn_backward(TensorTable& table, ConstMat in, ConstMat dy, const std::uint16_t* dy16,
+                         Mat dx, BlockScratch& s, float aux_scale) {
   if (moe_)
     moe_->backward(table, in, dy, dx, s.work, aux_scale);
+  else if (dy16)
+    mlp_->backward(table, in, Operand{nullptr, dy16, int(dy.extent(0)), int(dy.extent(1))}, dx,
+                   s.work);
   else
     mlp_->backward(table, in, dy, dx, s.work);
 }
@@ -162,18 +169,27 @@ void Block::backward(TensorTable& table, const RopeTables& rope, ConstMat x_bloc
   Vec dg_attn(table.grad(attn_norm_), D_), dg_ffn(table.grad(ffn_norm_), D_);
   ConstVec rstd_attn(rstd_attn_.data(), N), rstd_ffn(rstd_ffn_.data(), N);
   Mat d_h = frame.mat(N, D_), d_a = frame.mat(N, D_), d_b = frame.mat(N, D_);
+  // In bf16 runs the norm backward whose output goes to the attention's output projection (and
+  // the dense MLP) also writes it rounded: the copy those products read.
+  std::uint16_t* d16 =
+      bf16_ ? reinterpret_cast<std::uint16_t*>(frame.floats((std::int64_t(N) * D_ + 1) / 2))
+            : nullptr;
+  const auto as_operand = [&](Mat d) {
+    return d16 ? Operand{nullptr, d16, N, D_} : operand(as_cmat(d));
+  };
   if (reordered_) {
-    rmsnorm_backward(as_cmat(buf(ffn_out_, N)), g_ffn, rstd_ffn, dx_out, ConstMat(), d_a, dg_ffn);
-    ffn_backward(table, as_cmat(buf(h_, N)), as_cmat(d_a), d_b, s, aux_scale);
+    rmsnorm_backward(as_cmat(buf(ffn_out_, N)), g_ffn, rstd_ffn, dx_out, ConstMat(), d_a, dg_ffn,
+                     moe_ ? nullptr : d16);
+    ffn_backward(table, as_cmat(buf(h_, N)), as_cmat(d_a), moe_ ? nullptr : d16, d_b, s, aux_scale);
     add(dx_out, as_cmat(d_b), d_h);
     rmsnorm_backward(as_cmat(buf(attn_out_, N)), g_attn, rstd_attn, as_cmat(d_h), ConstMat(), d_a,
-                     dg_attn);
-    attn_.backward(table, rope, x_in, as_cmat(d_a), d_b, s.work);
+                     dg_attn, d16);
+    attn_.backward(table, rope, x_in, as_operand(d_a), d_b, s.work);
     add(as_cmat(d_h), as_cmat(d_b), dx_in);
   } else {
-    ffn_backward(table, as_cmat(buf(ffn_in_, N)), dx_out, d_a, s, aux_scale);
-    rmsnorm_backward(as_cmat(buf(h_, N)), g_ffn, rstd_ffn, as_cmat(d_a), dx_out, d_h, dg_ffn);
-    attn_.backward(table, rope, as_cmat(buf(attn_in_, N)), as_cmat(d_h), d_a, s.work);
+    ffn_backward(table, as_cmat(buf(ffn_in_, N)), dx_out, nullptr, d_a, s, aux_scale);
+    rmsnorm_backward(as_cmat(buf(h_, N)), g_ffn, rstd_ffn, as_cmat(d_a), dx_out, d_h, dg_ffn, d16);
+    attn_.backward(table, rope, as_cmat(buf(attn_in_, N)), as_operand(d_h), d_a, s.work);
     rmsnorm_backward(x_in, g_attn, rstd_attn, as_cmat(d_a), as_cmat(d_h), dx_in, dg_attn);
   }
   if (engram_) {  // dx = dx_e + Engram backward (through RMSNorm_q(x))

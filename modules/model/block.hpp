@@ -87,11 +87,14 @@ class Block {
  private:
   Mat buf(const View1F& v, int rows) const { return as_mat(v.data(), rows, D_); }
   void ffn_forward(const TensorTable& table, ConstMat in, Mat out, BlockScratch& s, bool count);
-  void ffn_backward(TensorTable& table, ConstMat in, ConstMat dy, Mat dx, BlockScratch& s,
-                    float aux_scale);
+  // dy16: dy's bf16 copy where the caller's kernel wrote one (the dense MLP reads dy only in
+  // products; an MoE layer reads it in fp32).
+  void ffn_backward(TensorTable& table, ConstMat in, ConstMat dy, const std::uint16_t* dy16, Mat dx,
+                    BlockScratch& s, float aux_scale);
 
   int D_;
   bool reordered_;
+  bool bf16_;  // the run's precision: bf16 copies of the gradients products read
   float eps_;
   int attn_norm_, ffn_norm_;
   Attention attn_;

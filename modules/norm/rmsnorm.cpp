@@ -1,5 +1,6 @@
 #include "modules/norm/rmsnorm.hpp"
 
+#include "core/bf16.hpp"
 #include "core/column_sums.hpp"
 
 namespace kmoe {
@@ -34,7 +35,7 @@ void rmsnorm_weight_grad(const float* x_data, int x_stride, const float* dy_data
 }
 
 void rmsnorm_backward(ConstMat x, ConstVec g, ConstVec rstd, ConstMat dy, ConstMat dx_base, Mat dx,
-                      Vec dg) {
+                      Vec dg, std::uint16_t* dx16) {
   const int rows = x.extent(0), width = x.extent(1);
   const bool has_base = dx_base.extent(0) > 0;
   rmsnorm_weight_grad(x.data(), width, dy.data(), width, rstd, rows, width, dg);
@@ -49,7 +50,9 @@ void rmsnorm_backward(ConstMat x, ConstVec g, ConstVec rstd, ConstMat dy, ConstM
         const float mean_dot = dot / width;
         Kokkos::parallel_for(Kokkos::TeamThreadRange(team, width), [&](int d) {
           const float v = s * (g(d) * dy(r, d) - x(r, d) * s * mean_dot);
-          dx(r, d) = (has_base ? dx_base(r, d) : 0.0f) + v;
+          const float out = (has_base ? dx_base(r, d) : 0.0f) + v;
+          dx(r, d) = out;
+          if (dx16) dx16[std::int64_t(r) * width + d] = bf16_bits(out);
         });
       });
 }

@@ -4,6 +4,8 @@
 //   dx = dx_base + rstd * (g*dy - xhat * mean(g*dy*xhat)),  dg += sum_rows dy * xhat.
 #pragma once
 
+#include <cstdint>
+
 #include "core/kokkos_types.hpp"
 
 namespace kmoe {
@@ -12,9 +14,10 @@ namespace kmoe {
 void rmsnorm_forward(ConstMat x, ConstVec g, float eps, ConstMat residual, Mat y, Vec rstd);
 
 // dy: (rows, width) -> dx = dx_base + dL/dx (dx_base may be empty; dx may alias dx_base);
-// dg accumulates. dx must not alias dy.
+// dg accumulates. dx must not alias dy. dx16 (bf16 runs): where dx is also written rounded to
+// bf16 (rows x width, contiguous), for products that read it.
 void rmsnorm_backward(ConstMat x, ConstVec g, ConstVec rstd, ConstMat dy, ConstMat dx_base, Mat dx,
-                      Vec dg);
+                      Vec dg, std::uint16_t* dx16 = nullptr);
 
 // dg[d] += sum_r dy[r,d] * x[r,d] * rstd[r], reduced per column in row order (deterministic).
 // x and dy may be row-strided windows: row r of x starts at x_data + r * x_stride.

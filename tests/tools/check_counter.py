@@ -68,19 +68,20 @@ if base and micro and layers:
         h.skip("fence counts", "this Kokkos reports no fences to Kokkos Tools (Kokkos 3.4)")
 # bf16 operands rounded where they are produced (the event "kmoe::rounded <n>" of gemm.cpp
 # counts the fp32 elements products still round at their entry). Per micro-batch of N rows,
-# with the fused attention core (no products inside it), what is still rounded at entry is, per
-# layer, the normalized inputs of the attention and MLP projections (forward and backward: 4
-# N x D), the MLP's dy (twice) and the attention's d out (twice); and in the head its normalized
-# input (twice) and d logits (twice). The SwiGLU backward writes d up and the attention backward
-# d(q|k|v) as bf16, so those products round nothing: were they rounded again, the count would
-# grow by 4 N F resp. 2 N (qd + 2 kd) per layer.
+# with the fused attention core (no products inside it) and the reordered norm (the default),
+# what is still rounded at entry is, per layer, the inputs of the attention and MLP projections
+# (the residual stream, forward and backward: 4 N x D); and in the head its normalized input
+# (twice) and d logits (twice). The SwiGLU backward writes d up, the attention backward
+# d(q|k|v) and the norm backwards the MLP's dy and the attention's d out as bf16, so those
+# products round nothing: were they rounded again, the count would grow by 4 N F, 2 N (qd +
+# 2 kd), 2 N D and 2 N D per layer.
 N, D, V, layers, micro = 2 * 32, 32, 320, 2, 2
-expected = micro * (layers * 8 * N * D + 2 * N * V + 2 * N * D)
+expected = micro * (layers * 4 * N * D + 2 * N * V + 2 * N * D)
 bf16 = counts("bf16", "--train.precision=bf16", "--moe.experts=0", "--train.attention=fused")
 if bf16:
     h.check(all(r["rounded_elements"] == expected for r in bf16),
             f"bf16, fused attention: {expected} fp32 elements rounded at products' entry per "
-            f"step (d up, d(q|k|v) rounded by their kernels): {[r['rounded_elements'] for r in bf16]}")
+            f"step (the gradients products read rounded by their kernels): {[r['rounded_elements'] for r in bf16]}")
 tiled = counts("bf16_tiled", "--train.precision=bf16", "--moe.experts=0", "--train.attention=tiled")
 if tiled:
     h.check(len({r["rounded_elements"] for r in tiled}) == 1 and
