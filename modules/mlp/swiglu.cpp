@@ -128,8 +128,8 @@ SwigluMlp::SwigluMlp(const RunContext& ctx, const std::string& prefix, const Mod
   act_ = KeptOperand(ctx, "mlp::act", max_rows * F_);
 }
 
-void SwigluMlp::forward(const TensorTable& table, ConstMat x, Mat y, Workspace& ws) {
-  const int N = x.extent(0);
+void SwigluMlp::forward(const TensorTable& table, const Operand& x, Mat y, Workspace& ws) {
+  const int N = x.rows;
   Workspace::Frame frame(ws);
   float* staging = up_.is_bf16() ? frame.floats(std::int64_t(N) * 2 * F_) : nullptr;
   Mat up = as_mat(up_.product_target(staging), N, 2 * F_);
@@ -138,9 +138,9 @@ void SwigluMlp::forward(const TensorTable& table, ConstMat x, Mat y, Workspace& 
   gemm(ctx_, Trans::N, Trans::T, 1.0f, act_.matrix(N, F_), table.weight(w2_, D_, F_), 0.0f, y);
 }
 
-void SwigluMlp::backward(TensorTable& table, ConstMat x, const Operand& dy, Mat dx,
+void SwigluMlp::backward(TensorTable& table, const Operand& x, const Operand& dy, Mat dx,
                          Workspace& ws) {
-  const int N = x.extent(0);
+  const int N = x.rows;
   Workspace::Frame frame(ws);
   Mat d_act = frame.mat(N, F_);
   // d up is read only by the two products: in bf16 runs the kernel writes it rounded, once.

@@ -56,13 +56,17 @@ class SwigluMlp {
             std::int64_t max_rows, TensorTable& table);
 
   // x, y: (N, D). In bf16 runs the fp32 up-projection passes through `ws`.
-  void forward(const TensorTable& table, ConstMat x, Mat y, Workspace& ws);
+  // x: fp32, or bf16 in bf16 runs (it is read only by products).
+  void forward(const TensorTable& table, const Operand& x, Mat y, Workspace& ws);
+  void forward(const TensorTable& table, ConstMat x, Mat y, Workspace& ws) {
+    forward(table, operand(x), y, ws);
+  }
   // dy: (N, D) -> dx: (N, D) (assigned); parameter gradients accumulate. Temporaries from `ws`:
   // d act (N, F), d up (N, 2F).
-  // dy: fp32, or bf16 in bf16 runs (it is read only by products).
-  void backward(TensorTable& table, ConstMat x, const Operand& dy, Mat dx, Workspace& ws);
+  // x, dy: fp32, or bf16 in bf16 runs (they are read only by products).
+  void backward(TensorTable& table, const Operand& x, const Operand& dy, Mat dx, Workspace& ws);
   void backward(TensorTable& table, ConstMat x, ConstMat dy, Mat dx, Workspace& ws) {
-    backward(table, x, operand(dy), dx, ws);
+    backward(table, operand(x), operand(dy), dx, ws);
   }
 
   // The workspace bytes the deeper of the two calls takes for `rows` rows.

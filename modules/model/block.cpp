@@ -63,6 +63,12 @@ Block::Block(const RunContext& ctx, const ModelCfg& m, const MoeCfg& e, const En
   ffn_out_ = saved_floats(ctx, "block::ffn_out", N * D_);
   rstd_attn_ = saved_floats(ctx, "block::rstd_attn", N);
   rstd_ffn_ = saved_floats(ctx, "block::rstd_ffn", N);
+  if (bf16_ && !moe_) mlp_in16_ = KeptOperand(ctx, "block::mlp_in", N * D_);
+}
+
+Operand Block::mlp_input(ConstMat in, bool kept) const {
+  if (kept && mlp_in16_.is_bf16()) return mlp_in16_.matrix(in.extent(0), D_);
+  return operand(in);
 }
 
 void Block::forward(const TensorTable& table, const RopeTables& rope, ConstMat x_block,
@@ -80,16 +86,16 @@ void Block::forward(const TensorTable& table, const RopeTables& rope, ConstMat x
   Mat attn_out = buf(attn_out_, N), h = buf(h_, N), ffn_out = buf(ffn_out_, N);
   if (reordered_) {
     attn_.forward(table, rope, x_in, attn_out, s.work, docs);
-    rmsnorm_forward(as_cmat(attn_out), g_attn, eps_, x_in, h, rstd_attn);
-    ffn_forward(table, as_cmat(h), ffn_out, s, count);
+    rmsnorm_forward(as_cmat(attn_out), g_attn, eps_, x_in, h, rstd_attn, mlp_in16_out());
+    ffn_forward(table, as_cmat(h), ffn_out, s, count, /*kept=*/true);
     rmsnorm_forward(as_cmat(ffn_out), g_ffn, eps_, as_cmat(h), x_out, rstd_ffn);
   } else {
     Mat attn_in = buf(attn_in_, N), ffn_in = buf(ffn_in_, N);
     rmsnorm_forward(x_in, g_attn, eps_, ConstMat(), attn_in, rstd_attn);
     attn_.forward(table, rope, as_cmat(attn_in), attn_out, s.work, docs);
     add(x_in, as_cmat(attn_out), h);
-    rmsnorm_forward(as_cmat(h), g_ffn, eps_, ConstMat(), ffn_in, rstd_ffn);
-    ffn_forward(table, as_cmat(ffn_in), ffn_out, s, count);
+    rmsnorm_forward(as_cmat(h), g_ffn, eps_, ConstMat(), ffn_in, rstd_ffn, mlp_in16_out());
+    ffn_forward(table, as_cmat(ffn_in), ffn_out, s, count, /*kept=*/true);
     add(as_cmat(h), as_cmat(ffn_out), x_out);
   }
 }
@@ -140,22 +146,21 @@ void Block::decode(const TensorTable& table, const RopeTables& rope, ConstMat x_
 }
 
 void Block::ffn_forward(const TensorTable& table, ConstMat in, Mat out, BlockScratch& s,
-                        bool count) {
+                        bool count, bool kept) {
   if (moe_)
     moe_->forward(table, in, out, s.work, s.moe_aux, count);
   else
-    mlp_->forward(table, in, out, s.work);
+    mlp_->forward(table, mlp_input(in, kept), out, s.work);
 }
 
 void Block::ffn_backward(TensorTable& table, ConstMat in, ConstMat dy, const std::uint16_t* dy16,
                          Mat dx, BlockScratch& s, float aux_scale) {
   if (moe_)
     moe_->backward(table, in, dy, dx, s.work, aux_scale);
-  else if (dy16)
-    mlp_->backward(table, in, Operand{nullptr, dy16, int(dy.extent(0)), int(dy.extent(1))}, dx,
-                   s.work);
   else
-    mlp_->backward(table, in, dy, dx, s.work);
+    mlp_->backward(table, mlp_input(in, true),
+                   dy16 ? Operand{nullptr, dy16, int(dy.extent(0)), int(dy.extent(1))} : operand(dy),
+                   dx, s.work);
 }
 
 void Block::backward(TensorTable& table, const RopeTables& rope, ConstMat x_block, ConstMat dx_out,

@@ -86,7 +86,11 @@ class Block {
 
  private:
   Mat buf(const View1F& v, int rows) const { return as_mat(v.data(), rows, D_); }
-  void ffn_forward(const TensorTable& table, ConstMat in, Mat out, BlockScratch& s, bool count);
+  // The dense MLP's input as its products read it: in, or (bf16 runs) the copy in mlp_in16_.
+  Operand mlp_input(ConstMat in, bool kept) const;
+  std::uint16_t* mlp_in16_out() const { return mlp_in16_.is_bf16() ? mlp_in16_.b16() : nullptr; }
+  void ffn_forward(const TensorTable& table, ConstMat in, Mat out, BlockScratch& s, bool count,
+                   bool kept = false);
   // dy16: dy's bf16 copy where the caller's kernel wrote one (the dense MLP reads dy only in
   // products; an MoE layer reads it in fp32).
   void ffn_backward(TensorTable& table, ConstMat in, ConstMat dy, const std::uint16_t* dy16, Mat dx,
@@ -105,6 +109,9 @@ class Block {
   // Saved (N, D): attn_in/ffn_in (pre only: the normed inputs), attn_out, h, ffn_out; rstds (N).
   View1F attn_in_, attn_out_, h_, ffn_in_, ffn_out_;
   View1F rstd_attn_, rstd_ffn_;
+  // bf16 runs, dense MLP: the MLP's input (h, or ffn_in with pre-norm) as bf16, written by the
+  // norm that makes it, read by the MLP's two products on it.
+  KeptOperand mlp_in16_;
 };
 
 }  // namespace kmoe

@@ -51,12 +51,13 @@ struct Shapes {
         pre(m.block_norm == BlockNorm::Pre) {}
 
   // Saved activations of one block (bytes): attention and norms (q, k, v and the merged heads
-  // kept, the core's state), then a dense MLP's (pre-activations and activation, kept).
+  // kept, the core's state), then a dense MLP's (pre-activations and activation, kept; in bf16
+  // its input's bf16 copy too).
   Size attn_saved() const {
     return Size(4) * (N * W + Size(2) * N + N * D * (pre ? 5 : 3) + Size(2) * N) +
            kb * (N * qd + Size(2) * N * kd + N * qd) + attn_core;
   }
-  Size mlp_saved() const { return kb * N * 3 * F; }
+  Size mlp_saved() const { return kb * N * 3 * F + (kb.get() == 2 ? kb * N * D : Size(0)); }
   Size block_saved() const { return attn_saved() + mlp_saved(); }
   // An MoE layer saves logits/probs (N, E), up to N*k rows of inputs (kept unless ep > 1 with
   // d_model odd), outputs, the hiddens (kept; without expert parallelism only: with it the

@@ -5,7 +5,8 @@
 
 namespace kmoe {
 
-void rmsnorm_forward(ConstMat x, ConstVec g, float eps, ConstMat residual, Mat y, Vec rstd) {
+void rmsnorm_forward(ConstMat x, ConstVec g, float eps, ConstMat residual, Mat y, Vec rstd,
+                     std::uint16_t* y16) {
   const int rows = x.extent(0), width = x.extent(1);
   const bool has_residual = residual.extent(0) > 0;
   Kokkos::parallel_for(
@@ -17,7 +18,9 @@ void rmsnorm_forward(ConstMat x, ConstVec g, float eps, ConstMat residual, Mat y
             [&](int d, float& acc) { acc += x(r, d) * x(r, d); }, ss);
         const float s = math::rsqrt(ss / width + eps);
         Kokkos::parallel_for(Kokkos::TeamThreadRange(team, width), [&](int d) {
-          y(r, d) = (has_residual ? residual(r, d) : 0.0f) + g(d) * x(r, d) * s;
+          const float v = (has_residual ? residual(r, d) : 0.0f) + g(d) * x(r, d) * s;
+          y(r, d) = v;
+          if (y16) y16[std::int64_t(r) * width + d] = bf16_bits(v);
         });
         Kokkos::single(Kokkos::PerTeam(team), [&]() { rstd(r) = s; });
       });

@@ -11,7 +11,9 @@
 namespace kmoe {
 
 // x, y: (rows, width); residual: (rows, width) or empty; rstd: (rows) saved for backward.
-void rmsnorm_forward(ConstMat x, ConstVec g, float eps, ConstMat residual, Mat y, Vec rstd);
+// y16 (bf16 runs): where y is also written rounded to bf16 (rows x width), for products.
+void rmsnorm_forward(ConstMat x, ConstVec g, float eps, ConstMat residual, Mat y, Vec rstd,
+                     std::uint16_t* y16 = nullptr);
 
 // dy: (rows, width) -> dx = dx_base + dL/dx (dx_base may be empty; dx may alias dx_base);
 // dg accumulates. dx must not alias dy. dx16 (bf16 runs): where dx is also written rounded to

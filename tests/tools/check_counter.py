@@ -69,14 +69,14 @@ if base and micro and layers:
 # bf16 operands rounded where they are produced (the event "kmoe::rounded <n>" of gemm.cpp
 # counts the fp32 elements products still round at their entry). Per micro-batch of N rows,
 # with the fused attention core (no products inside it) and the reordered norm (the default),
-# what is still rounded at entry is, per layer, the inputs of the attention and MLP projections
-# (the residual stream, forward and backward: 4 N x D); and in the head its normalized input
-# (twice) and d logits (twice). The SwiGLU backward writes d up, the attention backward
-# d(q|k|v) and the norm backwards the MLP's dy and the attention's d out as bf16, so those
-# products round nothing: were they rounded again, the count would grow by 4 N F, 2 N (qd +
-# 2 kd), 2 N D and 2 N D per layer.
+# what is still rounded at entry is, per layer, the input of the attention's projection (the
+# block's input, forward and backward: 2 N x D); and in the head its normalized input (twice)
+# and d logits (twice). The SwiGLU backward writes d up, the attention backward d(q|k|v), the
+# norm backwards the MLP's dy and the attention's d out and the norm forward the MLP's input
+# as bf16, so those products round nothing: were they rounded again, the count would grow by
+# 4 N F, 2 N (qd + 2 kd), 2 N D, 2 N D and 2 N D per layer.
 N, D, V, layers, micro = 2 * 32, 32, 320, 2, 2
-expected = micro * (layers * 4 * N * D + 2 * N * V + 2 * N * D)
+expected = micro * (layers * 2 * N * D + 2 * N * V + 2 * N * D)
 bf16 = counts("bf16", "--train.precision=bf16", "--moe.experts=0", "--train.attention=fused")
 if bf16:
     h.check(all(r["rounded_elements"] == expected for r in bf16),
