@@ -53,16 +53,14 @@ void swiglu_activate(const float* a_data, const float* b_data, int ld, int N, in
 namespace {
 // One row's SwiGLU backward from a and b as stored (fp32 or bf16 pointers, row start applied).
 // da, db: the row's outputs, fp32 or bf16 (rounded as written).
-KOKKOS_INLINE_FUNCTION void store(float* p, int f, float v) { p[f] = v; }
-KOKKOS_INLINE_FUNCTION void store(std::uint16_t* p, int f, float v) { p[f] = bf16_bits(v); }
 template <class P, class Q>
 KOKKOS_INLINE_FUNCTION void swiglu_row_backward(const TeamMember& tm, int F, P a, P b,
                                                 const float* dy, float curv, Q da, Q db) {
   Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, F), [&](int f) {
     float ga, gb;
     swiglu_grads(kept_load(a, f), kept_load(b, f), dy[f], curv, ga, gb);
-    store(da, f, ga);
-    store(db, f, gb);
+    kept_store(da, f, ga);
+    kept_store(db, f, gb);
   });
 }
 }  // namespace

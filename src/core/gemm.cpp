@@ -96,8 +96,9 @@ void widen_bf16(const std::uint16_t* src, std::int64_t n, float* dst) {
 namespace {
 // An fp32 operand of a bf16 product rounded at the product's entry: the Kokkos Tools event
 // "kmoe::rounded <n>" names the elements, which tests/tools/kokkos_counter sums per step. A
-// producing kernel that writes its values as bf16 (KeptOperand) spares every product that reads
-// them this rounding: in a bf16 step of the dense model the sum is 0.
+// producing kernel that writes its values as bf16 (KeptOperand, or a bf16 output of its own)
+// spares every product that reads them this rounding (docs/PERFORMANCE.md lists what a bf16
+// step still rounds here).
 void count_rounded(std::int64_t n) {
   if (!Kokkos::Tools::profileLibraryLoaded()) return;
   Kokkos::Tools::markEvent("kmoe::rounded " + std::to_string(n));

@@ -46,6 +46,11 @@ KOKKOS_INLINE_FUNCTION float kept_load(const float* p, std::int64_t i) { return 
 KOKKOS_INLINE_FUNCTION float kept_load(const std::uint16_t* p, std::int64_t i) {
   return bf16_to_float(p[i]);
 }
+// Its counterpart for a producing kernel: v stored as fp32, or rounded to bf16.
+KOKKOS_INLINE_FUNCTION void kept_store(float* p, std::int64_t i, float v) { p[i] = v; }
+KOKKOS_INLINE_FUNCTION void kept_store(std::uint16_t* p, std::int64_t i, float v) {
+  p[i] = bf16_bits(v);
+}
 
 // Where a kernel reads a kept operand's values back, as fp32.
 struct KeptIn {
