@@ -339,6 +339,7 @@ int main(int argc, char** argv) {
     const int L = static_cast<int>(first_ids.size()) - 1;
     if (o.check) {
       kmoe::Stage whole(ctx, cfg.model, dropless, 1, L, table, cfg.engram, plan, comms);
+      whole.keep_logits();
       const kmoe::DataComm& pipe = grid.data_plane(grid.pipe);
       if (!grid.first_stage())
         pipe.recv(whole.input_buffer(), std::int64_t(L) * D, grid.pp_rank - 1);

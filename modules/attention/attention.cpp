@@ -116,10 +116,10 @@ NormRope Attention::norm_rope_of(const TensorTable& table, const RopeTables& rop
   return r;
 }
 
-void Attention::forward(const TensorTable& table, const RopeTables& rope, ConstMat a, Mat out,
+void Attention::forward(const TensorTable& table, const RopeTables& rope, const Operand& a, Mat out,
                         Workspace& ws, DocStarts docs) {
   Workspace::Frame frame(ws);
-  const int N = a.extent(0), T = T_, nseq = N / T, H = H_, Hkv = Hkv_, dh = dh_, half = dh / 2;
+  const int N = a.rows, T = T_, nseq = N / T, H = H_, Hkv = Hkv_, dh = dh_, half = dh / 2;
   const int qd = H * dh, kd = Hkv * dh, W = qd + 2 * kd, G = H / Hkv;
   const bool qk_norm = qk_norm_;
 
@@ -159,9 +159,9 @@ void Attention::forward(const TensorTable& table, const RopeTables& rope, ConstM
   gemm(ctx_, Trans::N, Trans::T, 1.0f, merged_.matrix(N, qd), table.weight(wo_, D_, qd), 0.0f, out);
 }
 
-void Attention::backward(TensorTable& table, const RopeTables& rope, ConstMat a,
+void Attention::backward(TensorTable& table, const RopeTables& rope, const Operand& a,
                          const Operand& dout, Mat da, Workspace& ws) {
-  const int N = a.extent(0), H = H_, Hkv = Hkv_, dh = dh_;
+  const int N = a.rows, H = H_, Hkv = Hkv_, dh = dh_;
   const int qd = H * dh, kd = Hkv * dh, W = qd + 2 * kd;
   N_ = N;
   Workspace::Frame frame(ws);

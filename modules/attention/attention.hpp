@@ -49,18 +49,22 @@ class Attention {
   // a: (N, D) with N = nseq * T  ->  out: (N, D). Position t of a row reads keys
   // [max(docs(row), t - window + 1), t] (docs: train.document_mask; empty: from 0). Saves what
   // backward needs (`docs` must stay valid until then); its temporaries (the head outputs and
-  // the core's) come from `ws`.
+  // the core's) come from `ws`. a: fp32, or bf16 in bf16 runs (read only by products).
+  void forward(const TensorTable& table, const RopeTables& rope, const Operand& a, Mat out,
+               Workspace& ws, DocStarts docs = DocStarts());
   void forward(const TensorTable& table, const RopeTables& rope, ConstMat a, Mat out, Workspace& ws,
-               DocStarts docs = DocStarts());
+               DocStarts docs = DocStarts()) {
+    forward(table, rope, operand(a), out, ws, docs);
+  }
   // dout: (N, D) -> da: (N, D) (assigned); parameter gradients accumulate. Temporaries from
   // `ws`: dO and dQ (nseq, H, T, dh), dK and dV (nseq, Hkv, T, dh), then the merged dO (N,
-  // H*dh), then the core's backward, then d(q|k|v) (N, (H+2Hkv)*dh). dout: fp32, or bf16 in
-  // bf16 runs (it is read only by products).
-  void backward(TensorTable& table, const RopeTables& rope, ConstMat a, const Operand& dout, Mat da,
-                Workspace& ws);
+  // H*dh), then the core's backward, then d(q|k|v) (N, (H+2Hkv)*dh). a (forward's input) and
+  // dout: fp32, or bf16 in bf16 runs (they are read only by products).
+  void backward(TensorTable& table, const RopeTables& rope, const Operand& a, const Operand& dout,
+                Mat da, Workspace& ws);
   void backward(TensorTable& table, const RopeTables& rope, ConstMat a, ConstMat dout, Mat da,
                 Workspace& ws) {
-    backward(table, rope, a, operand(dout), da, ws);
+    backward(table, rope, operand(a), operand(dout), da, ws);
   }
 
   // Incremental decoding (generation): a: (n, D), the rows of positions [pos, pos + n) of one

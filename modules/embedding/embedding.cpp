@@ -1,5 +1,7 @@
 #include "modules/embedding/embedding.hpp"
 
+#include "core/bf16.hpp"
+
 namespace kmoe {
 
 TensorSpec Embedding::weight_spec(int vocab, int d_model, double init_std) {
@@ -11,12 +13,15 @@ Embedding::Embedding(int vocab, int d_model, double init_std, int max_tokens, Te
   weight_ = table.add(weight_spec(vocab, d_model, init_std));
 }
 
-void Embedding::forward(const TensorTable& table, ConstIVec tokens, Mat x) {
-  const int N = tokens.extent(0);
+void Embedding::forward(const TensorTable& table, ConstIVec tokens, Mat x, std::uint16_t* x16) {
+  const int N = tokens.extent(0), D = D_;
   auto w = as_cmat(table.param(weight_), V_, D_);
   Kokkos::parallel_for(
-      "embed::forward", Range2({0, 0}, {N, D_}),
-      KOKKOS_LAMBDA(int r, int d) { x(r, d) = w(tokens(r), d); });
+      "embed::forward", Range2({0, 0}, {N, D}), KOKKOS_LAMBDA(int r, int d) {
+        const float v = w(tokens(r), d);
+        x(r, d) = v;
+        if (x16) x16[std::int64_t(r) * D + d] = bf16_bits(v);
+      });
 }
 
 void Embedding::backward(TensorTable& table, ConstIVec tokens, ConstMat dx) {

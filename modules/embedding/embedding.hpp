@@ -2,6 +2,8 @@
 // groups positions by token id (KeyBuckets) so the sum order is fixed on every backend.
 #pragma once
 
+#include <cstdint>
+
 #include "core/bucket_sort.hpp"
 #include "core/kokkos_types.hpp"
 #include "core/tensor_table.hpp"
@@ -16,7 +18,8 @@ class Embedding {
   static TensorSpec weight_spec(int vocab, int d_model, double init_std);
 
   int weight_index() const { return weight_; }
-  void forward(const TensorTable& table, ConstIVec tokens, Mat x);   // x: (N, D)
+  // x: (N, D); x16 (bf16 runs): where x is also written rounded to bf16, for products.
+  void forward(const TensorTable& table, ConstIVec tokens, Mat x, std::uint16_t* x16 = nullptr);
   void backward(TensorTable& table, ConstIVec tokens, ConstMat dx);  // embed grad +=
 
  private:

@@ -24,8 +24,12 @@ std::int64_t Block::workspace_bytes(const RunContext& ctx, const ModelCfg& m, co
                 engram ? EngramLayer::workspace_bytes(m, g, N) : 0});
   // d_h, d_a, d_b (and d_engram) in fp32; in bf16 runs the bf16 copy of the one the norm
   // backward hands to the layers' products.
+  // With pre-norm, a dense MLP's dy (the block's output gradient) as bf16, when its producer
+  // wrote none.
+  const bool dy16 = bf16 && m.block_norm == BlockNorm::Pre && !e.is_moe_layer(layer);
   return (engram ? 4 : 3) * Workspace::rounded(4 * N * m.d_model) +
-         (bf16 ? Workspace::rounded(2 * N * m.d_model) : 0) + layers;
+         (bf16 ? Workspace::rounded(2 * N * m.d_model) : 0) +
+         (dy16 ? Workspace::rounded(2 * N * m.d_model) : 0) + layers;
 }
 
 Block::Block(const RunContext& ctx, const ModelCfg& m, const MoeCfg& e, const EngramCfg& g,
@@ -64,6 +68,7 @@ Block::Block(const RunContext& ctx, const ModelCfg& m, const MoeCfg& e, const En
   rstd_attn_ = saved_floats(ctx, "block::rstd_attn", N);
   rstd_ffn_ = saved_floats(ctx, "block::rstd_ffn", N);
   if (bf16_ && !moe_) mlp_in16_ = KeptOperand(ctx, "block::mlp_in", N * D_);
+  if (bf16_) attn_in16_ = KeptOperand(ctx, "block::attn_in", N * D_);
 }
 
 Operand Block::mlp_input(ConstMat in, bool kept) const {
@@ -72,31 +77,34 @@ Operand Block::mlp_input(ConstMat in, bool kept) const {
 }
 
 void Block::forward(const TensorTable& table, const RopeTables& rope, ConstMat x_block,
-                    ConstIVec tokens, Mat x_out, BlockScratch& s, bool count, DocStarts docs) {
+                    ConstIVec tokens, Mat x_out, BlockScratch& s, bool count, DocStarts docs,
+                    bool x16_written, std::uint16_t* x_out16) {
   const int N = x_block.extent(0);
   ConstMat x_in = x_block;
   if (engram_) {  // x_in = x + Engram(x, tokens)
     Mat xe = buf(x_engram_, N);
     engram_->forward(table, x_block, tokens, xe, count, docs);
-    add(x_block, as_cmat(xe), xe);
+    add(x_block, as_cmat(xe), xe, reordered_ ? attn_in16_out() : nullptr);
     x_in = as_cmat(xe);
+  } else if (input16() && !x16_written) {  // a stage's first block, or a recompute
+    round_to_bf16(x_in, input16());
   }
   ConstVec g_attn(table.param(attn_norm_), D_), g_ffn(table.param(ffn_norm_), D_);
   Vec rstd_attn(rstd_attn_.data(), N), rstd_ffn(rstd_ffn_.data(), N);
   Mat attn_out = buf(attn_out_, N), h = buf(h_, N), ffn_out = buf(ffn_out_, N);
   if (reordered_) {
-    attn_.forward(table, rope, x_in, attn_out, s.work, docs);
+    attn_.forward(table, rope, attn_input(x_in), attn_out, s.work, docs);
     rmsnorm_forward(as_cmat(attn_out), g_attn, eps_, x_in, h, rstd_attn, mlp_in16_out());
     ffn_forward(table, as_cmat(h), ffn_out, s, count, /*kept=*/true);
-    rmsnorm_forward(as_cmat(ffn_out), g_ffn, eps_, as_cmat(h), x_out, rstd_ffn);
+    rmsnorm_forward(as_cmat(ffn_out), g_ffn, eps_, as_cmat(h), x_out, rstd_ffn, x_out16);
   } else {
     Mat attn_in = buf(attn_in_, N), ffn_in = buf(ffn_in_, N);
-    rmsnorm_forward(x_in, g_attn, eps_, ConstMat(), attn_in, rstd_attn);
-    attn_.forward(table, rope, as_cmat(attn_in), attn_out, s.work, docs);
+    rmsnorm_forward(x_in, g_attn, eps_, ConstMat(), attn_in, rstd_attn, attn_in16_out());
+    attn_.forward(table, rope, attn_input(as_cmat(attn_in)), attn_out, s.work, docs);
     add(x_in, as_cmat(attn_out), h);
     rmsnorm_forward(as_cmat(h), g_ffn, eps_, ConstMat(), ffn_in, rstd_ffn, mlp_in16_out());
     ffn_forward(table, as_cmat(ffn_in), ffn_out, s, count, /*kept=*/true);
-    add(as_cmat(h), as_cmat(ffn_out), x_out);
+    add(as_cmat(h), as_cmat(ffn_out), x_out, x_out16);
   }
 }
 
@@ -164,7 +172,8 @@ void Block::ffn_backward(TensorTable& table, ConstMat in, ConstMat dy, const std
 }
 
 void Block::backward(TensorTable& table, const RopeTables& rope, ConstMat x_block, ConstMat dx_out,
-                     Mat dx_block, BlockScratch& s, float aux_scale) {
+                     Mat dx_block, BlockScratch& s, float aux_scale, const std::uint16_t* dx_out16,
+                     std::uint16_t* dx_in16) {
   const int N = x_block.extent(0);
   const ConstMat x_in = engram_ ? as_cmat(buf(x_engram_, N)) : x_block;
   Workspace::Frame frame(s.work);
@@ -189,18 +198,26 @@ void Block::backward(TensorTable& table, const RopeTables& rope, ConstMat x_bloc
     add(dx_out, as_cmat(d_b), d_h);
     rmsnorm_backward(as_cmat(buf(attn_out_, N)), g_attn, rstd_attn, as_cmat(d_h), ConstMat(), d_a,
                      dg_attn, d16);
-    attn_.backward(table, rope, x_in, as_operand(d_a), d_b, s.work);
-    add(as_cmat(d_h), as_cmat(d_b), dx_in);
+    attn_.backward(table, rope, attn_input(x_in), as_operand(d_a), d_b, s.work);
+    add(as_cmat(d_h), as_cmat(d_b), dx_in, engram_ ? nullptr : dx_in16);
   } else {
-    ffn_backward(table, as_cmat(buf(ffn_in_, N)), dx_out, nullptr, d_a, s, aux_scale);
+    if (wants_dx_out16() && !dx_out16) {  // a stage's last block without the head
+      std::uint16_t* r = frame.words(std::int64_t(N) * D_);
+      round_to_bf16(dx_out, r);
+      dx_out16 = r;
+    }
+    ffn_backward(table, as_cmat(buf(ffn_in_, N)), dx_out, moe_ ? nullptr : dx_out16, d_a, s,
+                 aux_scale);
     rmsnorm_backward(as_cmat(buf(h_, N)), g_ffn, rstd_ffn, as_cmat(d_a), dx_out, d_h, dg_ffn, d16);
-    attn_.backward(table, rope, as_cmat(buf(attn_in_, N)), as_operand(d_h), d_a, s.work);
-    rmsnorm_backward(x_in, g_attn, rstd_attn, as_cmat(d_a), as_cmat(d_h), dx_in, dg_attn);
+    attn_.backward(table, rope, attn_input(as_cmat(buf(attn_in_, N))), as_operand(d_h), d_a,
+                   s.work);
+    rmsnorm_backward(x_in, g_attn, rstd_attn, as_cmat(d_a), as_cmat(d_h), dx_in, dg_attn,
+                     engram_ ? nullptr : dx_in16);
   }
   if (engram_) {  // dx = dx_e + Engram backward (through RMSNorm_q(x))
     Mat dq = d_a;
     engram_->backward(table, x_block, as_cmat(dx_in), dq, s.work);
-    add(as_cmat(dx_in), as_cmat(dq), dx_block);
+    add(as_cmat(dx_in), as_cmat(dq), dx_block, dx_in16);
   }
 }
 

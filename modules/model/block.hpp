@@ -47,9 +47,17 @@ class Block {
   // x_in, x_out: (N, D); tokens: (N) ids (Engram); docs: document starts (train.document_mask;
   // valid until backward). Saves what backward needs (x_in itself is kept by the caller).
   // count = false: the recompute of a forward already run (statistics and the MoE loss terms
-  // were counted then).
+  // were counted then). x16_written: the kernel that produced x_in also wrote it rounded into
+  // input16() (else the block rounds it there itself). x_out16: where the block's last kernel
+  // also writes x_out rounded (the next block's input16()), or nullptr.
   void forward(const TensorTable& table, const RopeTables& rope, ConstMat x_in, ConstIVec tokens,
-               Mat x_out, BlockScratch& s, bool count = true, DocStarts docs = DocStarts());
+               Mat x_out, BlockScratch& s, bool count = true, DocStarts docs = DocStarts(),
+               bool x16_written = false, std::uint16_t* x_out16 = nullptr);
+  // bf16 runs, reordered norm, no Engram: where the block keeps its input rounded to bf16 for
+  // the attention's two products on it, for the kernel that produces the input to write (the
+  // embedding, the previous block's final norm). nullptr where the block makes that copy itself
+  // (pre-norm: its norm; Engram: the sum x + Engram(x)) or needs none (fp32).
+  std::uint16_t* input16() const { return reordered_ && !engram_ ? attn_in16_out() : nullptr; }
   // Incremental decoding (generation): x_in: (n, D) rows of positions [pos, pos + n) of one
   // sequence whose earlier positions `cache` holds; tokens: its compressed ids at positions
   // [0, pos + n) (Engram); docs: the document starts of positions [0, pos + n) -> x_out:
@@ -61,8 +69,15 @@ class Block {
 
   // dx_out -> dx_in (assigned; may not alias dx_out); parameter gradients accumulate.
   // aux_scale: the weight of this micro-batch's MoE auxiliary losses in the step loss.
+  // bf16 runs: dx_out16, dx_out's bf16 copy where its producer wrote one (else the block rounds
+  // it itself where wants_dx_out16()); dx_in16, where the block's last kernel also writes dx_in
+  // rounded (the previous block's dx_out16), or nullptr.
   void backward(TensorTable& table, const RopeTables& rope, ConstMat x_in, ConstMat dx_out,
-                Mat dx_in, BlockScratch& s, float aux_scale);
+                Mat dx_in, BlockScratch& s, float aux_scale,
+                const std::uint16_t* dx_out16 = nullptr, std::uint16_t* dx_in16 = nullptr);
+  // bf16 runs, pre-norm, dense MLP: the MLP's products read dx_out as it is, so they take it
+  // as bf16.
+  bool wants_dx_out16() const { return bf16_ && !reordered_ && mlp_ != nullptr; }
 
   // The workspace bytes block `layer`'s calls take at most (with an Engram layer when
   // `engram`), for max_seqs sequences, an ep group of `ep` ranks, in ctx's precision (bf16 or
@@ -89,6 +104,11 @@ class Block {
   // The dense MLP's input as its products read it: in, or (bf16 runs) the copy in mlp_in16_.
   Operand mlp_input(ConstMat in, bool kept) const;
   std::uint16_t* mlp_in16_out() const { return mlp_in16_.is_bf16() ? mlp_in16_.b16() : nullptr; }
+  // The attention's input as its products read it: in, or (bf16 runs) the copy in attn_in16_.
+  Operand attn_input(ConstMat in) const {
+    return attn_in16_.is_bf16() ? attn_in16_.matrix(in.extent(0), D_) : operand(in);
+  }
+  std::uint16_t* attn_in16_out() const { return attn_in16_.is_bf16() ? attn_in16_.b16() : nullptr; }
   void ffn_forward(const TensorTable& table, ConstMat in, Mat out, BlockScratch& s, bool count,
                    bool kept = false);
   // dy16: dy's bf16 copy where the caller's kernel wrote one (the dense MLP reads dy only in
@@ -112,6 +132,10 @@ class Block {
   // bf16 runs, dense MLP: the MLP's input (h, or ffn_in with pre-norm) as bf16, written by the
   // norm that makes it, read by the MLP's two products on it.
   KeptOperand mlp_in16_;
+  // bf16 runs: the attention's input (the block input, x + Engram(x), or attn_in with pre-norm)
+  // as bf16, written by the kernel that makes it, read by the QKV product and its weight
+  // gradient.
+  KeptOperand attn_in16_;
 };
 
 }  // namespace kmoe

@@ -51,11 +51,12 @@ struct Shapes {
         pre(m.block_norm == BlockNorm::Pre) {}
 
   // Saved activations of one block (bytes): attention and norms (q, k, v and the merged heads
-  // kept, the core's state), then a dense MLP's (pre-activations and activation, kept; in bf16
-  // its input's bf16 copy too).
+  // kept, the core's state; in bf16 the attention input's bf16 copy), then a dense MLP's
+  // (pre-activations and activation, kept; in bf16 its input's bf16 copy too).
   Size attn_saved() const {
     return Size(4) * (N * W + Size(2) * N + N * D * (pre ? 5 : 3) + Size(2) * N) +
-           kb * (N * qd + Size(2) * N * kd + N * qd) + attn_core;
+           kb * (N * qd + Size(2) * N * kd + N * qd) + attn_core +
+           (kb.get() == 2 ? kb * N * D : Size(0));
   }
   Size mlp_saved() const { return kb * N * 3 * F + (kb.get() == 2 ? kb * N * D : Size(0)); }
   Size block_saved() const { return attn_saved() + mlp_saved(); }
@@ -213,7 +214,7 @@ RankMemory rank_memory(const ModelCfg& m, const MoeCfg& e, const EngramCfg& g, i
     if (r.head && !s.tied) gemm += V * D;
     if (r.head && s.tied && r.embed) elements = elements - V * D;  // one matrix for both
     Size stage = (blocks + 1) * N * D + Size(4) * N * D + Size(3) * N;
-    if (r.head) stage += N * V + N * D;  // logits, the normed input
+    if (r.head) stage += N * D;  // d normed (the chunks' logits are workspace)
     RankMemory out;
     out.elements = elements.get();
     out.expert_elements = experts.get();

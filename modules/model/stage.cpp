@@ -32,13 +32,15 @@ std::int64_t Stage::workspace_bytes(const RunContext& ctx, const ModelCfg& m, co
                                     const EngramCfg& g, const StagePlan& plan, int max_seqs,
                                     int T, int ep) {
   const int last = plan.last_block < 0 ? m.n_layers : plan.last_block;
-  std::int64_t bytes = plan.head ? LmHead::workspace_bytes(std::int64_t(max_seqs) * T, m.d_model)
-                                 : 0;
+  std::int64_t bytes = plan.head ? LmHead::workspace_bytes(ctx, m, std::int64_t(max_seqs) * T) : 0;
+  bool dy16 = false;
   for (int l = plan.first_block; l < last; ++l) {
     const bool engram = std::find(g.layers.begin(), g.layers.end(), l) != g.layers.end();
     bytes = std::max(bytes, Block::workspace_bytes(ctx, m, e, g, l, engram, max_seqs, T, ep));
+    dy16 = dy16 || (ctx.bf16() && m.block_norm == BlockNorm::Pre && !e.is_moe_layer(l));
   }
-  return bytes;
+  // backward(): the gradients between the blocks as bf16 (Block::wants_dx_out16).
+  return bytes + (dy16 ? 2 * Workspace::rounded(2 * std::int64_t(max_seqs) * T * m.d_model) : 0);
 }
 
 Stage::Stage(const RunContext& ctx, const ModelCfg& m, const MoeCfg& e, int max_seqs, int T,
@@ -118,7 +120,8 @@ LossSums Stage::forward(const TensorTable& table, const std::int32_t* tokens, in
   Kokkos::deep_copy(ExecSpace(), ids, host_ids);  // ordered before the kernels that read it
   ConstIVec tok(tokens_.data(), N);
 
-  if (has_embed_) embed_->forward(table, tok, resid(0, N));
+  // bf16 runs: each kernel that makes a block's input also writes the block's bf16 copy.
+  if (has_embed_) embed_->forward(table, tok, resid(0, N), blocks_.front()->input16());
   if (compress_.extent(0) > 0) {  // Engram reads compressed ids
     auto map = compress_;
     auto out = compressed_;
@@ -134,10 +137,12 @@ LossSums Stage::forward(const TensorTable& table, const std::int32_t* tokens, in
   if (moe) Kokkos::deep_copy(ExecSpace(), scratch_->moe_aux, 0.0);
   for (std::size_t l = 0; l < blocks_.size(); ++l)
     blocks_[l]->forward(table, rope_, as_cmat(resid(l, N)), engram_tok, resid(l + 1, N), *scratch_,
-                        /*count=*/true, planned_docs(nseq));
+                        /*count=*/true, planned_docs(nseq), /*x16_written=*/l > 0 || has_embed_,
+                        l + 1 < blocks_.size() ? blocks_[l + 1]->input16() : nullptr);
   LossSums sums;
   if (has_head_)
-    sums = head_->forward(table, as_cmat(resid(blocks_.size(), N)), tok, T_, grad_scale, loss_sums);
+    sums = head_->forward(table, as_cmat(resid(blocks_.size(), N)), tok, T_, grad_scale,
+                          scratch_->work, loss_sums);
   aux_scale_ = static_cast<float>(double(grad_scale) * nseq * (T_ - 1));
   if (moe && loss_sums.extent(0) > 0) {  // stays on the device with the CE and z sums
     auto aux = scratch_->moe_aux;
@@ -214,6 +219,10 @@ ConstMat Stage::decode(const TensorTable& table, const std::int32_t* ids, int po
   return head_->logits(table, as_cmat(resid(blocks_.size(), n)));
 }
 
+void Stage::keep_logits() {
+  if (has_head_) head_->keep_logits();
+}
+
 ConstMat Stage::last_logits() const {
   KMOE_REQUIRE(has_head_, "Stage::last_logits: the stage has no head");
   return head_->last_logits(nseq_ * T_);
@@ -237,18 +246,33 @@ std::vector<std::pair<int, ConstIVec>> Stage::moe_routes() const {
 const float* Stage::backward(TensorTable& table, const std::function<void(int)>& ready) {
   const int N = nseq_ * T_;
   Mat dy = as_mat(d_y_.data(), N, D_), dx = as_mat(d_x_.data(), N, D_);
+  // bf16 runs, pre-norm dense blocks: the gradient between two blocks also as bf16, written by
+  // the kernel that makes it (the head's or a block's last), read by the MLP's products.
+  const bool dy16 = std::any_of(blocks_.begin(), blocks_.end(),
+                                [](const auto& b) { return b->wants_dx_out16(); });
+  Workspace::Frame frame(scratch_->work);
+  std::uint16_t* g16[2] = {dy16 ? frame.words(std::int64_t(N) * D_) : nullptr,
+                           dy16 ? frame.words(std::int64_t(N) * D_) : nullptr};
+  const auto wants16 = [&](int l) {
+    return l >= 0 && l < static_cast<int>(blocks_.size()) && blocks_[l]->wants_dx_out16();
+  };
+  const int last = static_cast<int>(blocks_.size()) - 1;
+  bool written = false;  // g16[0] holds dy's bf16 copy
   if (has_head_) {
-    head_->backward(table, as_cmat(resid(blocks_.size(), N)), dy, scratch_->work);
+    written = wants16(last);
+    head_->backward(table, as_cmat(resid(blocks_.size(), N)), dy, written ? g16[0] : nullptr);
     if (ready) ready(head_->first_tensor());
   }
-  for (int l = static_cast<int>(blocks_.size()) - 1; l >= 0; --l) {
+  for (int l = last; l >= 0; --l) {
     if (recompute_)  // the block's saved buffers again, from its kept input
       blocks_[l]->forward(table, rope_, as_cmat(resid(l, N)), engram_tokens(N),
                           as_mat(recomputed_.data(), N, D_), *scratch_, /*count=*/false,
                           planned_docs(nseq_));
-    blocks_[l]->backward(table, rope_, as_cmat(resid(l, N)), as_cmat(dy), dx, *scratch_,
-                         aux_scale_);
+    blocks_[l]->backward(table, rope_, as_cmat(resid(l, N)), as_cmat(dy), dx, *scratch_, aux_scale_,
+                         written ? g16[0] : nullptr, wants16(l - 1) ? g16[1] : nullptr);
     std::swap(dx, dy);
+    std::swap(g16[0], g16[1]);
+    written = wants16(l - 1);
     if (ready) ready(l > 0 || has_embed_ ? blocks_[l]->first_tensor() : 0);
   }
   if (!has_embed_) return dy.data();

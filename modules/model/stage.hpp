@@ -77,7 +77,9 @@ class Stage {
   // grad_scale, MoE auxiliary losses by grad_scale * targets). The CE and z sums are those of
   // the head (0 on a stage without it), and the MoE terms those of this stage's MoE blocks; or,
   // given `loss_sums` (3 doubles on the device: CE, z, MoE terms), added there instead
-  // (LmHead::forward) and nothing is read to the host.
+  // (LmHead::forward) and nothing is read to the host. With grad_scale > 0 the head's matrix
+  // gets its gradient here already (the head's loss runs in chunks, each chunk's products at
+  // once); the rest comes in backward().
   LossSums forward(const TensorTable& table, const std::int32_t* tokens, int nseq, float grad_scale,
                    View1D loss_sums = View1D());
   // Accumulates parameter gradients of the last forward()'s micro-batch; returns d loss / d
@@ -96,7 +98,9 @@ class Stage {
                   DecodeCache& cache);
   // A cache for positions [0, max_seqs * seq_len).
   DecodeCache new_decode_cache() const;
-  // The (N, V) logits of the last forward() (a stage with the head, grad_scale 0).
+  // From now on a forward() with grad_scale 0 keeps its (N, V) logits, for last_logits().
+  void keep_logits();
+  // The (N, V) logits of the last forward() (a stage with the head, keep_logits(), grad_scale 0).
   ConstMat last_logits() const;
 
   bool has_moe() const;

@@ -8,7 +8,7 @@ namespace kmoe {
 void rmsnorm_forward(ConstMat x, ConstVec g, float eps, ConstMat residual, Mat y, Vec rstd,
                      std::uint16_t* y16) {
   const int rows = x.extent(0), width = x.extent(1);
-  const bool has_residual = residual.extent(0) > 0;
+  const bool has_residual = residual.extent(0) > 0, has_y = y.extent(0) > 0;
   Kokkos::parallel_for(
       "rmsnorm::forward", row_policy(rows), KOKKOS_LAMBDA(const TeamMember& team) {
         const int r = team.league_rank();
@@ -19,7 +19,7 @@ void rmsnorm_forward(ConstMat x, ConstVec g, float eps, ConstMat residual, Mat y
         const float s = math::rsqrt(ss / width + eps);
         Kokkos::parallel_for(Kokkos::TeamThreadRange(team, width), [&](int d) {
           const float v = (has_residual ? residual(r, d) : 0.0f) + g(d) * x(r, d) * s;
-          y(r, d) = v;
+          if (has_y) y(r, d) = v;
           if (y16) y16[std::int64_t(r) * width + d] = bf16_bits(v);
         });
         Kokkos::single(Kokkos::PerTeam(team), [&]() { rstd(r) = s; });

@@ -11,7 +11,8 @@
 namespace kmoe {
 
 // x, y: (rows, width); residual: (rows, width) or empty; rstd: (rows) saved for backward.
-// y16 (bf16 runs): where y is also written rounded to bf16 (rows x width), for products.
+// y16 (bf16 runs): where y is also written rounded to bf16 (rows x width), for products; with
+// y16, y may be empty (the bf16 copy alone).
 void rmsnorm_forward(ConstMat x, ConstVec g, float eps, ConstMat residual, Mat y, Vec rstd,
                      std::uint16_t* y16 = nullptr);
 

@@ -67,21 +67,26 @@ if base and micro and layers:
     else:
         h.skip("fence counts", "this Kokkos reports no fences to Kokkos Tools (Kokkos 3.4)")
 # bf16 operands rounded where they are produced (the event "kmoe::rounded <n>" of gemm.cpp
-# counts the fp32 elements products still round at their entry). Per micro-batch of N rows,
-# with the fused attention core (no products inside it) and the reordered norm (the default),
-# what is still rounded at entry is, per layer, the input of the attention's projection (the
-# block's input, forward and backward: 2 N x D); and in the head its normalized input (twice)
-# and d logits (twice). The SwiGLU backward writes d up, the attention backward d(q|k|v), the
-# norm backwards the MLP's dy and the attention's d out and the norm forward the MLP's input
-# as bf16, so those products round nothing: were they rounded again, the count would grow by
-# 4 N F, 2 N (qd + 2 kd), 2 N D, 2 N D and 2 N D per layer.
-N, D, V, layers, micro = 2 * 32, 32, 320, 2, 2
-expected = micro * (layers * 2 * N * D + 2 * N * V + 2 * N * D)
-bf16 = counts("bf16", "--train.precision=bf16", "--moe.experts=0", "--train.attention=fused")
-if bf16:
-    h.check(all(r["rounded_elements"] == expected for r in bf16),
-            f"bf16, fused attention: {expected} fp32 elements rounded at products' entry per "
-            f"step (the gradients products read rounded by their kernels): {[r['rounded_elements'] for r in bf16]}")
+# counts the fp32 elements products still round at their entry). With the fused attention core
+# (no products inside it), a dense model and the reordered norm (the default) every operand of
+# a product is written as bf16 by the kernel that makes it: the block input by the embedding and
+# the previous block's final norm, the MLP's input by the norm forward, d up by the SwiGLU
+# backward, d(q|k|v) by the attention backward, the MLP's dy and the attention's d out by the
+# norm backwards, the head's normed input by its norm and d logits by the loss kernel. So
+# nothing is rounded at a product's entry; were one rounded again, the count would grow by at
+# least N x D per micro-batch of N rows.
+# The same with a block's recompute (its own forward rounds its input again) and with pre-norm
+# blocks (their attention norm writes the attention's input).
+expected = 0
+for name, extra in (("bf16", ()), ("bf16_recompute", ("--train.recompute=block",)),
+                    ("bf16_pre", ("--model.block_norm=pre",))):
+    rows = counts(name, "--train.precision=bf16", "--moe.experts=0", "--train.attention=fused",
+                  *extra)
+    if rows:
+        h.check(all(r["rounded_elements"] == expected for r in rows),
+                f"{name}, fused attention: {expected} fp32 elements rounded at products' entry "
+                f"per step (every operand written as bf16 by its kernel): "
+                f"{[r['rounded_elements'] for r in rows]}")
 tiled = counts("bf16_tiled", "--train.precision=bf16", "--moe.experts=0", "--train.attention=tiled")
 if tiled:
     h.check(len({r["rounded_elements"] for r in tiled}) == 1 and

@@ -245,7 +245,8 @@ LossRef loss_ref(const HostMat& logits, const std::vector<int>& tokens, int T) {
   return out;
 }
 
-void check_lm_head(bool tie) {
+// chunk: the head's rows per chunk (0: its default, one chunk at these sizes).
+void check_lm_head(bool tie, int chunk = 0) {
   ModelCfg m;
   m.vocab_size = 13;
   m.d_model = 12;
@@ -256,7 +257,7 @@ void check_lm_head(bool tie) {
   std::mt19937 gen(tie ? 7 : 8);
   TensorTable table;
   Embedding embed(V, D, m.init_std, N + 5, table);
-  LmHead head(RunContext(), m, N + 5, embed.weight_index(), table);
+  LmHead head(RunContext(), m, N + 5, embed.weight_index(), table, chunk);
   Workspace ws;
   table.allocate();
   table.initialize(9);
@@ -274,24 +275,26 @@ void check_lm_head(bool tie) {
   const int targets = nseq * (T - 1);
   auto forward = [&](float grad_scale) {
     return head.forward(table, as_cmat(x_dev.data(), N, D), ConstIVec(tok_dev.data(), N), T,
-                        grad_scale);
+                        grad_scale, ws);
   };
 
   const auto params = to_host(table.params.data(), table.total_elements());
   const HostMat normed = rmsnorm_ref(HostMat(x.data(), N, D),
                                      param_mat(table, params, "final_norm.weight").v, m.norm_eps);
   const LossRef want = loss_ref(linear(normed, param_mat(table, params, weight)), tokens, T);
-  const LossSums got = forward(1.0f / targets);
+  // Gradients of (CE + zc * Z) / targets: the head matrix's accumulate in the forward that
+  // asks for them.
+  LossSums got;
+  const auto grads = accumulated_grads(table, gen, [&] {
+    got = forward(1.0f / targets);
+    head.backward(table, as_cmat(x_dev.data(), N, D), as_mat(dx_dev.data(), N, D));
+  });
   EXPECT_EQ(got.targets, targets);
   EXPECT_NEAR(got.ce, want.ce, 1e-5 * want.ce);
   EXPECT_NEAR(got.z, want.z, 1e-5 * want.z);
   ASSERT_EQ(got.seq_ce.size(), want.seq_ce.size());
   for (int s = 0; s < nseq; ++s) EXPECT_NEAR(got.seq_ce[s], want.seq_ce[s], 1e-5 * want.ce) << s;
 
-  // Gradients of (CE + zc * Z) / targets.
-  const auto grads = accumulated_grads(table, gen, [&] {
-    head.backward(table, as_cmat(x_dev.data(), N, D), as_mat(dx_dev.data(), N, D), ws);
-  });
   const auto dx = to_host(dx_dev.data(), N * D);
   for (int s = 0; s < nseq; ++s)  // the last position has no target: no gradient
     for (int d = 0; d < D; ++d) EXPECT_EQ(dx[((s + 1) * T - 1) * D + d], 0.0f);
@@ -311,6 +314,11 @@ void check_lm_head(bool tie) {
 
 TEST(LmHead, UntiedLossAndGradients) { check_lm_head(false); }
 TEST(LmHead, TiedLossAndGradients) { check_lm_head(true); }
+// Chunks of 4 rows over 15 (the last one short; chunk edges inside sequences of 5).
+TEST(LmHead, ChunkedLossAndGradients) {
+  check_lm_head(false, 4);
+  check_lm_head(true, 4);
+}
 
 // ---------------------------------------------------------------------------------------------
 // KeyBuckets
