@@ -29,10 +29,10 @@ std::int64_t Attention::workspace_bytes(const ModelCfg& m, int max_seqs, int T, 
                                                        core_dims(m, max_seqs, T, window), bf16);
   const std::int64_t heads = Workspace::rounded(4 * N * qd);
   const std::int64_t forward = heads + core.forward_workspace.get();
-  // dO/dQ, dK, dV held across the backward; below them the merged dO, the core's backward, and
-  // d(q|k|v) one after another.
+  // dO/dQ, dK, dV (and, bf16, dO's bf16 copy) held across the backward; below them the merged
+  // dO, the core's backward, and d(q|k|v) one after another.
   const std::int64_t backward =
-      heads + 2 * Workspace::rounded(4 * N * kd) +
+      heads + 2 * Workspace::rounded(4 * N * kd) + (bf16 ? Workspace::rounded(2 * N * qd) : 0) +
       std::max({heads, core.backward_workspace.get(),
                 Workspace::rounded(4 * N * (qd + 2 * kd)) +
                     (bf16 ? Workspace::rounded(2 * N * (qd + 2 * kd)) : 0)});
@@ -90,10 +90,16 @@ KOKKOS_INLINE_FUNCTION std::int64_t head_index(int r, int c, int T, int Hkv, int
 }
 
 // Concatenated heads (N, H*dh) into the query layout.
-void split_heads(ConstMat merged, float* heads, int T, int Hkv, int G, int dh) {
+// heads16 (bf16 runs): the same values rounded, in the same layout, or nullptr.
+void split_heads(ConstMat merged, float* heads, std::uint16_t* heads16, int T, int Hkv, int G,
+                 int dh) {
   Kokkos::parallel_for(
       "attn::split_heads", Range2({0, 0}, {int(merged.extent(0)), Hkv * G * dh}),
-      KOKKOS_LAMBDA(int r, int c) { heads[head_index(r, c, T, Hkv, G, dh)] = merged(r, c); });
+      KOKKOS_LAMBDA(int r, int c) {
+        const std::int64_t i = head_index(r, c, T, Hkv, G, dh);
+        heads[i] = merged(r, c);
+        if (heads16) heads16[i] = bf16_bits(merged(r, c));
+      });
 }
 
 // The query layout into N rows of concatenated heads, kept for the output projection.
@@ -168,8 +174,10 @@ void Attention::backward(TensorTable& table, const RopeTables& rope, const Opera
   float* d_heads = frame.floats(std::int64_t(N) * qd);  // query layout: dO, then dQ
   float* d_k = frame.floats(std::int64_t(N) * kd);      // (nseq, Hkv, T, dh)
   float* d_v = frame.floats(std::int64_t(N) * kd);
-  output_projection_backward(table, dout, d_heads, ws);
-  core_->backward({q_, k_, v_}, N / T_, d_heads, d_k, d_v, ws);
+  // bf16 runs: dO also as bf16, written by the split, for a core whose products read it.
+  std::uint16_t* d_heads16 = ctx_.bf16() ? frame.words(std::int64_t(N) * qd) : nullptr;
+  output_projection_backward(table, dout, d_heads, d_heads16, ws);
+  core_->backward({q_, k_, v_}, N / T_, d_heads, d_heads16, d_k, d_v, ws);
   Mat d_qkv = frame.mat(N, W);
   // In bf16 runs the kernels that finish d(q|k|v) also write it rounded, the copy both
   // products read: unrope_merge the v columns (and q, k without QK-norm), the QK-norm
@@ -186,7 +194,7 @@ void Attention::backward(TensorTable& table, const RopeTables& rope, const Opera
 }
 
 void Attention::output_projection_backward(TensorTable& table, const Operand& dout, float* d_heads,
-                                           Workspace& ws) const {
+                                           std::uint16_t* d_heads16, Workspace& ws) const {
   const int N = N_, T = T_, H = H_, Hkv = Hkv_, dh = dh_, qd = H * dh, G = H / Hkv;
   // Output projection: dWo += dout^T merged; d_merged = dout Wo, split into heads.
   gemm(ctx_, Trans::T, Trans::N, 1.0f, dout, merged_.matrix(N, qd), 1.0f,
@@ -195,7 +203,7 @@ void Attention::output_projection_backward(TensorTable& table, const Operand& do
     Workspace::Frame merged(ws);  // d_merged's memory becomes d_qkv's below
     Mat d_merged = merged.mat(N, qd);
     gemm(ctx_, Trans::N, Trans::N, 1.0f, dout, table.weight(wo_, D_, qd), 0.0f, d_merged);
-    split_heads(as_cmat(d_merged), d_heads, T, Hkv, G, dh);
+    split_heads(as_cmat(d_merged), d_heads, d_heads16, T, Hkv, G, dh);
   }
 }
 

@@ -92,8 +92,9 @@ class Attention {
   // The phases of backward() around the core. Public only because a function that launches a
   // device lambda may not be private under nvcc; backward() is the interface.
   // dWo += dout^T merged; dO = dout Wo, split into the query layout (d_heads).
+  // d_heads16 (bf16 runs): dO also rounded, or nullptr.
   void output_projection_backward(TensorTable& table, const Operand& dout, float* d_heads,
-                                  Workspace& ws) const;
+                                  std::uint16_t* d_heads16, Workspace& ws) const;
   // Back to (N, W) rows: inverse RoPE on dq, dk (gradients w.r.t. the normalized q, k), dv.
   // d_qkv16 (bf16 runs): the columns final here (v; q and k without QK-norm) also rounded.
   void unrope_merge(const RopeTables& rope, const float* d_heads, const float* d_k,

@@ -74,8 +74,10 @@ class AttentionCore {
   virtual void forward(const AttentionInputs& in, int nseq, const DocStarts& docs, float* heads,
                        Workspace& ws) = 0;
   // From the last forward's state: d_heads holds dO on entry, dQ on return; d_k, d_v assigned.
-  virtual void backward(const AttentionInputs& in, int nseq, float* d_heads, float* d_k, float* d_v,
-                        Workspace& ws) = 0;
+  // d_heads16 (bf16 runs; else nullptr): dO rounded to bf16 in the same layout, written by the
+  // kernel that made dO, for a core whose products read it.
+  virtual void backward(const AttentionInputs& in, int nseq, float* d_heads,
+                        const std::uint16_t* d_heads16, float* d_k, float* d_v, Workspace& ws) = 0;
   // The score entries the last forward computed (a core that forms no scores: 0).
   virtual std::int64_t scores_computed() const = 0;
 };

@@ -384,7 +384,8 @@ void FusedAttention::forward(const AttentionInputs& in, int nseq, const DocStart
   fused_forward(g, in.q.in(), in.k.in(), in.v.in(), heads, out_.out(), lse_.data());
 }
 
-void FusedAttention::backward(const AttentionInputs& in, int nseq, float* d_heads, float* d_k,
+void FusedAttention::backward(const AttentionInputs& in, int nseq, float* d_heads,
+                              const std::uint16_t* /*d_heads16: no products here*/, float* d_k,
                               float* d_v, Workspace& /*ws*/) {
   const Geometry g{nseq,         dims_.H,  dims_.Hkv,
                    dims_.G(),    dims_.dh, dims_.T,

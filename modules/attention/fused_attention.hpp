@@ -31,8 +31,8 @@ class FusedAttention : public AttentionCore {
   const char* name() const override { return "fused"; }
   void forward(const AttentionInputs& in, int nseq, const DocStarts& docs, float* heads,
                Workspace& ws) override;
-  void backward(const AttentionInputs& in, int nseq, float* d_heads, float* d_k, float* d_v,
-                Workspace& ws) override;
+  void backward(const AttentionInputs& in, int nseq, float* d_heads, const std::uint16_t* d_heads16,
+                float* d_k, float* d_v, Workspace& ws) override;
   // Its scores live in team scratch only.
   std::int64_t scores_computed() const override { return 0; }
 

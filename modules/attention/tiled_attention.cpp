@@ -45,7 +45,8 @@ AttentionCoreSizes TiledAttention::sizes(const AttentionDims& d, bool bf16) {
   AttentionCoreSizes s;
   s.saved = Size(bf16 ? 2 : 4) * band;
   s.forward_workspace = bf16 ? probs : Size(0);
-  s.backward_workspace = probs + partials;
+  // bf16 runs: dS as bf16 beside the fp32 dP.
+  s.backward_workspace = probs + partials + (bf16 ? Workspace::rounded((Size(2) * band).get()) : 0);
   return s;
 }
 
@@ -145,16 +146,17 @@ KOKKOS_INLINE_FUNCTION BandRow band_row(int r, int nseq, int H, int Hkv, int G, 
 // One band row of the masked softmax backward in place: g = P * (g - sum_j P g) * scale over
 // its entries [lo, hi] (keys lo + k0 .. hi + k0), 0 elsewhere of its nk, with P as kept (fp32
 // or bf16 pointer, row start applied).
-template <class P>
+// The result goes to `out`: g itself (in place), or a bf16 row.
+template <class P, class Out>
 KOKKOS_INLINE_FUNCTION void softmax_row_backward(const TeamMember& tm, int lo, int hi, int nk, P pr,
-                                                 float* g, float scale) {
+                                                 float* g, Out out, float scale) {
   float dot = 0.0f;
   Kokkos::parallel_reduce(
       Kokkos::TeamThreadRange(tm, lo, hi + 1),
       [&](int j, float& s) { s += kept_load(pr, j) * g[j]; }, dot);
   tm.team_barrier();  // every read of g before the first write
   Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, nk), [&](int j) {
-    g[j] = j >= lo && j <= hi ? kept_load(pr, j) * (g[j] - dot) * scale : 0.0f;
+    kept_store(out, j, j >= lo && j <= hi ? kept_load(pr, j) * (g[j] - dot) * scale : 0.0f);
   });
 }
 
@@ -233,19 +235,24 @@ void TiledAttention::causal_softmax(float* scores) const {
       });
 }
 
-void TiledAttention::backward(const AttentionInputs& in, int nseq, float* d_heads, float* d_k,
-                              float* d_v, Workspace& ws) {
+void TiledAttention::backward(const AttentionInputs& in, int nseq, float* d_heads,
+                              const std::uint16_t* d_heads16, float* d_k, float* d_v,
+                              Workspace& ws) {
   nseq_ = nseq;
   Workspace::Frame frame(ws);
-  float* d_probs = frame.floats(std::int64_t(nseq) * dims_.H * band_);
+  const std::int64_t band = std::int64_t(nseq) * dims_.H * band_;
+  float* d_probs = frame.floats(band);
   float* partial = frame.floats(std::int64_t(nseq) * dims_.Hkv * dims_.dh * key_band_);
-  probs_values_backward(in, d_heads, d_probs, partial, d_v);
-  softmax_backward(d_probs);
-  queries_keys_backward(in, d_probs, d_heads, partial, d_k);
+  // bf16 runs: the softmax backward writes dS as bf16, the operand of its two products.
+  std::uint16_t* d_s16 = probs_.is_bf16() ? frame.words(band) : nullptr;
+  probs_values_backward(in, d_heads, d_heads16, d_probs, partial, d_v);
+  softmax_backward(d_probs, d_s16);
+  queries_keys_backward(in, d_probs, d_s16, d_heads, partial, d_k);
 }
 
 void TiledAttention::probs_values_backward(const AttentionInputs& in, const float* d_heads,
-                                           float* d_probs, float* partial, float* d_v) const {
+                                           const std::uint16_t* d_heads16, float* d_probs,
+                                           float* partial, float* d_v) const {
   const int Hkv = dims_.Hkv, dh = dims_.dh;
   const std::int64_t Tdh = std::int64_t(dims_.T) * dh, TGdh = Tdh * dims_.G();
   // Per run (as forward()): dP = dO_tile v_range^T, one grouped batch; the tile's dv_range =
@@ -255,7 +262,8 @@ void TiledAttention::probs_values_backward(const AttentionInputs& in, const floa
   std::vector<GemmGroup> scores, values;
   bool skipped = false;  // keys a run skips: their partial rows are never written
   for_each_run([&](const Run& r) {
-    const Strided d_out{d_heads + r.query, r.m, dh, TGdh};
+    const Strided d_out =
+        shifted({d_heads16 ? nullptr : d_heads, r.m, dh, TGdh, d_heads16}, r.query);
     scores.push_back({d_out, shifted({vs.data, r.n, dh, Tdh, vs.b16}, r.key), d_probs + r.band, r.m,
                       r.n, r.mk, r.count * Hkv, r.tile->nk});
     values.push_back({shifted({ps.data, r.m, r.n, r.mk, ps.b16, r.tile->nk}, r.band), d_out,
@@ -291,7 +299,7 @@ void TiledAttention::sum_key_partials(const float* partial, float* out) const {
       });
 }
 
-void TiledAttention::softmax_backward(float* d_probs) const {
+void TiledAttention::softmax_backward(float* d_probs, std::uint16_t* d_s16) const {
   const int T = dims_.T, nseq = nseq_, H = dims_.H, Hkv = dims_.Hkv, G = dims_.G();
   const float scale = 1.0f / std::sqrt(static_cast<float>(dims_.dh));
   const DocStarts docs = docs_;
@@ -302,15 +310,19 @@ void TiledAttention::softmax_backward(float* d_probs) const {
   Kokkos::parallel_for(
       "attn::softmax_backward", row_policy(nseq * H * T), KOKKOS_LAMBDA(const TeamMember& tm) {
         const BandRow b = band_row(tm.league_rank(), nseq, H, Hkv, G, T, window, before, docs);
-        if (p.b16)
-          softmax_row_backward(tm, b.lo, b.hi, b.nk, p.b16 + b.start, d_probs + b.start, scale);
+        float* g = d_probs + b.start;
+        if (p.b16 && d_s16)
+          softmax_row_backward(tm, b.lo, b.hi, b.nk, p.b16 + b.start, g, d_s16 + b.start, scale);
+        else if (p.b16)
+          softmax_row_backward(tm, b.lo, b.hi, b.nk, p.b16 + b.start, g, g, scale);
         else
-          softmax_row_backward(tm, b.lo, b.hi, b.nk, p.f32 + b.start, d_probs + b.start, scale);
+          softmax_row_backward(tm, b.lo, b.hi, b.nk, p.f32 + b.start, g, g, scale);
       });
 }
 
 void TiledAttention::queries_keys_backward(const AttentionInputs& in, const float* d_probs,
-                                           float* d_heads, float* partial, float* d_k) const {
+                                           const std::uint16_t* d_s16, float* d_heads,
+                                           float* partial, float* d_k) const {
   const int Hkv = dims_.Hkv, dh = dims_.dh;
   const std::int64_t Tdh = std::int64_t(dims_.T) * dh, TGdh = Tdh * dims_.G();
   const Strided qs = in.q.strided(0, 0, 0), ks = in.k.strided(0, 0, 0);
@@ -319,7 +331,8 @@ void TiledAttention::queries_keys_backward(const AttentionInputs& in, const floa
   // probs_values_backward left zero), then summed over the tiles in order.
   std::vector<GemmGroup> queries, keys;
   for_each_run([&](const Run& r) {
-    const Strided d_s{d_probs + r.band, r.m, r.n, r.mk, nullptr, r.tile->nk};
+    const Strided d_s =
+        shifted({d_s16 ? nullptr : d_probs, r.m, r.n, r.mk, d_s16, r.tile->nk}, r.band);
     queries.push_back({d_s, shifted({ks.data, r.n, dh, Tdh, ks.b16}, r.key), d_heads + r.query, r.m,
                        dh, TGdh, r.count * Hkv});
     keys.push_back({d_s, shifted({qs.data, r.m, dh, TGdh, qs.b16}, r.query), partial + r.partial,

@@ -21,8 +21,8 @@ class TiledAttention : public AttentionCore {
   const char* name() const override { return "tiled"; }
   void forward(const AttentionInputs& in, int nseq, const DocStarts& docs, float* heads,
                Workspace& ws) override;
-  void backward(const AttentionInputs& in, int nseq, float* d_heads, float* d_k, float* d_v,
-                Workspace& ws) override;
+  void backward(const AttentionInputs& in, int nseq, float* d_heads, const std::uint16_t* d_heads16,
+                float* d_k, float* d_v, Workspace& ws) override;
   std::int64_t scores_computed() const override { return scores_computed_; }
 
   static AttentionCoreSizes sizes(const AttentionDims& dims, bool bf16);
@@ -61,14 +61,18 @@ class TiledAttention : public AttentionCore {
   // Per run, one grouped batch per product kind: dP = dO v^T; the tile's dV rows P^T dO into
   // `partial` (key_band_ rows of dh per sequence and kv head), then dV = those summed over the
   // tiles in order (sum_key_partials).
-  void probs_values_backward(const AttentionInputs& in, const float* d_heads, float* d_probs,
-                             float* partial, float* d_v) const;
-  // dS = P * (dP - sum_j P dP) / sqrt(dh) in place (P as kept: R(P) in bf16 runs).
-  void softmax_backward(float* d_probs) const;
+  // d_heads16: dO as bf16 (bf16 runs), the operand both products read.
+  void probs_values_backward(const AttentionInputs& in, const float* d_heads,
+                             const std::uint16_t* d_heads16, float* d_probs, float* partial,
+                             float* d_v) const;
+  // dS = P * (dP - sum_j P dP) / sqrt(dh) in place (P as kept: R(P) in bf16 runs); with d_s16
+  // (bf16 runs) written there as bf16 instead, the copy the products below read.
+  void softmax_backward(float* d_probs, std::uint16_t* d_s16) const;
   // Per run, as above: dQ = dS k (over dO in d_heads); the tile's dK rows dS^T q into `partial`,
-  // then dK = their sum over the tiles.
-  void queries_keys_backward(const AttentionInputs& in, const float* d_probs, float* d_heads,
-                             float* partial, float* d_k) const;
+  // then dK = their sum over the tiles. dS: d_probs, or its bf16 copy d_s16.
+  void queries_keys_backward(const AttentionInputs& in, const float* d_probs,
+                             const std::uint16_t* d_s16, float* d_heads, float* partial,
+                             float* d_k) const;
   // out (nseq, Hkv, T, dh) = for each key, the sum over the tiles that read it, in tile order,
   // of its rows in `partial` (tile i's block of nseq * Hkv * nk * dh at nseq * Hkv *
   // keys_before * dh).
