@@ -160,19 +160,22 @@ double FlatOptimizer::grad_sq_sum(const TensorTable& table) const {
               [&](std::int64_t j, double& acc) { acc += block_squares(g, b0, b1, j); }, sum);
         Kokkos::single(Kokkos::PerTeam(tm), [&]() { partial(c) = sum; });
       });
-  // The total in one fixed order: groups of kGroup chunks in order, then the groups in order.
+  // The total in one fixed order: groups of kGroup chunks in order (a thread each of one
+  // team), then the groups in order.
   const int groups = (C + kGroup - 1) / kGroup;
   Kokkos::parallel_for(
-      "optim::grad_sq_groups", Range(0, groups), KOKKOS_LAMBDA(int g) {
-        double sum = 0.0;
-        for (int c = g * kGroup; c < C && c < (g + 1) * kGroup; ++c) sum += partial(c);
-        partial(C + 1 + g) = sum;
-      });
-  Kokkos::parallel_for(
-      "optim::grad_sq_total", Range(0, 1), KOKKOS_LAMBDA(int) {
-        double total = 0.0;
-        for (int g = 0; g < groups; ++g) total += partial(C + 1 + g);
-        partial(C) = total;
+      "optim::grad_sq_total", team_policy(1), KOKKOS_LAMBDA(const TeamMember& tm) {
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, groups), [&](int g) {
+          double sum = 0.0;
+          for (int c = g * kGroup; c < C && c < (g + 1) * kGroup; ++c) sum += partial(c);
+          partial(C + 1 + g) = sum;
+        });
+        tm.team_barrier();
+        Kokkos::single(Kokkos::PerTeam(tm), [&]() {
+          double total = 0.0;
+          for (int g = 0; g < groups; ++g) total += partial(C + 1 + g);
+          partial(C) = total;
+        });
       });
   auto h = read_to_host("gradient norm", Kokkos::subview(partial_, std::make_pair(C, C + 1)));
   return h(0);

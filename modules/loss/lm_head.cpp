@@ -113,22 +113,23 @@ LossSums LmHead::forward(const TensorTable& table, ConstMat x, ConstIVec tokens,
         seq_sums(part + 2 * (std::int64_t(s) * chunks + c)) = ce;
         seq_sums(part + 2 * (std::int64_t(s) * chunks + c) + 1) = z;
       });
+  // One team: a thread per sequence sums its chunks; with `accumulate`, then the sums the host
+  // would form, in the same order, added where the step keeps them.
+  const bool to_device = accumulate.extent(0) > 0;
   Kokkos::parallel_for(
-      "head::sequence_sums", Range(0, nseq), KOKKOS_LAMBDA(int s) {
-        double ce = 0.0, z = 0.0;
-        for (int c = 0; c < chunks; ++c) {
-          ce += seq_sums(part + 2 * (std::int64_t(s) * chunks + c));
-          z += seq_sums(part + 2 * (std::int64_t(s) * chunks + c) + 1);
-        }
-        seq_sums(2 * s) = ce;
-        seq_sums(2 * s + 1) = z;
-      });
-  LossSums out;
-  out.targets = std::int64_t(nseq) * (T - 1);
-  if (accumulate.extent(0) > 0) {
-    // The sums the host would form, in the same order, added where the step keeps them.
-    Kokkos::parallel_for(
-        "head::accumulate_sums", Range(0, 1), KOKKOS_LAMBDA(int) {
+      "head::sequence_sums", team_policy(1), KOKKOS_LAMBDA(const TeamMember& tm) {
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, nseq), [&](int s) {
+          double ce = 0.0, z = 0.0;
+          for (int c = 0; c < chunks; ++c) {
+            ce += seq_sums(part + 2 * (std::int64_t(s) * chunks + c));
+            z += seq_sums(part + 2 * (std::int64_t(s) * chunks + c) + 1);
+          }
+          seq_sums(2 * s) = ce;
+          seq_sums(2 * s + 1) = z;
+        });
+        if (!to_device) return;
+        tm.team_barrier();
+        Kokkos::single(Kokkos::PerTeam(tm), [&]() {
           double ce = 0.0, z = 0.0;
           for (int s = 0; s < nseq; ++s) {
             ce += seq_sums(2 * s);
@@ -137,8 +138,10 @@ LossSums LmHead::forward(const TensorTable& table, ConstMat x, ConstIVec tokens,
           accumulate(0) += ce;
           accumulate(1) += z;
         });
-    return out;
-  }
+      });
+  LossSums out;
+  out.targets = std::int64_t(nseq) * (T - 1);
+  if (to_device) return out;
   auto h = read_to_host("loss sums", Kokkos::subview(seq_sums, Kokkos::make_pair(0, 2 * nseq)));
   out.seq_ce.resize(nseq);
   for (int s = 0; s < nseq; ++s) {

@@ -4,6 +4,15 @@
 
 namespace kmoe {
 
+namespace {
+using ScratchI = Kokkos::View<int*, ExecSpace::scratch_memory_space, Unmanaged>;
+
+// A team per block of kBlock items, with `ints` ints of team scratch.
+TeamPolicy block_teams(int blocks, int ints) {
+  return team_policy(blocks).set_scratch_size(0, Kokkos::PerTeam(ScratchI::shmem_size(ints)));
+}
+}  // namespace
+
 KeyBuckets::KeyBuckets(int max_items, int num_keys)
     : offsets("buckets::offsets", num_keys + 1),
       order("buckets::order", max_items),
@@ -45,6 +54,10 @@ void KeyBuckets::build(ConstIVec keys) {
 
   const int blocks = (n + kBlock - 1) / kBlock;
   auto counts = block_counts_;
+  // A block is a team: on CPUs one thread walks its items in order; with device paths the
+  // team's threads take an item each, its slot from the items of its digit before it in the
+  // block (the same stable order, so the same result).
+  const bool walk = !device_paths();
   for (int pass = 0; pass < passes_; ++pass) {
     const int shift = pass * kDigitBits;
     const bool first = pass == 0, last = pass == passes_ - 1;
@@ -54,14 +67,22 @@ void KeyBuckets::build(ConstIVec keys) {
     const IVec out_keys(last ? nullptr : sorted_keys_[pass % 2].data(), last ? 0 : n);
     const IVec out_items(last ? ord.data() : items_[pass % 2].data(), n);
 
-    // Digit counts per block, digit-major so one scan orders slots by (digit, block).
+    // Digit counts per block (integer atomics in team scratch: exact), digit-major so one scan
+    // orders slots by (digit, block).
     Kokkos::parallel_for(
-        "buckets::block_counts", Range(0, blocks), KOKKOS_LAMBDA(int b) {
-          int local[kDigits];
-          for (int d = 0; d < kDigits; ++d) local[d] = 0;
-          const int end = (b + 1) * kBlock < n ? (b + 1) * kBlock : n;
-          for (int i = b * kBlock; i < end; ++i) ++local[(in_keys(i) >> shift) & (kDigits - 1)];
-          for (int d = 0; d < kDigits; ++d) counts(static_cast<size_t>(d) * blocks + b) = local[d];
+        "buckets::block_counts", block_teams(blocks, kDigits), KOKKOS_LAMBDA(const TeamMember& tm) {
+          const int b = tm.league_rank();
+          const int begin = b * kBlock, end = (b + 1) * kBlock < n ? (b + 1) * kBlock : n;
+          ScratchI local(tm.team_scratch(0), kDigits);
+          Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, kDigits), [&](int d) { local(d) = 0; });
+          tm.team_barrier();
+          Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, begin, end), [&](int i) {
+            Kokkos::atomic_add(&local((in_keys(i) >> shift) & (kDigits - 1)), 1);
+          });
+          tm.team_barrier();
+          Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, kDigits), [&](int d) {
+            counts(static_cast<size_t>(d) * blocks + b) = local(d);
+          });
         });
     Kokkos::parallel_scan(
         "buckets::block_slots", Range(0, kDigits * blocks),
@@ -70,18 +91,38 @@ void KeyBuckets::build(ConstIVec keys) {
           if (final) counts(j) = partial;
           partial += c;
         });
-    // Stable scatter: each block walks its items in order from its first slot per digit.
+    // Stable scatter: each block's items from its first slot per digit, in item order.
     Kokkos::parallel_for(
-        "buckets::scatter", Range(0, blocks), KOKKOS_LAMBDA(int b) {
-          int slot[kDigits];
-          for (int d = 0; d < kDigits; ++d) slot[d] = counts(static_cast<size_t>(d) * blocks + b);
-          const int end = (b + 1) * kBlock < n ? (b + 1) * kBlock : n;
-          for (int i = b * kBlock; i < end; ++i) {
-            const int key = in_keys(i);
-            const int s = slot[(key >> shift) & (kDigits - 1)]++;
-            out_items(s) = first ? i : in_items(i);
-            if (!last) out_keys(s) = key;
+        "buckets::scatter", block_teams(blocks, kDigits + kBlock),
+        KOKKOS_LAMBDA(const TeamMember& tm) {
+          const int b = tm.league_rank();
+          const int begin = b * kBlock, end = (b + 1) * kBlock < n ? (b + 1) * kBlock : n;
+          ScratchI scratch(tm.team_scratch(0), kDigits + kBlock);  // slots, then digits
+          Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, kDigits), [&](int d) {
+            scratch(d) = counts(static_cast<size_t>(d) * blocks + b);
+          });
+          Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, begin, end), [&](int i) {
+            scratch(kDigits + i - begin) = (in_keys(i) >> shift) & (kDigits - 1);
+          });
+          tm.team_barrier();
+          if (walk) {
+            Kokkos::single(Kokkos::PerTeam(tm), [&]() {
+              for (int i = begin; i < end; ++i) {
+                const int s = scratch(scratch(kDigits + i - begin))++;
+                out_items(s) = first ? i : in_items(i);
+                if (!last) out_keys(s) = in_keys(i);
+              }
+            });
+            return;
           }
+          Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, begin, end), [&](int i) {
+            const int d = scratch(kDigits + i - begin);
+            int rank = 0;
+            for (int j = kDigits; j < kDigits + i - begin; ++j) rank += scratch(j) == d ? 1 : 0;
+            const int s = scratch(d) + rank;
+            out_items(s) = first ? i : in_items(i);
+            if (!last) out_keys(s) = in_keys(i);
+          });
         });
   }
 }

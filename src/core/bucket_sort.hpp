@@ -6,9 +6,12 @@
 // The grouping is a least-significant-digit radix sort of the keys (8-bit digits, as many
 // passes as the key range needs), each pass a stable scatter: blocks of kBlock consecutive items
 // count their digits, one scan over (digit, block) gives every block its first slot per digit,
-// and each block places its items in item order. Only integer counts and one fixed traversal
-// per block, so the result is the same on every backend and thread count, and the work is
+// and each block places its items in item order. Only integer counts and a stable order per
+// block, so the result is the same on every backend and thread count, and the work is
 // O(items x passes) with items / kBlock independent blocks, however the keys are distributed.
+// A block is one team: on CPUs its thread walks the items in order; on GPUs (device paths) its
+// threads take an item each, ranked among the block's items of its digit before it
+// (O(kBlock) per item in team scratch), so no launch runs on one thread.
 #pragma once
 
 #include "core/kokkos_types.hpp"

@@ -44,7 +44,18 @@ using ConstMat = Kokkos::View<const float**, Layout, MemSpace, Unmanaged>;
 using IVec = Kokkos::View<int*, Layout, MemSpace, Unmanaged>;
 using ConstIVec = Kokkos::View<const int*, Layout, MemSpace, Unmanaged>;
 
-using Range = Kokkos::RangePolicy<ExecSpace>;
+// A launch of a single index (a kernel on one thread, a GPU's worst shape) is reported to Kokkos
+// Tools as the event "kmoe::one_thread" just before it starts, so the counter
+// (tests/tools/kokkos_counter.cpp) names such kernels and ctest holds the dense step at none.
+inline void note_one_thread_launch() {
+  if (Kokkos::Tools::profileLibraryLoaded()) Kokkos::Tools::markEvent("kmoe::one_thread");
+}
+// The 1-D range of ExecSpace over [begin, end).
+template <class B, class E>
+inline Kokkos::RangePolicy<ExecSpace> Range(B begin, E end) {
+  if (end - begin == 1) note_one_thread_launch();
+  return Kokkos::RangePolicy<ExecSpace>(begin, end);
+}
 // Loops over flat extents that can pass 2^32 elements (a tensor, or a parameter, gradient or
 // moment buffer: a 7B dense model's gradients on one GPU) take this policy, through
 // flat_range(): CUDA's RangePolicy counts in 32 bits by default (Cuda::size_type), which CPU
@@ -53,6 +64,7 @@ using FlatRange = Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>
 inline FlatRange flat_range(std::int64_t begin, std::int64_t end) {
   static_assert(sizeof(FlatRange::index_type) == 8 && std::is_signed_v<FlatRange::index_type>,
                 "a flat loop must count in signed 64 bits on every backend");
+  if (end - begin == 1) note_one_thread_launch();
   return FlatRange(begin, end);
 }
 // 2-D ranges iterate right-major on every backend (the last index fastest, as the row-major

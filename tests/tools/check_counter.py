@@ -75,6 +75,7 @@ if base and micro and layers:
 # norm backwards, the head's normed input by its norm and d logits by the loss kernel. So
 # nothing is rounded at a product's entry; were one rounded again, the count would grow by at
 # least N x D per micro-batch of N rows.
+dense_runs = []
 # The same with the tiled core (its softmax backward writes dS, the split of the output
 # projection's gradient dO as bf16), with a block's recompute (its own forward rounds its input
 # again, outside any product) and with pre-norm blocks (their attention norm writes the
@@ -88,6 +89,7 @@ for name, extra in (("bf16", ("--train.attention=fused",)),
         h.check(all(r["rounded_elements"] == 0 for r in rows),
                 f"{name}: 0 fp32 elements rounded at products' entry per step (every operand "
                 f"written as bf16 by its kernel): {[r['rounded_elements'] for r in rows]}")
+        dense_runs.append((name, rows))
 # The count's own check: the MoE layers still hand their products fp32 operands (the shared
 # expert reads the layer input, the experts' backward the output gradient), the same every step.
 moe = counts("bf16_moe", "--train.precision=bf16", "--train.attention=fused")
@@ -98,6 +100,27 @@ if moe:
 if base:
     h.check(all(r["rounded_elements"] == 0 for r in base),
             f"fp32: nothing rounded: {[r['rounded_elements'] for r in base]}")
+
+# No kernel of a dense step runs on one thread (a launch on a single index: the event
+# "kmoe::one_thread" of core/kokkos_types.hpp's ranges), in fp32 and in the bf16 runs above; the
+# MoE deck's layers still have such kernels (their auxiliary-loss sums; the MoE issue's work),
+# which is the count's own check.
+def one_thread_names(name):
+    path = h.path(name + ".csv.one_thread")
+    return open(path).read().splitlines() if os.path.exists(path) else []
+
+
+dense = counts("dense", "--moe.experts=0")
+if dense:
+    dense_runs.append(("dense", dense))
+for name, rows in dense_runs:
+    h.check(all(r["one_thread_kernels"] == 0 for r in rows),
+            f"{name}: no one-thread kernel in a dense step: "
+            f"{[r['one_thread_kernels'] for r in rows]} {one_thread_names(name)}")
+if base:
+    h.check(all(r["one_thread_kernels"] > 0 for r in base),
+            f"MoE deck: its one-thread kernels counted: {[r['one_thread_kernels'] for r in base]} "
+            f"{one_thread_names('base')}")
 
 # Many experts and uneven routing (a router that has not learned to balance): the per-expert
 # buffers are sized for the most rows an expert can take, so no step after the first allocates.

@@ -6,14 +6,17 @@
 // build the device's memory is host memory), and kmoe's GEMM calls (the event "kmoe::gemm
 // <kind>" of core/gemm.cpp: one cuBLAS call each on CUDA builds, whose kernels Kokkos does not
 // see), and the fp32 operand elements bf16 products rounded at their entry (the event
-// "kmoe::rounded <n>": operands no producing kernel wrote as bf16). A step is the profile region
-// "kmoe::step" that the trainer opens around each optimizer step.
+// "kmoe::rounded <n>": operands no producing kernel wrote as bf16), and the kernels launched on a
+// single index, one thread (the event "kmoe::one_thread" of core/kokkos_types.hpp's ranges just
+// before the launch). A step is the profile region "kmoe::step" that the trainer opens around
+// each optimizer step.
 //
 // Loaded with KOKKOS_TOOLS_LIBS=<path> (Kokkos 4) or KOKKOS_PROFILE_LIBRARY=<path> (Kokkos 3).
 // At exit it writes one CSV row per step to $KMOE_KOKKOS_COUNTS (".<rank>" appended on ranks
-// other than 0 of an MPI launch), or to stderr. Which events a build reports differs: Kokkos 3.4
-// reports no Serial fences and skips host-to-host copies; a GPU build reports all of them.
-// Only the C interface of Kokkos Tools is used; it links no Kokkos.
+// other than 0 of an MPI launch), or to stderr; and the one-thread kernels of the steps by name
+// with their launches to the same path with ".one_thread" appended. Which events a build reports
+// differs: Kokkos 3.4 reports no Serial fences and skips host-to-host copies; a GPU build reports
+// all of them. Only the C interface of Kokkos Tools is used; it links no Kokkos.
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -44,6 +47,7 @@ struct Counts {
        kmoe_syncs = 0, allocations = 0, deallocations = 0, gemm_calls = 0;
   std::uint64_t bytes_to_host = 0, bytes_from_host = 0, bytes_allocated = 0;
   long long rounded_elements = 0;  // fp32 operand elements bf16 products rounded at entry
+  long one_thread = 0;             // kernels launched on a single index
 };
 
 std::vector<Counts> g_steps;
@@ -56,6 +60,8 @@ std::uint64_t g_next_id = 1;
 // exit.
 bool g_names = false;
 std::map<std::string, long> g_fence_names;
+bool g_one_thread_next = false;                  // "kmoe::one_thread" seen: the next launch is one
+std::map<std::string, long> g_one_thread_names;  // inside steps
 
 bool host_space(const char* name) {
   // "Host", "HostSpace", "CudaHostPinned", "HIPHostPinned", "SYCLHostUSM" ...
@@ -67,7 +73,14 @@ std::string g_last_kernel;  // names mode: the kernel launched last, which a fen
 void launched(const char* name, std::uint64_t* id) {
   if (g_names) g_last_kernel = name;
   *id = g_next_id++;
-  if (g_step_depth > 0) ++g_current.kernels;
+  const bool one = g_one_thread_next;
+  g_one_thread_next = false;
+  if (g_step_depth == 0) return;
+  ++g_current.kernels;
+  if (one) {
+    ++g_current.one_thread;
+    ++g_one_thread_names[name];
+  }
 }
 
 }  // namespace
@@ -99,17 +112,23 @@ void kokkosp_finalize_library() {
   std::fprintf(out,
                "step,kernels,fences,deep_copies,copies_to_host,copies_from_host,"
                "copies_on_device,bytes_to_host,kmoe_syncs,bytes_from_host,allocations,"
-               "bytes_allocated,deallocations,gemm_calls,rounded_elements\n");
+               "bytes_allocated,deallocations,gemm_calls,rounded_elements,one_thread_kernels\n");
   for (std::size_t s = 0; s < g_steps.size(); ++s) {
     const Counts& c = g_steps[s];
-    std::fprintf(out, "%zu,%ld,%ld,%ld,%ld,%ld,%ld,%llu,%ld,%llu,%ld,%llu,%ld,%ld,%lld\n", s + 1,
-                 c.kernels, c.fences, c.copies, c.to_host, c.from_host, c.on_device,
+    std::fprintf(out, "%zu,%ld,%ld,%ld,%ld,%ld,%ld,%llu,%ld,%llu,%ld,%llu,%ld,%ld,%lld,%ld\n",
+                 s + 1, c.kernels, c.fences, c.copies, c.to_host, c.from_host, c.on_device,
                  static_cast<unsigned long long>(c.bytes_to_host), c.kmoe_syncs,
                  static_cast<unsigned long long>(c.bytes_from_host), c.allocations,
                  static_cast<unsigned long long>(c.bytes_allocated), c.deallocations, c.gemm_calls,
-                 c.rounded_elements);
+                 c.rounded_elements, c.one_thread);
   }
   if (out != stderr) std::fclose(out);
+  FILE* names = file.empty() ? stderr : std::fopen((file + ".one_thread").c_str(), "w");
+  if (names) {
+    for (const auto& [name, n] : g_one_thread_names)
+      std::fprintf(names, "%ld %s\n", n, name.c_str());
+    if (names != stderr) std::fclose(names);
+  }
   if (g_names) {
     std::vector<std::pair<long, std::string>> by_count;
     for (const auto& [name, n] : g_fence_names) by_count.emplace_back(n, name);
@@ -170,6 +189,10 @@ void kokkosp_deallocate_data(SpaceHandle, const char*, const void*, std::uint64_
 void kokkosp_profile_event(const char* name) {
   if (g_step_depth > 0 && std::strncmp(name, "kmoe::gemm", 10) == 0) {
     ++g_current.gemm_calls;
+    return;
+  }
+  if (std::strcmp(name, "kmoe::one_thread") == 0) {
+    g_one_thread_next = true;
     return;
   }
   if (std::strncmp(name, "kmoe::rounded ", 14) == 0) {
