@@ -179,6 +179,32 @@ class Model(nn.Module):
         return loss
 
 
+def write_profile(prof, path, steps, cuda):
+    """The profiled steps' operations and kernels per step: device time where a GPU ran them
+    (self time, so nothing is counted twice), host time otherwise."""
+    def self_us(e):
+        for k in (["self_device_time_total", "self_cuda_time_total"] if cuda else []) + \
+                ["self_cpu_time_total"]:
+            if hasattr(e, k):
+                return float(getattr(e, k))
+        return 0.0
+    rows = sorted(((self_us(e), e.key, e.count) for e in prof.key_averages()), reverse=True)
+    with open(path + ".csv", "w") as f:
+        f.write("name,calls,total_us\n")
+        for us, name, count in rows:
+            if us > 0:
+                f.write(f"{name.replace(',', ';')[:160]},{count / steps:.2f},{us / steps:.1f}\n")
+    with open(path + ".txt", "w") as f:
+        f.write(f"# {steps} steps profiled\n")
+        for key in (["self_device_time_total", "self_cuda_time_total"] if cuda else []) + \
+                ["self_cpu_time_total"]:
+            try:
+                f.write(prof.key_averages().table(sort_by=key, row_limit=60))
+                break
+            except Exception:  # a key this PyTorch does not know
+                continue
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", required=True, help="a kmoe token file (uint16)")
@@ -194,6 +220,8 @@ def main():
     ap.add_argument("--rope-theta", type=float, default=500000.0)
     ap.add_argument("--eps", type=float, default=1e-6)
     ap.add_argument("--json")
+    ap.add_argument("--profile", help="also write the timed steps' kernels (torch.profiler) to "
+                    "PROFILE.csv (name,calls,us per step, device time) and PROFILE.txt")
     ap.add_argument("--device", default="cuda", help="cpu: a trial of the script itself")
     a = ap.parse_args()
     if a.device == "cuda" and not torch.cuda.is_available():
@@ -215,7 +243,14 @@ def main():
     rng = np.random.default_rng(0)
     n_micro = a.global_batch // a.micro_batch
     times = []
+    prof, first_profiled = None, min(a.skip, a.steps - 1)
     for step in range(a.steps):
+        if a.profile and step == first_profiled:
+            acts = [torch.profiler.ProfilerActivity.CPU]
+            if cuda:
+                acts.append(torch.profiler.ProfilerActivity.CUDA)
+            prof = torch.profiler.profile(activities=acts)
+            prof.__enter__()
         starts = rng.integers(0, len(data) - a.seq_len, size=a.global_batch)
         batch = torch.from_numpy(np.stack([data[s:s + a.seq_len] for s in starts]).astype(
             np.int64)).to(dev)
@@ -231,6 +266,9 @@ def main():
         opt.zero_grad(set_to_none=True)
         sync()
         times.append(time.perf_counter() - t0)
+    if prof is not None:
+        prof.__exit__(None, None, None)
+        write_profile(prof, a.profile, a.steps - first_profiled, cuda)
     timed = times[a.skip:] or times
     step_s = statistics.median(timed)
     r = {"tokens_per_s": a.global_batch * a.seq_len / step_s, "step_s": step_s,

@@ -36,6 +36,8 @@ done
 for p in "${programs[@]}"; do cp "$p" "$out/bin/"; done
 command -v strip > /dev/null && strip --strip-unneeded "$out"/bin/* 2> /dev/null || true
 cp "$build/tests/tools/libkmoe_kokkos_counter.so" "$out/lib/"
+# The CUPTI tracer of gpu_profile.sh, where the build had CUPTI (libcupti stays the toolkit's).
+[ -f "$build/tests/tools/libkmoe_cupti_tracer.so" ] && cp "$build/tests/tools/libkmoe_cupti_tracer.so" "$out/lib/"
 
 # Open MPI's components and help files, and PMIx's, in the layout their prefixes expect.
 copy_tree() {  # copy_tree SRC DST_UNDER_OUT

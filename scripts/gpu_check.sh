@@ -179,6 +179,7 @@ if [ "${1:-}" = "--prepare" ]; then
     rm -rf "$dir/hf/run_$arch"
   done
   cp "$here/gpu_check.sh" "$bundle/gpu_check.sh"
+  cp "$here/gpu_profile.sh" "$bundle/gpu_profile.sh"
   cp "$here/../bench/torch_peer.py" "$bundle/torch_peer.py"
   echo "gpu_check.sh: $dir ready ($(du -sh "$dir" | cut -f1)); on the GPU machine: $bundle/gpu_check.sh $bundle"
   exit 0

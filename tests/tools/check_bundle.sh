@@ -46,3 +46,11 @@ for arch in olmo2 llama flex_olmo olmoe; do
 done
 grep -q "gpu_check: passed" "$sum" || fail "the check did not pass"
 echo "ok   gpu_check.sh runs end to end on this build, GPU-only steps skipped by name"
+# The profiling script of the GPU window: on a CPU bundle every GPU step skipped by name.
+"$tmp/b/gpu_profile.sh" "$tmp/b" "$tmp/prof" > "$tmp/prof.log" 2>&1 || { cat "$tmp/prof.log"; fail "gpu_profile.sh"; }
+for s in targets dense_tiled dense_fused peer_dense moe peer_moe_grouped peer_dense_profiled \
+         dense_micro4 dense_micro8 moe_micro8; do
+  grep -q "^skip $s: a CPU bundle" "$tmp/prof/summary.txt" || fail "gpu_profile: $s is not reported skipped by name"
+done
+grep -q "^gpu_profile: done" "$tmp/prof/summary.txt" || fail "gpu_profile.sh did not finish"
+echo "ok   gpu_profile.sh runs on this build, GPU steps skipped by name"
