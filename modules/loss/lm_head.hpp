@@ -70,12 +70,13 @@ class LmHead {
   // The lowest table index of the tensors the head declared (final_norm.weight).
   int first_tensor() const { return norm_; }
 
- private:
   // The loss terms of chunk rows [r0, r0 + n) (row_ce_, row_z_) and, with grad_scale > 0, their
-  // gradient w.r.t. the chunk's (n, V) logits through `grad`.
+  // gradient w.r.t. the chunk's (n, V) logits through `grad`. Public only because a function
+  // that launches a device lambda may not be private under nvcc; forward() is the interface.
   void softmax_xent(Mat logits, ConstIVec tokens, int r0, int T, float grad_scale,
                     KeptOut grad) const;
 
+ private:
   RunContext ctx_;  // the precision of its products
   int V_, D_;
   float eps_, z_coef_;
