@@ -101,8 +101,9 @@ void Block::forward(const TensorTable& table, const RopeTables& rope, ConstMat x
     Mat attn_in = buf(attn_in_, N), ffn_in = buf(ffn_in_, N);
     rmsnorm_forward(x_in, g_attn, eps_, ConstMat(), attn_in, rstd_attn, attn_in16_out());
     attn_.forward(table, rope, attn_input(as_cmat(attn_in)), attn_out, s.work, docs);
-    add(x_in, as_cmat(attn_out), h);
-    rmsnorm_forward(as_cmat(h), g_ffn, eps_, ConstMat(), ffn_in, rstd_ffn, mlp_in16_out());
+    // h = x + attn_out and the FFN norm of it, in one pass.
+    rmsnorm_forward_of_sum(x_in, as_cmat(attn_out), g_ffn, eps_, h, ffn_in, rstd_ffn,
+                           mlp_in16_out());
     ffn_forward(table, as_cmat(ffn_in), ffn_out, s, count, /*kept=*/true);
     add(as_cmat(h), as_cmat(ffn_out), x_out, x_out16);
   }
@@ -195,9 +196,9 @@ void Block::backward(TensorTable& table, const RopeTables& rope, ConstMat x_bloc
     rmsnorm_backward(as_cmat(buf(ffn_out_, N)), g_ffn, rstd_ffn, dx_out, ConstMat(), d_a, dg_ffn,
                      moe_ ? nullptr : d16);
     ffn_backward(table, as_cmat(buf(h_, N)), as_cmat(d_a), moe_ ? nullptr : d16, d_b, s, aux_scale);
-    add(dx_out, as_cmat(d_b), d_h);
-    rmsnorm_backward(as_cmat(buf(attn_out_, N)), g_attn, rstd_attn, as_cmat(d_h), ConstMat(), d_a,
-                     dg_attn, d16);
+    // d_h = dx_out + d_b, and the attention norm's backward on it, in one pass.
+    rmsnorm_backward_of_sum(as_cmat(buf(attn_out_, N)), g_attn, rstd_attn, dx_out, as_cmat(d_b),
+                            d_h, d_a, dg_attn, d16);
     attn_.backward(table, rope, attn_input(x_in), as_operand(d_a), d_b, s.work);
     add(as_cmat(d_h), as_cmat(d_b), dx_in, engram_ ? nullptr : dx_in16);
   } else {
