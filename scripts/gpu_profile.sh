@@ -52,16 +52,19 @@ if [ "$cuda" = none ] || [ -z "$gpu" ]; then
   why=$([ "$cuda" = none ] && echo "a CPU bundle" || echo "no GPU visible to nvidia-smi")
 fi
 
-# The tracer needs CUPTI (the toolkit's, or the one PyTorch's wheels bring).
+# The tracer needs CUPTI: the toolkit's, or the one NVIDIA's Python wheels bring (found by its
+# file). Only the traced kmoe runs get this library path (PyTorch keeps its own libraries).
 tracer=$bundle/lib/libkmoe_cupti_tracer.so
+cupti_path=""
 for d in /usr/local/cuda/extras/CUPTI/lib64 /usr/local/cuda/lib64 /usr/local/cuda/lib \
-         "$(python3 -c 'import nvidia.cuda_cupti as m, os; print(os.path.dirname(m.__file__) + "/lib")' 2>/dev/null)"; do
-  [ -d "$d" ] && export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$d"
+         $(python3 -c 'import glob, os, site
+print(" ".join(sorted({os.path.dirname(p) for sp in site.getsitepackages() for p in glob.glob(os.path.join(sp, "nvidia", "*", "lib", "libcupti.so*"))})))' 2>/dev/null); do
+  [ -d "$d" ] && cupti_path="${cupti_path:+$cupti_path:}$d"
 done
 if [ ! -f "$tracer" ]; then
   tracer="" why_tracer="the bundle has no lib/libkmoe_cupti_tracer.so (a build without CUPTI)"
-elif ldd "$tracer" | grep -q "not found"; then
-  why_tracer="its libraries do not resolve: $(ldd "$tracer" | grep 'not found' | tr -s ' \t\n' ' ')"
+elif LD_LIBRARY_PATH="$cupti_path${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" ldd "$tracer" | grep -q "not found"; then
+  why_tracer="its libraries do not resolve: $(LD_LIBRARY_PATH="$cupti_path" ldd "$tracer" | grep 'not found' | tr -s ' \t\n' ' ')"
   tracer=""
 fi
 [ -n "$tracer" ] || log "note: kmoe runs untraced: $why_tracer"
@@ -101,18 +104,18 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 q, k, v = (torch.randn(2, 16, 2048, 128, device=dev, dtype=bf, requires_grad=True) for _ in range(3))
 do = torch.randn_like(q)
 flops = 4 * 2 * 16 * 2048 * 2048 * 128 / 2  # causal: half the band
-for b in [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]:
+for b in ["CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION"]:
     try:
-        with sdpa_kernel([b]):
+        with sdpa_kernel([getattr(SDPBackend, b)]):
             f = timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
             def fb():
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
                 o.backward(do)
             fbm = timed(fb, 10)
-        print(f"sdpa {b.name}: forward {f:.3f} ms ({flops / f / 1e9:.0f} TFLOP/s), forward + "
+        print(f"sdpa {b}: forward {f:.3f} ms ({flops / f / 1e9:.0f} TFLOP/s), forward + "
               f"backward {fbm:.3f} ms ({3.5 * flops / fbm / 1e9:.0f} TFLOP/s)")
     except Exception as e:
-        print(f"sdpa {b.name}: not available ({str(e).splitlines()[0][:100]})")
+        print(f"sdpa {b}: not available ({str(e).splitlines()[0][:100]})")
 PY
   rc=$?
   sed 's/^/     /' "$out/targets.txt" | tee -a "$out/summary.txt" > /dev/null
@@ -140,7 +143,8 @@ run_kmoe() {
   [ "$lim" -gt 0 ] || { skip "$name" "not run (deadline)"; return; }
   for kv in "$@"; do keys+=("--$kv"); done
   if [ "$traced" = 1 ] && [ -n "$tracer" ]; then
-    env=(KOKKOS_TOOLS_LIBS="$tracer" KOKKOS_PROFILE_LIBRARY="$tracer" KMOE_CUPTI_OUT="$out/$name")
+    env=(KOKKOS_TOOLS_LIBS="$tracer" KOKKOS_PROFILE_LIBRARY="$tracer" KMOE_CUPTI_OUT="$out/$name"
+         LD_LIBRARY_PATH="$cupti_path${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}")
   fi
   (cd "$work" && env ${env[@]+"${env[@]}"} timeout "$lim" "$kmoe" kmoe-train -i "$deck" \
      --output.dir="run_$name" --checkpoint.dir="run_$name/ckpt" --checkpoint.at_end=false \
@@ -180,7 +184,7 @@ def kind(name):
     n = name.lower()
     if re.search(r"gemm|xmma|cutlass|cublas|sm\d+_|gemv|matmul|aten::(add|b)?mm|grouped", n):
         return "gemm"
-    if re.search(r"attn|fmha|flash|cudnn|sdpa|attention|softmax", n):
+    if re.search(r"attn|fmha|flash|cudnn|sdpa|attention", n):
         return "attention"
     if re.search(r"memcpy|memset|copy", n):
         return "copies"

@@ -10,7 +10,8 @@
 // steps (timestamps from cuptiGetTimestamp, CUPTI's clock). Without the Kokkos half it traces
 // the whole process as one step (a PyTorch peer).
 //
-// At exit (Kokkos' finalize, or the process's exit) it writes, for the steps after the first
+// At exit (Kokkos' finalize, or the process's exit; a run a signal kills writes nothing) it
+// writes ($KMOE_CUPTI_OUT.<rank> on MPI ranks other than 0), for the steps after the first
 // $KMOE_CUPTI_SKIP steps (default 2; all when there are not more):
 //   $KMOE_CUPTI_OUT.kernels.csv  name,calls,total_us  per step (mean over the steps), busiest first
 //   $KMOE_CUPTI_OUT.steps.csv    step,wall_us,busy_us,idle_us,kernel_us,copy_us,kernels,copies
@@ -93,22 +94,24 @@ void CUPTIAPI buffer_completed(CUcontext, std::uint32_t, std::uint8_t* buffer, s
                                std::size_t valid) {
   std::lock_guard<std::mutex> lock(g_mutex);
   CUpti_Activity* record = nullptr;
+  // Records a forced flush left incomplete carry no end time: not counted.
   while (cuptiActivityGetNextRecord(buffer, valid, &record) == CUPTI_SUCCESS) {
     switch (record->kind) {
       case CUPTI_ACTIVITY_KIND_KERNEL:
       case CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL: {
         const auto* k = reinterpret_cast<const CUpti_ActivityKernel10*>(record);
-        g_work.push_back({k->start, k->end, k->correlationId, name_index(k->name), false});
+        if (k->end > k->start)
+          g_work.push_back({k->start, k->end, k->correlationId, name_index(k->name), false});
         break;
       }
       case CUPTI_ACTIVITY_KIND_MEMCPY: {
         const auto* m = reinterpret_cast<const CUpti_ActivityMemcpy6*>(record);
-        g_work.push_back({m->start, m->end, m->correlationId, -1, true});
+        if (m->end > m->start) g_work.push_back({m->start, m->end, m->correlationId, -1, true});
         break;
       }
       case CUPTI_ACTIVITY_KIND_MEMSET: {
         const auto* m = reinterpret_cast<const CUpti_ActivityMemset4*>(record);
-        g_work.push_back({m->start, m->end, m->correlationId, -1, true});
+        if (m->end > m->start) g_work.push_back({m->start, m->end, m->correlationId, -1, true});
         break;
       }
       case CUPTI_ACTIVITY_KIND_EXTERNAL_CORRELATION: {
@@ -123,14 +126,21 @@ void CUPTIAPI buffer_completed(CUcontext, std::uint32_t, std::uint8_t* buffer, s
   std::free(buffer);
 }
 
+void write_tables();
+
 void start() {
   if (g_started) return;
   g_started = true;
+  std::atexit(write_tables);  // also where Kokkos' finalize never comes (an exit from a failed run)
   check(cuptiActivityRegisterCallbacks(buffer_requested, buffer_completed), "register callbacks");
   check(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL), "enable kernels");
   check(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMCPY), "enable copies");
   check(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMSET), "enable sets");
   check(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_EXTERNAL_CORRELATION), "enable correlation");
+  // External correlation records come only with the API records they refer to (runtime
+  // launches; driver ones for libraries that launch through the driver): enabled, not kept.
+  check(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_RUNTIME), "enable runtime API records");
+  check(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_DRIVER), "enable driver API records");
 }
 
 // The length of the union of intervals (sorted by start).
@@ -151,13 +161,17 @@ std::uint64_t union_length(std::vector<std::pair<std::uint64_t, std::uint64_t>>&
   return open ? total + hi - lo : total;
 }
 
-void write() {
+void write_tables() {
   if (!g_started || g_written) return;
   g_written = true;
   check(cuptiActivityFlushAll(CUPTI_ACTIVITY_FLAG_FLUSH_FORCED), "flush");
   std::lock_guard<std::mutex> lock(g_mutex);
   const char* base_env = std::getenv("KMOE_CUPTI_OUT");
-  const std::string base = base_env && *base_env ? base_env : "cupti";
+  std::string base = base_env && *base_env ? base_env : "cupti";
+  const char* rank = nullptr;  // ranks other than 0 of an MPI launch: ".<rank>" appended
+  for (const char* v : {"OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID"})
+    if (!rank) rank = std::getenv(v);
+  if (rank && std::strcmp(rank, "0") != 0) base += std::string(".") + rank;
   const char* skip_env = std::getenv("KMOE_CUPTI_SKIP");
   std::size_t skip = skip_env ? std::strtoul(skip_env, nullptr, 10) : 2;
   std::vector<std::pair<std::uint64_t, std::uint64_t>> steps = g_steps;
@@ -239,7 +253,6 @@ extern "C" {
 // The CUDA driver's entry for CUDA_INJECTION64_PATH.
 int InitializeInjection() {
   start();
-  std::atexit(write);
   return 1;
 }
 
@@ -248,7 +261,7 @@ void kokkosp_init_library(int, std::uint64_t, std::uint32_t, void*) { start(); }
 void kokkosp_request_tool_settings(std::uint32_t, ToolSettings* settings) {
   settings->requires_global_fencing = false;
 }
-void kokkosp_finalize_library() { write(); }
+void kokkosp_finalize_library() { write_tables(); }
 void kokkosp_begin_parallel_for(const char* name, std::uint32_t, std::uint64_t* id) {
   launched(name, id);
 }
