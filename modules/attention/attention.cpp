@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "core/column_sums.hpp"
 #include "core/device_sync.hpp"
 #include "core/error.hpp"
 #include "core/gemm.hpp"
@@ -111,6 +112,32 @@ void merge_heads(const float* heads, KeptOut merged, int N, int T, int Hkv, int 
       });
 }
 
+// QK-norm's RMSNorm backward of row r's q and k columns of d_qkv in place (and rounded into
+// d_qkv16, when given): the gradient w.r.t. the norms' outputs in, w.r.t. their inputs out.
+KOKKOS_INLINE_FUNCTION void qk_norm_row_backward(const TeamMember& team, int r, const ConstMat& qkv,
+                                                 const Mat& d_qkv, int qd, int kd, float rq,
+                                                 float rk, const float* gq, const float* gk,
+                                                 std::uint16_t* d_qkv16) {
+  const int W = qkv.extent(1);
+  for (int part = 0; part < 2; ++part) {
+    const int c0 = part == 0 ? 0 : qd, width = part == 0 ? qd : kd;
+    const float* g = part == 0 ? gq : gk;
+    const float s = part == 0 ? rq : rk;
+    float dot = 0.0f;
+    Kokkos::parallel_reduce(
+        Kokkos::TeamThreadRange(team, width),
+        [&](int c, float& acc) { acc += g[c] * d_qkv(r, c0 + c) * qkv(r, c0 + c) * s; }, dot);
+    const float mean_dot = dot / width;
+    team.team_barrier();
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, width), [&](int c) {
+      const float v = s * (g[c] * d_qkv(r, c0 + c) - qkv(r, c0 + c) * s * mean_dot);
+      d_qkv(r, c0 + c) = v;
+      if (d_qkv16) d_qkv16[std::int64_t(r) * W + c0 + c] = bf16_bits(v);
+    });
+    team.team_barrier();
+  }
+}
+
 }  // namespace
 
 NormRope Attention::norm_rope_of(const TensorTable& table, const RopeTables& rope) const {
@@ -185,8 +212,8 @@ void Attention::backward(TensorTable& table, const RopeTables& rope, const Opera
   std::uint16_t* d_qkv16 =
       ctx_.bf16() ? reinterpret_cast<std::uint16_t*>(frame.floats((std::int64_t(N) * W + 1) / 2))
                   : nullptr;
-  unrope_merge(rope, d_heads, d_k, d_v, d_qkv, d_qkv16);
-  if (qk_norm_) qk_norm_backward(table, d_qkv, d_qkv16);
+  if (qk_norm_) qk_norm_weight_grads(table, rope, d_heads, d_k);
+  unrope_merge(table, rope, d_heads, d_k, d_v, d_qkv, d_qkv16);
   const Operand d_qkv_in{d_qkv16 ? nullptr : d_qkv.data(), d_qkv16, N, W};
   // Fused projection: dW(q|k|v) += d_qkv^T a; da = d_qkv W(q|k|v).
   gemm(ctx_, Trans::T, Trans::N, 1.0f, d_qkv_in, a, 1.0f, as_mat(table.grad(wq_), W, D_));
@@ -207,15 +234,53 @@ void Attention::output_projection_backward(TensorTable& table, const Operand& do
   }
 }
 
-void Attention::unrope_merge(const RopeTables& rope, const float* d_heads, const float* d_k,
-                             const float* d_v, Mat d_qkv, std::uint16_t* d_qkv16) const {
+void Attention::qk_norm_weight_grads(TensorTable& table, const RopeTables& rope,
+                                     const float* d_heads, const float* d_k) const {
   const int N = N_, T = T_, H = H_, Hkv = Hkv_, dh = dh_, half = dh / 2;
-  const int qd = H * dh, kd = Hkv * dh, G = H / Hkv;
+  const int qd = H * dh, kd = Hkv * dh, G = H / Hkv, W = qd + 2 * kd;
+  const ConstMat qkv = as_cmat(qkv_.data(), N, W);
+  const ConstVec rq(rstd_q_.data(), N), rk(rstd_k_.data(), N);
+  auto cs = rope.cos, sn = rope.sin;
+  // dg[c] += sum_r dy[r,c] * x[r,c] * rstd[r] (rmsnorm_weight_grad's sum), dy the gradient
+  // w.r.t. the norm's output: column c's value of the inverse RoPE of its pair.
+  column_sums(
+      "attn::qk_norm_weight_grad_q", N, qd,
+      KOKKOS_LAMBDA(int r, int c) {
+        const int s = r / T, t = r % T, i = c % dh, i0 = i % half;
+        const std::int64_t base = query_index(s, c / dh, t, 0, T, Hkv, G, dh);
+        float g0 = d_heads[base + i0], g1 = d_heads[base + i0 + half];
+        rope_rotate_transpose(g0, g1, cs(t, i0), sn(t, i0));
+        return (i < half ? g0 : g1) * qkv(r, c) * rq(r);
+      },
+      Vec(table.grad(q_norm_), qd));
+  column_sums(
+      "attn::qk_norm_weight_grad_k", N, kd,
+      KOKKOS_LAMBDA(int r, int c) {
+        const int s = r / T, t = r % T, i = c % dh, i0 = i % half;
+        const std::int64_t base = ((std::int64_t(s) * Hkv + c / dh) * T + t) * dh;
+        float g0 = d_k[base + i0], g1 = d_k[base + i0 + half];
+        rope_rotate_transpose(g0, g1, cs(t, i0), sn(t, i0));
+        return (i < half ? g0 : g1) * qkv(r, qd + c) * rk(r);
+      },
+      Vec(table.grad(k_norm_), kd));
+}
+
+void Attention::unrope_merge(const TensorTable& table, const RopeTables& rope, const float* d_heads,
+                             const float* d_k, const float* d_v, Mat d_qkv,
+                             std::uint16_t* d_qkv16) const {
+  const int N = N_, T = T_, H = H_, Hkv = Hkv_, dh = dh_, half = dh / 2;
+  const int qd = H * dh, kd = Hkv * dh, G = H / Hkv, W = qd + 2 * kd;
   // Back to (N, W) rows: inverse RoPE on dq, dk (gradients w.r.t. the normalized q, k), dv.
   const ConstVec dq(d_heads, std::int64_t(N) * qd), dk(d_k, std::int64_t(N) * kd),
       dv(d_v, std::int64_t(N) * kd);
   auto cs = rope.cos, sn = rope.sin;
-  std::uint16_t* const qk16 = qk_norm_ ? nullptr : d_qkv16;  // final here without QK-norm
+  const bool qk_norm = qk_norm_;
+  std::uint16_t* const qk16 = qk_norm ? nullptr : d_qkv16;  // final here without QK-norm
+  // QK-norm's RMSNorm backward of the q and k columns (as kmoe::qk_norm_backward's rows).
+  const ConstMat qkv = as_cmat(qkv_.data(), N, W);
+  const ConstVec rq(rstd_q_.data(), N), rk(rstd_k_.data(), N);
+  const float* gq = qk_norm ? table.param(q_norm_) : nullptr;
+  const float* gk = qk_norm ? table.param(k_norm_) : nullptr;
   Kokkos::parallel_for(
       "attn::unrope_merge", row_policy(N), KOKKOS_LAMBDA(const TeamMember& team) {
         const int r = team.league_rank(), s = r / T, t = r % T;
@@ -240,14 +305,10 @@ void Attention::unrope_merge(const RopeTables& rope, const float* d_heads, const
           d_qkv(r, qd + kd + c) = g;
           if (d_qkv16) d_qkv16[std::int64_t(r) * (qd + 2 * kd) + qd + kd + c] = bf16_bits(g);
         });
+        if (!qk_norm) return;
+        team.team_barrier();  // the row's q and k columns written before the norm reads them
+        qk_norm_row_backward(team, r, qkv, d_qkv, qd, kd, rq(r), rk(r), gq, gk, d_qkv16);
       });
-}
-
-void Attention::qk_norm_backward(TensorTable& table, Mat d_qkv, std::uint16_t* d_qkv16) const {
-  const int N = N_, qd = H_ * dh_, kd = Hkv_ * dh_, W = qd + 2 * kd;
-  kmoe::qk_norm_backward(as_cmat(qkv_.data(), N, W), d_qkv, qd, kd, ConstVec(rstd_q_.data(), N),
-                         ConstVec(rstd_k_.data(), N), table.param(q_norm_), table.param(k_norm_),
-                         Vec(table.grad(q_norm_), qd), Vec(table.grad(k_norm_), kd), d_qkv16);
 }
 
 void qk_norm_backward(ConstMat qkv, Mat d_qkv, int qd, int kd, ConstVec rq, ConstVec rk,
@@ -261,23 +322,7 @@ void qk_norm_backward(ConstMat qkv, Mat d_qkv, int qd, int kd, ConstVec rq, Cons
   Kokkos::parallel_for(
       "attn::qk_norm_backward", row_policy(N), KOKKOS_LAMBDA(const TeamMember& team) {
         const int r = team.league_rank();
-        for (int part = 0; part < 2; ++part) {
-          const int c0 = part == 0 ? 0 : qd, width = part == 0 ? qd : kd;
-          const float* g = part == 0 ? gq : gk;
-          const float s = part == 0 ? rq(r) : rk(r);
-          float dot = 0.0f;
-          Kokkos::parallel_reduce(
-              Kokkos::TeamThreadRange(team, width),
-              [&](int c, float& acc) { acc += g[c] * d_qkv(r, c0 + c) * qkv(r, c0 + c) * s; }, dot);
-          const float mean_dot = dot / width;
-          team.team_barrier();
-          Kokkos::parallel_for(Kokkos::TeamThreadRange(team, width), [&](int c) {
-            const float v = s * (g[c] * d_qkv(r, c0 + c) - qkv(r, c0 + c) * s * mean_dot);
-            d_qkv(r, c0 + c) = v;
-            if (d_qkv16) d_qkv16[std::int64_t(r) * W + c0 + c] = bf16_bits(v);
-          });
-          team.team_barrier();
-        }
+        qk_norm_row_backward(team, r, qkv, d_qkv, qd, kd, rq(r), rk(r), gq, gk, d_qkv16);
       });
 }
 

@@ -95,13 +95,15 @@ class Attention {
   // d_heads16 (bf16 runs): dO also rounded, or nullptr.
   void output_projection_backward(TensorTable& table, const Operand& dout, float* d_heads,
                                   std::uint16_t* d_heads16, Workspace& ws) const;
-  // Back to (N, W) rows: inverse RoPE on dq, dk (gradients w.r.t. the normalized q, k), dv.
-  // d_qkv16 (bf16 runs): the columns final here (v; q and k without QK-norm) also rounded.
-  void unrope_merge(const RopeTables& rope, const float* d_heads, const float* d_k,
-                    const float* d_v, Mat d_qkv, std::uint16_t* d_qkv16) const;
-  // QK-norm: the norm weights' gradients, then the RMSNorm backward of the q and k columns in
-  // place (and rounded into d_qkv16, when given).
-  void qk_norm_backward(TensorTable& table, Mat d_qkv, std::uint16_t* d_qkv16) const;
+  // QK-norm: the norm weights' gradients, from dq and dk through the inverse RoPE (the
+  // gradients w.r.t. the norms' outputs), before unrope_merge overwrites them.
+  void qk_norm_weight_grads(TensorTable& table, const RopeTables& rope, const float* d_heads,
+                            const float* d_k) const;
+  // Back to (N, W) rows in one kernel: inverse RoPE on dq, dk (gradients w.r.t. the normalized
+  // q, k), dv; with QK-norm then the RMSNorm backward of the q and k columns in place. d_qkv16
+  // (bf16 runs): every column also rounded.
+  void unrope_merge(const TensorTable& table, const RopeTables& rope, const float* d_heads,
+                    const float* d_k, const float* d_v, Mat d_qkv, std::uint16_t* d_qkv16) const;
 
  private:
   // QK-norm + RoPE of a projected row (rope.hpp) with this layer's norm weights.
