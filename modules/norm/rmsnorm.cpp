@@ -5,20 +5,34 @@
 
 namespace kmoe {
 
-void rmsnorm_forward(ConstMat x, ConstVec g, float eps, ConstMat residual, Mat y, Vec rstd,
-                     std::uint16_t* y16) {
-  const int rows = x.extent(0), width = x.extent(1);
-  const bool has_residual = residual.extent(0) > 0, has_y = y.extent(0) > 0;
+namespace {
+// y = residual + g * x * rstd per row, where x is a or (with b) the sum a + b, which is also
+// written to x_sum (the row's sum complete before it is read back).
+void forward_rows(ConstMat a, ConstMat b, Mat x_sum, ConstVec g, float eps, ConstMat residual,
+                  Mat y, Vec rstd, std::uint16_t* y16) {
+  const int rows = a.extent(0), width = a.extent(1);
+  const bool has_b = b.extent(0) > 0, has_residual = residual.extent(0) > 0,
+             has_y = y.extent(0) > 0;
   Kokkos::parallel_for(
       "rmsnorm::forward", row_policy(rows), KOKKOS_LAMBDA(const TeamMember& team) {
         const int r = team.league_rank();
         float ss = 0.0f;
         Kokkos::parallel_reduce(
             Kokkos::TeamThreadRange(team, width),
-            [&](int d, float& acc) { acc += x(r, d) * x(r, d); }, ss);
+            [&](int d, float& acc) {
+              float x = a(r, d);
+              if (has_b) {
+                x += b(r, d);
+                x_sum(r, d) = x;
+              }
+              acc += x * x;
+            },
+            ss);
+        if (has_b) team.team_barrier();
         const float s = math::rsqrt(ss / width + eps);
         Kokkos::parallel_for(Kokkos::TeamThreadRange(team, width), [&](int d) {
-          const float v = (has_residual ? residual(r, d) : 0.0f) + g(d) * x(r, d) * s;
+          const float x = has_b ? x_sum(r, d) : a(r, d);
+          const float v = (has_residual ? residual(r, d) : 0.0f) + g(d) * x * s;
           if (has_y) y(r, d) = v;
           if (y16) y16[std::int64_t(r) * width + d] = bf16_bits(v);
         });
@@ -26,30 +40,52 @@ void rmsnorm_forward(ConstMat x, ConstVec g, float eps, ConstMat residual, Mat y
       });
 }
 
-void rmsnorm_forward_of_sum(ConstMat a, ConstMat b, ConstVec g, float eps, Mat x_sum, Mat y,
-                            Vec rstd, std::uint16_t* y16) {
-  const int rows = a.extent(0), width = a.extent(1);
+// dx = dx_base + the RMSNorm backward per row for the output gradient dy, or (with dy_b) the
+// sum dy + dy_b, which is also written to dy_sum; then dg from that gradient.
+void backward_rows(ConstMat x, ConstVec g, ConstVec rstd, ConstMat dy, ConstMat dy_b, Mat dy_sum,
+                   ConstMat dx_base, Mat dx, Vec dg, std::uint16_t* dx16) {
+  const int rows = x.extent(0), width = x.extent(1);
+  const bool has_b = dy_b.extent(0) > 0, has_base = dx_base.extent(0) > 0;
   Kokkos::parallel_for(
-      "rmsnorm::forward_of_sum", row_policy(rows), KOKKOS_LAMBDA(const TeamMember& team) {
+      "rmsnorm::backward", row_policy(rows), KOKKOS_LAMBDA(const TeamMember& team) {
         const int r = team.league_rank();
-        float ss = 0.0f;
+        const float s = rstd(r);
+        float dot = 0.0f;  // sum_d g*dy*xhat
         Kokkos::parallel_reduce(
             Kokkos::TeamThreadRange(team, width),
             [&](int d, float& acc) {
-              const float x = a(r, d) + b(r, d);
-              x_sum(r, d) = x;
-              acc += x * x;
+              float e = dy(r, d);
+              if (has_b) {
+                e += dy_b(r, d);
+                dy_sum(r, d) = e;
+              }
+              acc += g(d) * e * x(r, d) * s;
             },
-            ss);
-        team.team_barrier();  // x_sum's row written before any thread reads it
-        const float s = math::rsqrt(ss / width + eps);
+            dot);
+        if (has_b) team.team_barrier();
+        const float mean_dot = dot / width;
         Kokkos::parallel_for(Kokkos::TeamThreadRange(team, width), [&](int d) {
-          const float v = 0.0f + g(d) * x_sum(r, d) * s;  // rmsnorm_forward's sum, no residual
-          y(r, d) = v;
-          if (y16) y16[std::int64_t(r) * width + d] = bf16_bits(v);
+          const float e = has_b ? dy_sum(r, d) : dy(r, d);
+          const float v = s * (g(d) * e - x(r, d) * s * mean_dot);
+          const float out = (has_base ? dx_base(r, d) : 0.0f) + v;
+          dx(r, d) = out;
+          if (dx16) dx16[std::int64_t(r) * width + d] = bf16_bits(out);
         });
-        Kokkos::single(Kokkos::PerTeam(team), [&]() { rstd(r) = s; });
       });
+  // (dy is not written above, dy_sum complete: the gradient the row kernel used.)
+  const float* e = has_b ? dy_sum.data() : dy.data();
+  rmsnorm_weight_grad(x.data(), width, e, width, rstd, rows, width, dg);
+}
+}  // namespace
+
+void rmsnorm_forward(ConstMat x, ConstVec g, float eps, ConstMat residual, Mat y, Vec rstd,
+                     std::uint16_t* y16) {
+  forward_rows(x, ConstMat(), Mat(), g, eps, residual, y, rstd, y16);
+}
+
+void rmsnorm_forward_of_sum(ConstMat a, ConstMat b, ConstVec g, float eps, Mat x_sum, Mat y,
+                            Vec rstd, std::uint16_t* y16) {
+  forward_rows(a, b, x_sum, g, eps, ConstMat(), y, rstd, y16);
 }
 
 void rmsnorm_weight_grad(const float* x_data, int x_stride, const float* dy_data, int dy_stride,
@@ -65,52 +101,12 @@ void rmsnorm_weight_grad(const float* x_data, int x_stride, const float* dy_data
 
 void rmsnorm_backward(ConstMat x, ConstVec g, ConstVec rstd, ConstMat dy, ConstMat dx_base, Mat dx,
                       Vec dg, std::uint16_t* dx16) {
-  const int rows = x.extent(0), width = x.extent(1);
-  const bool has_base = dx_base.extent(0) > 0;
-  rmsnorm_weight_grad(x.data(), width, dy.data(), width, rstd, rows, width, dg);
-  Kokkos::parallel_for(
-      "rmsnorm::backward", row_policy(rows), KOKKOS_LAMBDA(const TeamMember& team) {
-        const int r = team.league_rank();
-        const float s = rstd(r);
-        float dot = 0.0f;  // sum_d g*dy*xhat
-        Kokkos::parallel_reduce(
-            Kokkos::TeamThreadRange(team, width),
-            [&](int d, float& acc) { acc += g(d) * dy(r, d) * x(r, d) * s; }, dot);
-        const float mean_dot = dot / width;
-        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, width), [&](int d) {
-          const float v = s * (g(d) * dy(r, d) - x(r, d) * s * mean_dot);
-          const float out = (has_base ? dx_base(r, d) : 0.0f) + v;
-          dx(r, d) = out;
-          if (dx16) dx16[std::int64_t(r) * width + d] = bf16_bits(out);
-        });
-      });
+  backward_rows(x, g, rstd, dy, ConstMat(), Mat(), dx_base, dx, dg, dx16);
 }
 
 void rmsnorm_backward_of_sum(ConstMat x, ConstVec g, ConstVec rstd, ConstMat dy_a, ConstMat dy_b,
                              Mat dy_sum, Mat dx, Vec dg, std::uint16_t* dx16) {
-  const int rows = x.extent(0), width = x.extent(1);
-  Kokkos::parallel_for(
-      "rmsnorm::backward_of_sum", row_policy(rows), KOKKOS_LAMBDA(const TeamMember& team) {
-        const int r = team.league_rank();
-        const float s = rstd(r);
-        float dot = 0.0f;  // sum_d g*dy*xhat
-        Kokkos::parallel_reduce(
-            Kokkos::TeamThreadRange(team, width),
-            [&](int d, float& acc) {
-              const float dy = dy_a(r, d) + dy_b(r, d);
-              dy_sum(r, d) = dy;
-              acc += g(d) * dy * x(r, d) * s;
-            },
-            dot);
-        team.team_barrier();  // dy_sum's row written before any thread reads it
-        const float mean_dot = dot / width;
-        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, width), [&](int d) {
-          const float v = s * (g(d) * dy_sum(r, d) - x(r, d) * s * mean_dot);
-          dx(r, d) = v;
-          if (dx16) dx16[std::int64_t(r) * width + d] = bf16_bits(v);
-        });
-      });
-  rmsnorm_weight_grad(x.data(), width, dy_sum.data(), width, rstd, rows, width, dg);
+  backward_rows(x, g, rstd, dy_a, dy_b, dy_sum, ConstMat(), dx, dg, dx16);
 }
 
 }  // namespace kmoe
